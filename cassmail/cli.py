@@ -1,0 +1,335 @@
+"""The `cassmail` command: administration of users, domains, mailboxes, the schema and a local Cassandra.
+
+Every command reads the same settings (`--config FILE` or $CASSMAIL_CONFIG,
+then $CASSMAIL_* variables, then `--set key=value`) and talks to the store
+they name. Errors print one line and exit 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import importlib.util
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TextIO
+
+from cassmail import auth, config
+from cassmail.model import InvalidInput, address_key, normalize_domain
+from cassmail.server import make_store
+from cassmail.store.base import Store, StoreError, UserExists
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = REPO_ROOT / "deploy" / "cassandra" / "launcher.py"
+IMPORT_CONCURRENCY = 64
+
+
+class CommandError(Exception):
+    """A failure to report as one line."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        settings = config.load(args.config, overrides=args.set)
+        return args.run(settings, args) or 0
+    except (config.ConfigError, CommandError, StoreError, InvalidInput, OSError) as exc:
+        print(f"cassmail: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cassmail", description=__doc__.splitlines()[0])
+    p.add_argument("--config", "-c", metavar="FILE", help="settings file (TOML); default $CASSMAIL_CONFIG")
+    p.add_argument(
+        "--set", "-o", metavar="KEY=VALUE", action="append", default=[], help="override a setting, e.g. store.cassandra.keyspace=mail"
+    )
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    schema = sub.add_parser("schema", help="Cassandra keyspace and tables").add_subparsers(metavar="ACTION")
+    schema.add_parser("apply", help="create or update the keyspace and tables").set_defaults(run=cmd_schema_apply)
+
+    user = sub.add_parser("user", help="manage users").add_subparsers(metavar="ACTION")
+    u = user.add_parser("add", help="create a user (password from a prompt or --password-stdin)")
+    u.add_argument("address")
+    u.add_argument("--password-stdin", action="store_true", help="read the password from the first line of stdin")
+    u.set_defaults(run=cmd_user_add)
+    u = user.add_parser("passwd", help="change a user's password")
+    u.add_argument("address")
+    u.add_argument("--password-stdin", action="store_true")
+    u.set_defaults(run=cmd_user_passwd)
+    u = user.add_parser("del", help="delete a user and all their mail")
+    u.add_argument("address")
+    u.set_defaults(run=cmd_user_del)
+    u = user.add_parser("list", help="list users")
+    u.add_argument("--domain")
+    u.set_defaults(run=cmd_user_list)
+    u = user.add_parser("import", help="create many users: one 'address password' per line ('-' = stdin)")
+    u.add_argument("file")
+    u.add_argument("--hashed", action="store_true", help="the second field is already a $scrypt$ hash")
+    u.set_defaults(run=cmd_user_import)
+
+    domain = sub.add_parser("domain", help="manage local domains").add_subparsers(metavar="ACTION")
+    for action, fn, needs in (("add", cmd_domain_add, True), ("del", cmd_domain_del, True), ("list", cmd_domain_list, False)):
+        d = domain.add_parser(action, help=f"{action} local domain{'s' if not needs else ''}")
+        if needs:
+            d.add_argument("domain")
+        d.set_defaults(run=fn)
+
+    mailbox = sub.add_parser("mailbox", help="inspect mailboxes").add_subparsers(metavar="ACTION")
+    m = mailbox.add_parser("list", help="a user's mailboxes with message counts and sizes")
+    m.add_argument("address")
+    m.set_defaults(run=cmd_mailbox_list)
+
+    cass = sub.add_parser("cassandra", help="a local Apache Cassandra for development and tests").add_subparsers(
+        metavar="ACTION"
+    )
+    c = cass.add_parser("up", help="start local Cassandra node(s) and apply the schema")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--heap-mb", type=int, default=1024)
+    c.set_defaults(run=cmd_cassandra_up)
+    cass.add_parser("down", help="stop the nodes `cassandra up` started").set_defaults(run=cmd_cassandra_down)
+    cass.add_parser("status", help="state of the local nodes").set_defaults(run=cmd_cassandra_status)
+    return p
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _with_store(settings: config.Settings, work: Callable[[Store], Awaitable[Any]]) -> Any:
+    async def go() -> Any:
+        store = make_store(settings)
+        await store.open()
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def _read_password(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> str:
+    if args.password_stdin:
+        password = stdin.readline().rstrip("\r\n")
+    else:
+        if not stdin.isatty():
+            raise CommandError("no terminal to prompt for a password: use --password-stdin")
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Again: ") != password:
+            raise CommandError("passwords do not match")
+    if not password:
+        raise CommandError("empty password")
+    return password
+
+
+def _params(settings: config.Settings) -> auth.HashParams:
+    return auth.HashParams.from_settings(settings.auth)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_schema_apply(settings: config.Settings, args: argparse.Namespace) -> int:
+    if settings.store.backend != "cassandra":
+        print(f"store.backend is {settings.store.backend}: no schema to apply")
+        return 0
+    from cassmail.store import cassandra_schema
+
+    done = cassandra_schema.apply(settings.store.cassandra)
+    print("\n".join(done) if done else f"schema of keyspace {settings.store.cassandra.keyspace} is up to date")
+    return 0
+
+
+def cmd_user_add(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.address)
+    hashed = auth.hash_password(_read_password(args), _params(settings))
+    _with_store(settings, lambda s: s.create_user(key, hashed))
+    print(f"created {key}")
+    return 0
+
+
+def cmd_user_passwd(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.address)
+    hashed = auth.hash_password(_read_password(args), _params(settings))
+    _with_store(settings, lambda s: s.set_password_hash(key, hashed))
+    print(f"password of {key} changed")
+    return 0
+
+
+def cmd_user_del(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.address)
+    _with_store(settings, lambda s: s.delete_user(key))
+    print(f"deleted {key}")
+    return 0
+
+
+def cmd_user_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    for user in _with_store(settings, lambda s: s.list_users(args.domain)):
+        print(user)
+    return 0
+
+
+def parse_import(lines: Iterable[str]) -> tuple[list[tuple[int, str, str]], list[str]]:
+    """(line number, user key, secret) per good line, and one message per bad line."""
+    entries, errors = [], []
+    for number, line in enumerate(lines, 1):
+        text = line.rstrip("\r\n")
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        parts = text.strip().split(None, 1)
+        if len(parts) != 2:
+            errors.append(f"line {number}: expected 'address password'")
+            continue
+        try:
+            entries.append((number, address_key(parts[0]), parts[1]))
+        except InvalidInput as exc:
+            errors.append(f"line {number}: {exc}")
+    return entries, errors
+
+
+def cmd_user_import(settings: config.Settings, args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    if args.file == "-":
+        entries, errors = parse_import(sys.stdin)
+    else:
+        with open(args.file, encoding="utf-8") as fh:
+            entries, errors = parse_import(fh)
+    if args.hashed:
+        bad = [f"line {n}: not a $scrypt$ hash" for n, _, secret in entries if not auth.is_hash(secret)]
+        errors += bad
+        entries = [e for e in entries if auth.is_hash(e[2])]
+        hashes = [secret for _, _, secret in entries]
+    else:
+        hashes = auth.hash_many((secret for _, _, secret in entries), _params(settings))
+
+    async def create_all(store: Store) -> tuple[int, list[str]]:
+        limit = asyncio.Semaphore(IMPORT_CONCURRENCY)
+        failures: list[str] = []
+
+        async def one(number: int, key: str, hashed: str) -> bool:
+            async with limit:
+                try:
+                    await store.create_user(key, hashed)
+                    return True
+                except UserExists:
+                    failures.append(f"line {number}: {key} already exists")
+                except (StoreError, InvalidInput) as exc:
+                    failures.append(f"line {number}: {exc}")
+                return False
+
+        results = await asyncio.gather(*(one(n, k, h) for (n, k, _), h in zip(entries, hashes)))
+        return sum(results), failures
+
+    created, failures = _with_store(settings, create_all)
+    errors += failures
+    for line in sorted(errors, key=lambda e: int(e.split(":")[0].split()[1])):
+        print(line, file=sys.stderr)
+    print(f"imported {created} user(s) in {time.monotonic() - started:.1f} s, {len(errors)} error(s)")
+    return 1 if errors else 0
+
+
+def cmd_domain_add(settings: config.Settings, args: argparse.Namespace) -> int:
+    domain = normalize_domain(args.domain)
+    _with_store(settings, lambda s: s.add_domain(domain))
+    print(f"added {domain}")
+    return 0
+
+
+def cmd_domain_del(settings: config.Settings, args: argparse.Namespace) -> int:
+    domain = normalize_domain(args.domain)
+    _with_store(settings, lambda s: s.remove_domain(domain))
+    print(f"removed {domain}")
+    return 0
+
+
+def cmd_domain_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    for domain in _with_store(settings, lambda s: s.list_domains()):
+        print(domain)
+    return 0
+
+
+def cmd_mailbox_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.address)
+
+    async def gather(store: Store) -> list[tuple[str, str, int, int, int]]:
+        rows = []
+        for info in await store.list_mailboxes(key):
+            count = size = 0
+            async for summary in store.list_messages(key, info.name):
+                count += 1
+                size += summary.size
+            rows.append((info.name, info.special_use or "", info.uidvalidity, count, size))
+        return rows
+
+    rows = _with_store(settings, gather)
+    width = max(len("MAILBOX"), *(len(r[0]) for r in rows))
+    print(f"{'MAILBOX':<{width}}  {'SPECIAL-USE':<11}  {'UIDVALIDITY':>11}  {'MESSAGES':>8}  {'BYTES':>12}")
+    for name, special, uidvalidity, count, size in rows:
+        print(f"{name:<{width}}  {special:<11}  {uidvalidity:>11}  {count:>8}  {size:>12}")
+    return 0
+
+
+# --------------------------------------------------------------------------- local Cassandra
+
+
+def load_launcher() -> ModuleType:
+    """deploy/cassandra/launcher.py from the source tree (it is not part of the installed package)."""
+    if not LAUNCHER.exists():
+        raise CommandError(f"{LAUNCHER} not found: the local Cassandra commands need a cassmail source checkout")
+    spec = importlib.util.spec_from_file_location("cassmail_launcher", LAUNCHER)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _local_cluster(settings: config.Settings, nodes: int = 1, heap_mb: int = 1024) -> Any:
+    launcher = load_launcher()
+    return launcher, launcher.LocalCluster(
+        REPO_ROOT / "var" / "cassandra", nodes, native_port=settings.store.cassandra.port, heap_mb=heap_mb
+    )
+
+
+def cmd_cassandra_up(settings: config.Settings, args: argparse.Namespace) -> int:
+    launcher, cluster = _local_cluster(settings, args.nodes, args.heap_mb)
+    started = time.monotonic()
+    try:
+        cluster.up()
+    except launcher.LauncherError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"Cassandra up on {', '.join(cluster.contact_points())} port {settings.store.cassandra.port} "
+          f"in {time.monotonic() - started:.0f} s")
+    return cmd_schema_apply(settings, args)
+
+
+def cmd_cassandra_down(settings: config.Settings, args: argparse.Namespace) -> int:
+    launcher, cluster = _local_cluster(settings)
+    try:
+        cluster.down()
+    except launcher.LauncherError as exc:
+        raise CommandError(str(exc)) from None
+    print("Cassandra stopped")
+    return 0
+
+
+def cmd_cassandra_status(settings: config.Settings, args: argparse.Namespace) -> int:
+    _, cluster = _local_cluster(settings)
+    print(f"{'NODE':>4}  {'ADDRESS':<15}  {'PID':>7}  {'RUNNING':<7}  CQL")
+    for node in cluster.status():
+        print(f"{node['index']:>4}  {node['address']:<15}  {node['pid'] or '-':>7}  {str(node['running']):<7}  {node['cql']}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

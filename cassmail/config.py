@@ -1,0 +1,350 @@
+"""One typed settings object: TOML file, then environment, then command-line flags.
+
+Setting names are a public interface (operators' files and scripts use them).
+Every value is checked at start-up; a bad one stops start-up with one line
+naming the key and what is wrong (`ConfigError`).
+
+Environment overrides are `CASSMAIL_<SECTION>_<KEY>` with dots as underscores,
+e.g. `CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2`; flags are
+`--set store.cassandra.keyspace=mail` (TOML syntax for the value, or a bare word).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONSISTENCY_LEVELS = (
+    "ANY", "ONE", "TWO", "THREE", "QUORUM", "ALL", "LOCAL_QUORUM", "EACH_QUORUM", "LOCAL_ONE",
+)
+SERIAL_LEVELS = ("SERIAL", "LOCAL_SERIAL")
+ENV_PREFIX = "CASSMAIL_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or invalid; str() is the one line to show."""
+
+
+def _check(cond: bool, key: str, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {why}")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class NodeSettings:
+    #: Name of this node in Received: headers and logs.
+    name: str = field(default_factory=socket.getfqdn)
+
+
+@dataclass
+class CassandraSettings:
+    contact_points: list[str] = field(default_factory=lambda: ["127.0.0.1"])
+    port: int = 9042
+    keyspace: str = "cassmail"
+    #: "SimpleStrategy" (one data centre) or "NetworkTopologyStrategy" (per-DC factors in `datacenters`).
+    replication_strategy: str = "SimpleStrategy"
+    replication_factor: int = 1
+    #: NetworkTopologyStrategy only: {"dc1" = 3, "dc2" = 2}.
+    datacenters: dict[str, int] = field(default_factory=dict)
+    #: Data centre this node prefers for its requests ("" = the driver's default policy).
+    local_dc: str = ""
+    read_consistency: str = "LOCAL_QUORUM"
+    write_consistency: str = "LOCAL_QUORUM"
+    serial_consistency: str = "LOCAL_SERIAL"
+    #: Seconds before a request to Cassandra is abandoned (a StoreUnavailable, SMTP 451).
+    request_timeout: float = 10.0
+    connect_timeout: float = 10.0
+    username: str = ""
+    password: str = ""
+    #: Bodies are cut into chunks of this many bytes, each its own partition (well under
+    #: Cassandra's cell and frame limits).
+    chunk_size: int = 256 * 1024
+    #: Chunk reads/writes kept in flight per message.
+    chunk_concurrency: int = 8
+    #: Seconds a deleted range must age before listings skip it by the low-water mark; must
+    #: exceed clock skew between nodes plus the longest replication delay (hint window).
+    tombstone_grace: float = 3 * 3600.0
+
+    def validate(self, prefix: str) -> None:
+        _check(bool(self.contact_points), f"{prefix}.contact_points", "needs at least one host")
+        _check(0 < self.port < 65536, f"{prefix}.port", f"must be a TCP port, got {self.port}")
+        _check(
+            self.keyspace.replace("_", "a").isalnum() and self.keyspace[:1].isalpha() and len(self.keyspace) <= 48,
+            f"{prefix}.keyspace",
+            f"must be letters, digits and _ (starting with a letter, at most 48), got {self.keyspace!r}",
+        )
+        _check(
+            self.replication_strategy in ("SimpleStrategy", "NetworkTopologyStrategy"),
+            f"{prefix}.replication_strategy",
+            f"must be SimpleStrategy or NetworkTopologyStrategy, got {self.replication_strategy!r}",
+        )
+        _check(self.replication_factor >= 1, f"{prefix}.replication_factor", "must be >= 1")
+        if self.replication_strategy == "NetworkTopologyStrategy":
+            _check(bool(self.datacenters), f"{prefix}.datacenters", "NetworkTopologyStrategy needs per-DC factors")
+            for dc, rf in self.datacenters.items():
+                _check(rf >= 1, f"{prefix}.datacenters.{dc}", "must be >= 1")
+        for key in ("read_consistency", "write_consistency"):
+            _check(
+                getattr(self, key).upper() in CONSISTENCY_LEVELS,
+                f"{prefix}.{key}",
+                f"must be one of {', '.join(CONSISTENCY_LEVELS)}, got {getattr(self, key)!r}",
+            )
+        _check(self.read_consistency.upper() != "ANY", f"{prefix}.read_consistency", "ANY is for writes only")
+        _check(
+            self.serial_consistency.upper() in SERIAL_LEVELS,
+            f"{prefix}.serial_consistency",
+            f"must be SERIAL or LOCAL_SERIAL, got {self.serial_consistency!r}",
+        )
+        _check(self.request_timeout > 0, f"{prefix}.request_timeout", "must be > 0 seconds")
+        _check(self.connect_timeout > 0, f"{prefix}.connect_timeout", "must be > 0 seconds")
+        _check(
+            4096 <= self.chunk_size <= 1024 * 1024,
+            f"{prefix}.chunk_size",
+            f"must be between 4096 and 1048576 bytes, got {self.chunk_size}",
+        )
+        _check(self.chunk_concurrency >= 1, f"{prefix}.chunk_concurrency", "must be >= 1")
+        _check(self.tombstone_grace >= 0, f"{prefix}.tombstone_grace", "must be >= 0 seconds")
+
+
+@dataclass
+class MboxSettings:
+    path: str = "./var/mail"
+
+
+@dataclass
+class WheelFSSettings:
+    root: str = "./var/wheelfs"
+    cues: bool = True
+
+
+@dataclass
+class StoreSettings:
+    backend: str = "cassandra"
+    #: Largest message accepted, in bytes (SMTP SIZE, IMAP APPEND limit).
+    max_message_size: int = 64 * 1024 * 1024
+    cassandra: CassandraSettings = field(default_factory=CassandraSettings)
+    mbox: MboxSettings = field(default_factory=MboxSettings)
+    wheelfs: WheelFSSettings = field(default_factory=WheelFSSettings)
+
+    def validate(self, prefix: str) -> None:
+        _check(
+            self.backend in ("cassandra", "mbox", "wheelfs"),
+            f"{prefix}.backend",
+            f"must be cassandra, mbox or wheelfs, got {self.backend!r}",
+        )
+        _check(self.max_message_size >= 1024, f"{prefix}.max_message_size", "must be at least 1024 bytes")
+
+
+@dataclass
+class AuthSettings:
+    #: scrypt cost for new password hashes (existing hashes keep the cost they were made with).
+    scrypt_n: int = 2**14
+    scrypt_r: int = 8
+    scrypt_p: int = 1
+
+    def validate(self, prefix: str) -> None:
+        n = self.scrypt_n
+        _check(n >= 2**10 and n & (n - 1) == 0, f"{prefix}.scrypt_n", f"must be a power of two >= 1024, got {n}")
+        _check(self.scrypt_r >= 1, f"{prefix}.scrypt_r", "must be >= 1")
+        _check(self.scrypt_p >= 1, f"{prefix}.scrypt_p", "must be >= 1")
+
+
+@dataclass
+class ListenerSettings:
+    enabled: bool = True
+    listen: str = "127.0.0.1:0"
+
+    def validate(self, prefix: str) -> None:
+        host_port(self.listen, f"{prefix}.listen")
+
+
+def _listener(port: int, enabled: bool = True) -> Any:
+    return field(default_factory=lambda: ListenerSettings(enabled=enabled, listen=f"127.0.0.1:{port}"))
+
+
+@dataclass
+class Settings:
+    node: NodeSettings = field(default_factory=NodeSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    smtp: ListenerSettings = _listener(2525)
+    submission: ListenerSettings = _listener(2587)
+    lmtp: ListenerSettings = _listener(2424, enabled=False)
+    pop3: ListenerSettings = _listener(1110)
+    imap: ListenerSettings = _listener(1143)
+
+
+def host_port(text: str, key: str = "listen") -> tuple[str, int]:
+    """Split "host:port" (IPv6 as "[::1]:port"), or ConfigError naming the key."""
+    host, sep, port = text.rpartition(":")
+    _check(bool(sep) and port.isdigit(), key, f'must be "host:port", got {text!r}')
+    _check(0 <= int(port) < 65536, key, f"port out of range in {text!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    _check(bool(host), key, f"missing host in {text!r}")
+    return host, int(port)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Settings:
+    """Settings from the TOML file (`path`, else $CASSMAIL_CONFIG, else defaults), then
+    environment overrides, then `overrides` ("dotted.key=value"), validated."""
+    env = os.environ if env is None else env
+    path = path or env.get("CASSMAIL_CONFIG") or None
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    settings = _build(Settings, data, "")
+    for key, value in _env_overrides(env):
+        _assign(settings, key, value, from_text=True)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        _check(bool(sep) and bool(key.strip()), item, 'a flag override must be "section.key=value"')
+        _assign(settings, key.strip(), value.strip(), from_text=True)
+    validate(settings)
+    return settings
+
+
+def validate(obj: Any, prefix: str = "") -> None:
+    """Run every section's own checks, depth first; ConfigError names the first bad key."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            key = f"{prefix}{f.name}"
+            validate(value, key + ".")
+            if hasattr(value, "validate"):
+                value.validate(key)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            where = f"{prefix}{key}"
+            raise ConfigError(f"{where}: unknown setting (known here: {', '.join(sorted(known))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        key = f"{prefix}{f.name}"
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            _check(isinstance(data[f.name], dict), key, "must be a table")
+            kwargs[f.name] = _build(hint, data[f.name], key + ".")
+        else:
+            kwargs[f.name] = _coerce(data[f.name], hint, key, from_text=False)
+    return cls(**kwargs)
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Map CASSMAIL_SECTION_KEY variables onto dotted keys by walking the settings tree."""
+    paths = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            dotted = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], dotted + ".")
+            else:
+                paths[ENV_PREFIX + dotted.replace(".", "_").upper()] = dotted
+
+    walk(Settings, "")
+    return [(paths[name], value) for name, value in sorted(env.items()) if name in paths]
+
+
+def _assign(settings: Settings, dotted: str, value: str, from_text: bool) -> None:
+    obj: Any = settings
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        names = {f.name for f in dataclasses.fields(obj)}
+        if part not in names:
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown setting (known here: {', '.join(sorted(names))})")
+        if i == len(parts) - 1:
+            hint = typing.get_type_hints(type(obj))[part]
+            _check(not dataclasses.is_dataclass(hint), dotted, "is a section, set one of its keys")
+            setattr(obj, part, _coerce(value, hint, dotted, from_text=from_text))
+        else:
+            obj = getattr(obj, part)
+            _check(dataclasses.is_dataclass(obj), dotted, f"{part} is not a section")
+
+
+def _coerce(value: Any, hint: Any, key: str, from_text: bool) -> Any:
+    """Convert a TOML value (or, from the environment/flags, a string) to the field's type."""
+    origin = typing.get_origin(hint)
+    if from_text and isinstance(value, str) and hint is not str:
+        text = value.strip()
+        if origin is list:
+            value = [v.strip() for v in text.strip("[]").split(",") if v.strip().strip("\"'")]
+            value = [v.strip("\"'") for v in value]
+        elif origin is dict:
+            pairs = [p for p in text.strip("{}").split(",") if p.strip()]
+            value = {}
+            for pair in pairs:
+                k, sep, v = pair.replace(":", "=").partition("=")
+                _check(bool(sep), key, f'must be "name=value, ..." got {text!r}')
+                value[k.strip().strip("\"'")] = v.strip()
+        else:
+            value = text
+    if hint is bool:
+        if isinstance(value, str):
+            lowered = value.lower()
+            _check(lowered in ("true", "false", "1", "0", "yes", "no", "on", "off"), key, f"must be true or false, got {value!r}")
+            return lowered in ("true", "1", "yes", "on")
+        _check(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""), 0)
+            except ValueError:
+                raise ConfigError(f"{key}: must be an integer, got {value!r}") from None
+        _check(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: must be a number, got {value!r}") from None
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        _check(isinstance(value, str), key, f"must be a string, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        _check(isinstance(value, list), key, f"must be a list, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]", from_text) for i, v in enumerate(value)]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        _check(isinstance(value, dict), key, f"must be a table, got {value!r}")
+        return {str(k): _coerce(v, item, f"{key}.{k}", from_text) for k, v in value.items()}
+    raise ConfigError(f"{key}: unsupported setting type {hint!r}")  # pragma: no cover - programming error
+
+
+def example_path() -> Path:
+    """The commented example config shipped in the repository."""
+    return Path(__file__).resolve().parent.parent / "cassmail.example.toml"

@@ -1,0 +1,321 @@
+"""The Store contract: everything a protocol front end may ask of a mail store.
+
+Every backend (Cassandra, mbox, WheelFS) implements this one interface and
+passes one shared test suite (tests/contract). Nothing here knows a protocol;
+nothing in a protocol knows a backend.
+
+Users are named by address and stored under `model.address_key`; mailboxes
+by their canonical name (`model.mailbox_name`). Methods raise the precise
+exceptions below; any failure of the underlying storage (down, timeout) is a
+`StoreUnavailable`, which protocols turn into a temporary error (SMTP 4xx,
+POP3/IMAP -ERR/NO) so that nothing acknowledged is ever lost.
+"""
+
+from __future__ import annotations
+
+import abc
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from cassmail.model import (
+    InvalidInput,
+    MailboxInfo,
+    MessageSummary,
+    Page,
+    address_key,
+    flag_set,
+    mailbox_name,
+    normalize_domain,
+)
+
+# --------------------------------------------------------------------------- errors
+
+
+class StoreError(Exception):
+    """Base of every error a store raises on purpose."""
+
+
+class NoSuchUser(StoreError):
+    def __init__(self, user: str) -> None:
+        super().__init__(f"no such user: {user}")
+        self.user = user
+
+
+class UserExists(StoreError):
+    def __init__(self, user: str) -> None:
+        super().__init__(f"user already exists: {user}")
+        self.user = user
+
+
+class NoSuchDomain(StoreError):
+    def __init__(self, domain: str) -> None:
+        super().__init__(f"not a local domain: {domain}")
+        self.domain = domain
+
+
+class DomainInUse(StoreError):
+    def __init__(self, domain: str, users: int) -> None:
+        super().__init__(f"domain {domain} still has {users} user(s); delete them first")
+        self.domain, self.users = domain, users
+
+
+class NoSuchMailbox(StoreError):
+    def __init__(self, user: str, mailbox: str) -> None:
+        super().__init__(f"no such mailbox: {mailbox!r} of {user}")
+        self.user, self.mailbox = user, mailbox
+
+
+class MailboxExists(StoreError):
+    def __init__(self, user: str, mailbox: str) -> None:
+        super().__init__(f"mailbox already exists: {mailbox!r} of {user}")
+        self.user, self.mailbox = user, mailbox
+
+
+class MailboxNotAllowed(StoreError):
+    """An operation the mailbox's role forbids, e.g. deleting or renaming away INBOX's identity."""
+
+
+class NoSuchMessage(StoreError):
+    def __init__(self, mailbox: str, message_id: uuid.UUID) -> None:
+        super().__init__(f"no such message {message_id} in {mailbox!r}")
+        self.mailbox, self.message_id = mailbox, message_id
+
+
+class MessageTooLarge(StoreError):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size, self.limit = size, limit
+
+
+class StoreUnavailable(StoreError):
+    """The storage could not do it now (down, timed out, too few replicas); retrying later may work.
+
+    When raised by `deliver`, no listing will ever show a partly written message.
+    """
+
+
+# --------------------------------------------------------------------------- contract types
+
+FlagMode = Literal["set", "add", "remove"]
+Body = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one copy of a delivered message goes, with the flags it starts with."""
+
+    user: str
+    mailbox: str = "INBOX"
+    flags: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRef:
+    """A message as a protocol names it: user, mailbox and id."""
+
+    user: str
+    mailbox: str
+    id: uuid.UUID
+
+
+class Store(abc.ABC):
+    """The one interface all backends implement. All I/O methods are coroutines.
+
+    A store object is opened once per process and shared by every session;
+    implementations must be safe for concurrent use on one event loop.
+    """
+
+    #: Largest message a store accepts (bytes); 0 means no limit. Set from settings.
+    max_message_size: int = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect and prepare; called once before any other method."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the object is unusable afterwards."""
+
+    async def __aenter__(self) -> Store:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------------- domains
+    @abc.abstractmethod
+    async def add_domain(self, domain: str) -> None:
+        """Make a domain local (idempotent)."""
+
+    @abc.abstractmethod
+    async def remove_domain(self, domain: str) -> None:
+        """Stop accepting mail for a domain. Raises NoSuchDomain, DomainInUse while it has users."""
+
+    @abc.abstractmethod
+    async def list_domains(self) -> list[str]:
+        """Local domains, sorted."""
+
+    async def is_local_domain(self, domain: str) -> bool:
+        return normalize_domain(domain) in await self.list_domains()
+
+    # ----------------------------------------------------------------- users
+    @abc.abstractmethod
+    async def create_user(self, user: str, password_hash: str) -> None:
+        """Create a user with the default mailboxes (model.DEFAULT_MAILBOXES).
+
+        Raises UserExists, NoSuchDomain when the domain is not local, InvalidAddress.
+        """
+
+    @abc.abstractmethod
+    async def delete_user(self, user: str) -> None:
+        """Remove a user, their mailboxes and their mail. Raises NoSuchUser."""
+
+    @abc.abstractmethod
+    async def get_password_hash(self, user: str) -> str:
+        """The stored hash (see cassmail.auth). Raises NoSuchUser."""
+
+    @abc.abstractmethod
+    async def set_password_hash(self, user: str, password_hash: str) -> None:
+        """Replace a user's password hash. Raises NoSuchUser."""
+
+    @abc.abstractmethod
+    async def list_users(self, domain: str | None = None) -> list[str]:
+        """User keys, sorted, optionally of one domain."""
+
+    async def user_exists(self, user: str) -> bool:
+        try:
+            await self.get_password_hash(user)
+        except NoSuchUser:
+            return False
+        return True
+
+    # ----------------------------------------------------------------- mailboxes
+    @abc.abstractmethod
+    async def list_mailboxes(self, user: str) -> list[MailboxInfo]:
+        """The user's mailboxes sorted by name. Raises NoSuchUser."""
+
+    @abc.abstractmethod
+    async def create_mailbox(self, user: str, name: str, special_use: str | None = None) -> MailboxInfo:
+        """Create an empty mailbox with a fresh UIDVALIDITY. Raises MailboxExists, NoSuchUser."""
+
+    @abc.abstractmethod
+    async def rename_mailbox(self, user: str, old: str, new: str) -> None:
+        """Rename keeping the messages and their UIDs (RFC 3501: renaming INBOX moves its mail
+        to the new name and leaves INBOX empty). Raises NoSuchMailbox, MailboxExists."""
+
+    @abc.abstractmethod
+    async def delete_mailbox(self, user: str, name: str) -> None:
+        """Delete a mailbox and its messages. INBOX cannot be deleted (MailboxNotAllowed)."""
+
+    @abc.abstractmethod
+    async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
+        """Raises NoSuchMailbox."""
+
+    # ----------------------------------------------------------------- messages
+    @abc.abstractmethod
+    async def deliver(
+        self,
+        body: Body,
+        targets: Sequence[Target],
+        internal_date: datetime | None = None,
+    ) -> list[uuid.UUID]:
+        """Store one message in every target mailbox in one call; return each copy's id.
+
+        Returns only when every copy is stored at the configured durability
+        (for Cassandra: the write consistency level). Raises MessageTooLarge,
+        NoSuchUser / NoSuchMailbox (before anything is written), StoreUnavailable
+        (nothing is visible to a listing).
+        """
+
+    @abc.abstractmethod
+    async def list_page(
+        self, user: str, mailbox: str, after: uuid.UUID | None = None, limit: int = 500
+    ) -> Page:
+        """Summaries in arrival order, starting after the cursor; never reads bodies."""
+
+    async def list_messages(self, user: str, mailbox: str, page_size: int = 500) -> AsyncIterator[MessageSummary]:
+        """Every summary of a mailbox, fetched `page_size` at a time."""
+        cursor: uuid.UUID | None = None
+        while True:
+            page = await self.list_page(user, mailbox, after=cursor, limit=page_size)
+            for item in page.items:
+                yield item
+            if page.cursor is None:
+                return
+            cursor = page.cursor
+
+    async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
+        """Summaries of the given ids that exist (others are left out)."""
+        wanted = set(ids)
+        return {s.id: s async for s in self.list_messages(user, mailbox) if s.id in wanted}
+
+    @abc.abstractmethod
+    def read_chunks(
+        self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[bytes]:
+        """Stream bytes [start, end) of a body in the backend's chunk size. Raises NoSuchMessage."""
+
+    async def read_message(self, user: str, mailbox: str, message_id: uuid.UUID) -> bytes:
+        """The whole body; prefer read_chunks for anything that may be large."""
+        return b"".join([chunk async for chunk in self.read_chunks(user, mailbox, message_id)])
+
+    @abc.abstractmethod
+    async def store_flags(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
+    ) -> None:
+        """Set, add or remove flags on messages; concurrent adds/removes of different flags both hold."""
+
+    @abc.abstractmethod
+    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+        """Delete messages in one call; ids already gone are ignored."""
+
+    async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
+        """Copy messages to another mailbox of the same user keeping flags and internal date;
+        returns the new ids in the order of `ids`. Backends may do better than read+deliver."""
+        summaries = await self.get_summaries(user, source, ids)
+        new_ids = []
+        for message_id in ids:
+            summary = summaries.get(message_id)
+            if summary is None:
+                raise NoSuchMessage(source, message_id)
+            body = await self.read_message(user, source, message_id)
+            [new_id] = await self.deliver(body, [Target(user, dest, summary.flags)], summary.internal_date)
+            new_ids.append(new_id)
+        return new_ids
+
+    # ----------------------------------------------------------------- IMAP UIDs
+    @abc.abstractmethod
+    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+        """Give every id that has no UID yet one above every UID ever handed out in this
+        mailbox, in the order of `ids`; return the UID of every id (old or new) that still
+        exists. Safe against concurrent callers on any node: no UID is given twice."""
+
+    @abc.abstractmethod
+    async def uid_next(self, user: str, mailbox: str) -> int:
+        """The UID the next assignment would hand out (IMAP UIDNEXT)."""
+
+
+# --------------------------------------------------------------------------- helpers for backends
+
+
+def check_targets(targets: Sequence[Target]) -> list[Target]:
+    """Canonical targets, or InvalidInput; backends call this before writing anything."""
+    if not targets:
+        raise InvalidInput("deliver needs at least one target")
+    return [Target(address_key(t.user), mailbox_name(t.mailbox), flag_set(t.flags)) for t in targets]
+
+
+def check_flag_mode(mode: str) -> FlagMode:
+    if mode not in ("set", "add", "remove"):
+        raise InvalidInput(f"flag mode must be set, add or remove, not {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def body_view(body: Body) -> memoryview:
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise InvalidInput(f"message body must be bytes, got {type(body).__name__}")
+    return memoryview(body).cast("B")
+

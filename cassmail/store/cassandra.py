@@ -1,0 +1,790 @@
+"""The Cassandra backend of the Store contract.
+
+Data model (schema/001_initial.cql): a user is a partition listing its
+mailboxes; a mailbox is a partition of small message rows clustered by
+timeuuid; bodies are cut into chunks, each chunk its own partition.
+
+Delivery is plain idempotent writes at the write consistency level, in an
+order that never shows a half-written message: chunks first, then (for a
+body shared by several copies) its reference row, then the message rows in
+one logged batch. Only UID allocation, mailbox creation and user creation
+use lightweight transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from cassandra import ConsistencyLevel, DriverException
+from cassandra.auth import PlainTextAuthProvider
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, ResponseFuture, Session
+from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
+from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
+
+from cassmail.config import CassandraSettings
+from cassmail.model import (
+    DEFAULT_MAILBOXES,
+    HIERARCHY_DELIMITER,
+    INBOX,
+    InvalidInput,
+    MailboxInfo,
+    MessageSummary,
+    Page,
+    address_key,
+    flag_set,
+    mailbox_name,
+    new_message_id,
+    normalize_domain,
+)
+from cassmail.store.base import (
+    Body,
+    DomainInUse,
+    FlagMode,
+    MailboxExists,
+    MailboxNotAllowed,
+    MessageTooLarge,
+    NoSuchDomain,
+    NoSuchMailbox,
+    NoSuchMessage,
+    NoSuchUser,
+    Store,
+    StoreUnavailable,
+    Target,
+    UserExists,
+    body_view,
+    check_flag_mode,
+    check_targets,
+)
+
+log = logging.getLogger(__name__)
+
+#: Rows per conditional batch when assigning UIDs (keeps batches far below batch_size_fail_threshold).
+UID_BATCH = 256
+#: Ids per `IN (...)` read or delete.
+IN_BATCH = 100
+#: Attempts at one conditional write before giving up with StoreUnavailable.
+LWT_ATTEMPTS = 32
+_EPOCH_OFFSET_100NS = 0x01B21DD213814000
+
+
+def _floor_uuid(timestamp_100ns: int) -> uuid.UUID:
+    """The smallest timeuuid of a 100 ns tick: a bound for `id > bound` range reads."""
+    t = max(timestamp_100ns, 0)
+    return uuid.UUID(fields=(t & 0xFFFFFFFF, (t >> 32) & 0xFFFF, ((t >> 48) & 0x0FFF) | 0x1000, 0x80, 0x00, 0))
+
+
+def _now_100ns() -> int:
+    return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
+
+
+class CassandraStore(Store):
+    def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
+        self.settings = settings
+        self.max_message_size = max_message_size
+        self._cluster: Cluster | None = None
+        self._session: Session | None = None
+        self._ps: dict[str, PreparedStatement] = {}
+        cl = ConsistencyLevel.name_to_value
+        self._read_cl = cl[settings.read_consistency.upper()]
+        self._write_cl = cl[settings.write_consistency.upper()]
+        self._serial_cl = cl[settings.serial_consistency.upper()]
+
+    # ================================================================= connection
+
+    def _make_cluster(self) -> Cluster:
+        s = self.settings
+        lb = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=s.local_dc or None))
+        profile = ExecutionProfile(
+            load_balancing_policy=lb,
+            request_timeout=s.request_timeout,
+            consistency_level=self._read_cl,
+            serial_consistency_level=self._serial_cl,
+        )
+        auth = PlainTextAuthProvider(s.username, s.password) if s.username else None
+        return Cluster(
+            contact_points=s.contact_points,
+            port=s.port,
+            execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+            auth_provider=auth,
+            connect_timeout=s.connect_timeout,
+            control_connection_timeout=s.connect_timeout,
+            protocol_version=5,
+        )
+
+    async def open(self) -> None:
+        if self._session is not None:
+            return
+        self._cluster = self._make_cluster()
+        try:
+            self._session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
+        except DriverException as exc:
+            self._cluster.shutdown()
+            self._cluster = None
+            raise StoreUnavailable(f"cannot reach Cassandra at {self._where()}: {_brief(exc)}") from exc
+        except Exception as exc:  # the driver raises bare Exception subclasses on connect
+            self._cluster.shutdown()
+            self._cluster = None
+            raise StoreUnavailable(f"cannot reach Cassandra at {self._where()}: {_brief(exc)}") from exc
+        await self._prepare_all()
+
+    def _where(self) -> str:
+        return f"{','.join(self.settings.contact_points)}:{self.settings.port} keyspace {self.settings.keyspace}"
+
+    async def close(self) -> None:
+        if self._cluster is not None:
+            cluster, self._cluster, self._session = self._cluster, None, None
+            await asyncio.to_thread(cluster.shutdown)
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise StoreUnavailable("store is not open")
+        return self._session
+
+    _STATEMENTS: dict[str, tuple[str, str]] = {
+        # name: (cql, "r" read / "w" write / "s" serial read / "l" conditional write)
+        "domain_add": ("INSERT INTO domains (bucket, domain) VALUES (0, ?)", "w"),
+        "domain_del": ("DELETE FROM domains WHERE bucket = 0 AND domain = ?", "w"),
+        "domain_get": ("SELECT domain FROM domains WHERE bucket = 0 AND domain = ?", "r"),
+        "domain_list": ("SELECT domain FROM domains WHERE bucket = 0", "r"),
+        "user_create": (
+            "INSERT INTO users (user, password_hash, created, next_uidvalidity) VALUES (?, ?, ?, ?) IF NOT EXISTS",
+            "l",
+        ),
+        "user_static": ("SELECT password_hash, next_uidvalidity FROM users WHERE user = ? LIMIT 1", "r"),
+        "user_static_serial": ("SELECT password_hash, next_uidvalidity FROM users WHERE user = ? LIMIT 1", "s"),
+        "user_passwd": ("UPDATE users SET password_hash = ? WHERE user = ? IF password_hash != null", "l"),
+        "user_del": ("DELETE FROM users WHERE user = ?", "w"),
+        "by_domain_add": ("INSERT INTO users_by_domain (domain, user) VALUES (?, ?)", "w"),
+        "by_domain_del": ("DELETE FROM users_by_domain WHERE domain = ? AND user = ?", "w"),
+        "by_domain_list": ("SELECT user FROM users_by_domain WHERE domain = ?", "r"),
+        "by_domain_count": ("SELECT user FROM users_by_domain WHERE domain = ? LIMIT 1", "r"),
+        "by_domain_domains": ("SELECT DISTINCT domain FROM users_by_domain", "r"),
+        "mbox_list": (
+            "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed FROM users WHERE user = ?",
+            "r",
+        ),
+        "mbox_get": (
+            "SELECT mailbox_id, uidvalidity, special_use, subscribed FROM users WHERE user = ? AND mailbox = ?",
+            "r",
+        ),
+        "mbox_get_serial": (
+            "SELECT mailbox_id, uidvalidity, special_use, subscribed FROM users WHERE user = ? AND mailbox = ?",
+            "s",
+        ),
+        "mbox_insert": (
+            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed) "
+            "VALUES (?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+            "l",
+        ),
+        "mbox_insert_plain": (
+            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            "l",
+        ),
+        "mbox_bump_uidvalidity": (
+            "UPDATE users SET next_uidvalidity = ? WHERE user = ? IF next_uidvalidity = ?",
+            "l",
+        ),
+        "mbox_delete_if": ("DELETE FROM users WHERE user = ? AND mailbox = ? IF mailbox_id = ?", "l"),
+        "mbox_reassign": (
+            "UPDATE users SET mailbox_id = ?, uidvalidity = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+            "l",
+        ),
+        "msg_insert": (
+            "INSERT INTO messages (mailbox_id, id, size, flags, internal_date, body_id, chunk_size, shared) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "w",
+        ),
+        "msg_page": (
+            "SELECT id, size, flags, internal_date, uid FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?",
+            "r",
+        ),
+        "msg_page_first": (
+            "SELECT id, size, flags, internal_date, uid FROM messages WHERE mailbox_id = ? LIMIT ?",
+            "r",
+        ),
+        "msg_static": ("SELECT DISTINCT mailbox_id, low_water FROM messages WHERE mailbox_id = ?", "r"),
+        "msg_uidnext": ("SELECT DISTINCT mailbox_id, uidnext FROM messages WHERE mailbox_id = ?", "s"),
+        "msg_first_live": ("SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16", "r"),
+        "msg_first_live_all": ("SELECT id, size FROM messages WHERE mailbox_id = ? LIMIT 16", "r"),
+        "msg_set_low_water": ("UPDATE messages SET low_water = ? WHERE mailbox_id = ?", "w"),
+        "msg_body_info": (
+            "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?",
+            "r",
+        ),
+        "msg_body_infos": (
+            "SELECT id, body_id, size, chunk_size, shared FROM messages WHERE mailbox_id = ? AND id IN ?",
+            "r",
+        ),
+        "msg_walk": (
+            "SELECT id, body_id, size, chunk_size, shared FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?",
+            "r",
+        ),
+        "msg_walk_first": (
+            "SELECT id, body_id, size, chunk_size, shared FROM messages WHERE mailbox_id = ? LIMIT ?",
+            "r",
+        ),
+        "msg_summaries": (
+            "SELECT id, size, flags, internal_date, uid FROM messages WHERE mailbox_id = ? AND id IN ?",
+            "r",
+        ),
+        "msg_delete": ("DELETE FROM messages WHERE mailbox_id = ? AND id IN ?", "w"),
+        "msg_purge": ("DELETE FROM messages WHERE mailbox_id = ?", "w"),
+        "flags_set": ("UPDATE messages SET flags = ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "flags_add": ("UPDATE messages SET flags = flags + ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "flags_remove": ("UPDATE messages SET flags = flags - ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "uid_read": ("SELECT id, uid, size FROM messages WHERE mailbox_id = ? AND id IN ?", "s"),
+        "uid_bump": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = ?", "l"),
+        "uid_bump_first": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = null", "l"),
+        "uid_set": ("UPDATE messages SET uid = ? WHERE mailbox_id = ? AND id = ?", "l"),
+        "body_insert": ("INSERT INTO bodies (body_id, size, chunk_size, refs) VALUES (?, ?, ?, ?)", "w"),
+        "body_release": ("UPDATE bodies SET refs = refs - ? WHERE body_id = ?", "w"),
+        "body_refs": ("SELECT size, refs FROM bodies WHERE body_id = ?", "r"),
+        "body_delete": ("DELETE FROM bodies WHERE body_id = ?", "w"),
+        "chunk_insert": ("INSERT INTO body_chunks (body_id, idx, data) VALUES (?, ?, ?)", "w"),
+        "chunk_get": ("SELECT data FROM body_chunks WHERE body_id = ? AND idx = ?", "r"),
+        "chunk_delete": ("DELETE FROM body_chunks WHERE body_id = ? AND idx = ?", "w"),
+    }
+
+    async def _prepare_all(self) -> None:
+        """Prepare every statement once, each with the consistency level of its class."""
+        session = self.session
+
+        def prepare() -> dict[str, PreparedStatement]:
+            return {name: session.prepare(cql) for name, (cql, _) in self._STATEMENTS.items()}
+
+        try:
+            prepared = await asyncio.to_thread(prepare)
+        except DriverException as exc:
+            raise StoreUnavailable(
+                f"cannot prepare statements in keyspace {self.settings.keyspace} "
+                f"(has `cassmail schema apply` run?): {_brief(exc)}"
+            ) from exc
+        for name, ps in prepared.items():
+            kind = self._STATEMENTS[name][1]
+            ps.consistency_level = self._read_cl if kind == "r" else self._write_cl if kind in "wl" else self._serial_cl
+            if kind == "l":
+                ps.serial_consistency_level = self._serial_cl
+            self._ps[name] = ps
+
+    # ================================================================= execution
+
+    async def _run(self, name: str, *params: Any) -> list[Any]:
+        """Run a prepared statement; every page of the result, or StoreUnavailable."""
+        return await self._exec(self._ps[name].bind(params))
+
+    async def _exec(self, statement: Statement) -> list[Any]:
+        try:
+            rf = self.session.execute_async(statement, timeout=self.settings.request_timeout)
+            rows: list[Any] = []
+            while True:
+                page = await _wrap(rf)
+                if page:
+                    rows.extend(page)
+                if not rf.has_more_pages:
+                    return rows
+                rf.start_fetching_next_page()
+        except DriverException as exc:
+            raise StoreUnavailable(f"Cassandra: {_brief(exc)}") from exc
+
+    async def _conditional(self, statement: Statement) -> tuple[bool, Any]:
+        """Run a conditional statement or batch: (applied, first result row)."""
+        rows = await self._exec(statement)
+        row = rows[0] if rows else None
+        return (bool(row[0]) if row is not None else False), row
+
+    def _batch(self, batch_type: BatchType = BatchType.LOGGED, conditional: bool = False) -> BatchStatement:
+        batch = BatchStatement(batch_type=batch_type, consistency_level=self._write_cl)
+        if conditional:
+            batch.serial_consistency_level = self._serial_cl
+        return batch
+
+    async def _gather_limited(self, coros: Iterable[Any]) -> list[Any]:
+        """Run coroutines with at most chunk_concurrency in flight, preserving order."""
+        limit = asyncio.Semaphore(self.settings.chunk_concurrency)
+
+        async def one(coro: Any) -> Any:
+            async with limit:
+                return await coro
+
+        return await asyncio.gather(*(one(c) for c in coros))
+
+    # ================================================================= domains
+
+    async def add_domain(self, domain: str) -> None:
+        await self._run("domain_add", normalize_domain(domain))
+
+    async def remove_domain(self, domain: str) -> None:
+        domain = normalize_domain(domain)
+        if not await self._run("domain_get", domain):
+            raise NoSuchDomain(domain)
+        users = await self._run("by_domain_count", domain)
+        if users:
+            raise DomainInUse(domain, len(await self._run("by_domain_list", domain)))
+        await self._run("domain_del", domain)
+
+    async def list_domains(self) -> list[str]:
+        return sorted(row.domain for row in await self._run("domain_list"))
+
+    async def is_local_domain(self, domain: str) -> bool:
+        return bool(await self._run("domain_get", normalize_domain(domain)))
+
+    # ================================================================= users
+
+    async def create_user(self, user: str, password_hash: str) -> None:
+        key = address_key(user)
+        if not isinstance(password_hash, str) or not password_hash:
+            raise InvalidInput("password hash must be a non-empty string")
+        domain = key.rpartition("@")[2]
+        if not await self.is_local_domain(domain):
+            raise NoSuchDomain(domain)
+        base = int(time.time())
+        applied, _ = await self._conditional(
+            self._ps["user_create"].bind((key, password_hash, datetime.now(timezone.utc), base + len(DEFAULT_MAILBOXES)))
+        )
+        if not applied:
+            raise UserExists(key)
+        # The account row won the race; its default mailboxes take the UIDVALIDITYs reserved above.
+        batch = self._batch(BatchType.UNLOGGED)
+        for i, (name, special) in enumerate(DEFAULT_MAILBOXES.items()):
+            batch.add(self._ps["mbox_insert_plain"], (key, name, new_message_id(), base + i, special, True))
+        await self._exec(batch)
+        await self._run("by_domain_add", domain, key)
+
+    async def _account(self, key: str, serial: bool = False) -> Any:
+        rows = await self._run("user_static_serial" if serial else "user_static", key)
+        if not rows or rows[0].password_hash is None:
+            raise NoSuchUser(key)
+        return rows[0]
+
+    async def get_password_hash(self, user: str) -> str:
+        return (await self._account(address_key(user))).password_hash
+
+    async def set_password_hash(self, user: str, password_hash: str) -> None:
+        key = address_key(user)
+        if not isinstance(password_hash, str) or not password_hash:
+            raise InvalidInput("password hash must be a non-empty string")
+        applied, _ = await self._conditional(self._ps["user_passwd"].bind((password_hash, key)))
+        if not applied:
+            raise NoSuchUser(key)
+
+    async def delete_user(self, user: str) -> None:
+        key = address_key(user)
+        await self._account(key)
+        for info in await self._mailbox_rows(key):
+            await self._purge_mailbox(info.mailbox_id)
+        await self._run("user_del", key)
+        await self._run("by_domain_del", key.rpartition("@")[2], key)
+
+    async def list_users(self, domain: str | None = None) -> list[str]:
+        if domain is not None:
+            domains = [normalize_domain(domain)]
+        else:
+            domains = [row.domain for row in await self._run("by_domain_domains")]
+        users: list[str] = []
+        for d in domains:
+            users.extend(row.user for row in await self._run("by_domain_list", d))
+        return sorted(users)
+
+    # ================================================================= mailboxes
+
+    async def _mailbox_rows(self, key: str) -> list[Any]:
+        rows = [r for r in await self._run("mbox_list", key) if r.mailbox is not None]
+        if not rows:
+            await self._account(key)  # raises NoSuchUser
+        return rows
+
+    async def list_mailboxes(self, user: str) -> list[MailboxInfo]:
+        rows = await self._mailbox_rows(address_key(user))
+        return sorted((_info(r.mailbox, r) for r in rows), key=lambda i: (i.name != INBOX, i.name))
+
+    async def _resolve(self, key: str, name: str, serial: bool = False) -> Any:
+        """The row of a user's mailbox (mailbox_id, uidvalidity, ...), or NoSuchMailbox/NoSuchUser."""
+        name = mailbox_name(name)
+        rows = await self._run("mbox_get_serial" if serial else "mbox_get", key, name)
+        if rows and rows[0].mailbox_id is not None:
+            return rows[0]
+        await self._account(key)
+        raise NoSuchMailbox(key, name)
+
+    async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
+        key = address_key(user)
+        name = mailbox_name(name)
+        return _info(name, await self._resolve(key, name))
+
+    async def _reserve_uidvalidity(self, key: str, count: int, batch: BatchStatement) -> tuple[BatchStatement, int]:
+        """Add to a conditional batch the bump of the user's next UIDVALIDITY; return the first value."""
+        account = await self._account(key, serial=True)
+        current = account.next_uidvalidity or 1
+        first = max(current, int(time.time()))
+        batch.add(self._ps["mbox_bump_uidvalidity"], (first + count, key, account.next_uidvalidity))
+        return batch, first
+
+    async def create_mailbox(self, user: str, name: str, special_use: str | None = None) -> MailboxInfo:
+        key = address_key(user)
+        name = mailbox_name(name)
+        for _ in range(LWT_ATTEMPTS):
+            batch, uidvalidity = await self._reserve_uidvalidity(key, 1, self._batch(conditional=True))
+            mailbox_id = new_message_id()
+            batch.add(self._ps["mbox_insert"], (key, name, mailbox_id, uidvalidity, special_use, True))
+            applied, row = await self._conditional(batch)
+            if applied:
+                return MailboxInfo(name, uidvalidity, special_use, True)
+            if await self._run("mbox_get_serial", key, name):
+                raise MailboxExists(key, name)
+            await _backoff()
+        raise StoreUnavailable(f"could not create mailbox {name!r} of {key}: too much contention")
+
+    async def rename_mailbox(self, user: str, old: str, new: str) -> None:
+        key = address_key(user)
+        old, new = mailbox_name(old), mailbox_name(new)
+        if old == new:
+            raise MailboxExists(key, new)
+        if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
+            raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+        for _ in range(LWT_ATTEMPTS):
+            rows = {r.mailbox: r for r in await self._mailbox_rows(key)}
+            if old not in rows:
+                raise NoSuchMailbox(key, old)
+            moves = [(old, new)] + [
+                (name, new + name[len(old) :]) for name in sorted(rows) if name.startswith(old + HIERARCHY_DELIMITER)
+            ]
+            for _, target in moves:
+                if target in rows:
+                    raise MailboxExists(key, target)
+            fresh = old == INBOX
+            batch, uidvalidity = await self._reserve_uidvalidity(key, 1, self._batch(conditional=True))
+            for source, target in moves:
+                r = rows[source]
+                batch.add(
+                    self._ps["mbox_insert"], (key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed)
+                )
+                if fresh and source == INBOX:
+                    # RFC 3501: renaming INBOX moves its mail and leaves a new, empty INBOX.
+                    batch.add(self._ps["mbox_reassign"], (new_message_id(), uidvalidity, key, INBOX, r.mailbox_id))
+                else:
+                    batch.add(self._ps["mbox_delete_if"], (key, source, r.mailbox_id))
+            applied, _ = await self._conditional(batch)
+            if applied:
+                return
+            await _backoff()
+        raise StoreUnavailable(f"could not rename mailbox {old!r} of {key}: too much contention")
+
+    async def delete_mailbox(self, user: str, name: str) -> None:
+        key = address_key(user)
+        name = mailbox_name(name)
+        if name == INBOX:
+            raise MailboxNotAllowed("INBOX cannot be deleted")
+        for _ in range(LWT_ATTEMPTS):
+            row = await self._resolve(key, name, serial=True)
+            applied, _ = await self._conditional(self._ps["mbox_delete_if"].bind((key, name, row.mailbox_id)))
+            if applied:
+                await self._purge_mailbox(row.mailbox_id)
+                return
+            await _backoff()
+        raise StoreUnavailable(f"could not delete mailbox {name!r} of {key}: too much contention")
+
+    async def _purge_mailbox(self, mailbox_id: uuid.UUID) -> None:
+        """Release every body of a mailbox, then drop its partition with one tombstone."""
+        cursor = None
+        while True:
+            rows = await (
+                self._run("msg_walk", mailbox_id, cursor, 1000)
+                if cursor
+                else self._run("msg_walk_first", mailbox_id, 1000)
+            )
+            await self._release_bodies(mailbox_id, [r for r in rows if r.body_id is not None])
+            if len(rows) < 1000:
+                break
+            cursor = rows[-1].id
+        await self._run("msg_purge", mailbox_id)
+
+    # ================================================================= delivery
+
+    async def deliver(
+        self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
+    ) -> list[uuid.UUID]:
+        view = body_view(body)
+        size = view.nbytes
+        if self.max_message_size and size > self.max_message_size:
+            raise MessageTooLarge(size, self.max_message_size)
+        targets = check_targets(targets)
+        when = _utc(internal_date)
+        # Resolve every target first: an unknown user or mailbox fails before anything is written.
+        unique: dict[tuple[str, str], Target] = {}
+        for t in targets:
+            unique.setdefault((t.user, t.mailbox), t)
+        rows = await asyncio.gather(*(self._resolve(u, m) for (u, m) in unique))
+        mailbox_ids = {k: r.mailbox_id for k, r in zip(unique, rows)}
+        ids = {k: new_message_id() for k in unique}
+
+        body_id = new_message_id()
+        chunk = self.settings.chunk_size
+        nchunks = math.ceil(size / chunk)
+        await self._gather_limited(
+            self._run("chunk_insert", body_id, i, bytes(view[i * chunk : (i + 1) * chunk])) for i in range(nchunks)
+        )
+        shared = len(unique) > 1
+        if shared:
+            refs = {_ref(mailbox_ids[k], ids[k]) for k in unique}
+            await self._run("body_insert", body_id, size, chunk, refs)
+        inserts = [
+            (mailbox_ids[k], ids[k], size, set(t.flags) or None, when, body_id, chunk, shared)
+            for k, t in unique.items()
+        ]
+        if len(inserts) == 1:
+            await self._run("msg_insert", *inserts[0])
+        else:
+            batch = self._batch(BatchType.LOGGED)
+            for params in inserts:
+                batch.add(self._ps["msg_insert"], params)
+            await self._exec(batch)
+        return [ids[(t.user, t.mailbox)] for t in targets]
+
+    # ================================================================= listing and reading
+
+    async def list_page(
+        self, user: str, mailbox: str, after: uuid.UUID | None = None, limit: int = 500
+    ) -> Page:
+        if not 1 <= limit <= 10_000:
+            raise InvalidInput(f"page limit must be 1..10000, got {limit}")
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        return await self._page(mailbox_id, after, limit)
+
+    async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
+        if after is None:
+            after = await self._low_water(mailbox_id)
+        rows = await (
+            self._run("msg_page", mailbox_id, after, limit) if after else self._run("msg_page_first", mailbox_id, limit)
+        )
+        items = [_summary(r) for r in rows if r.size is not None]
+        return Page(items, rows[-1].id if len(rows) == limit else None)
+
+    async def _low_water(self, mailbox_id: uuid.UUID) -> uuid.UUID | None:
+        rows = await self._run("msg_static", mailbox_id)
+        return rows[0].low_water if rows else None
+
+    async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        out: dict[uuid.UUID, MessageSummary] = {}
+        for group in _groups(list(dict.fromkeys(ids)), IN_BATCH):
+            for r in await self._run("msg_summaries", mailbox_id, group):
+                if r.size is not None:
+                    out[r.id] = _summary(r)
+        return out
+
+    async def read_chunks(
+        self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[bytes]:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        rows = await self._run("msg_body_info", mailbox_id, message_id)
+        if not rows or rows[0].size is None:
+            raise NoSuchMessage(mailbox, message_id)
+        info = rows[0]
+        size, chunk = info.size, info.chunk_size
+        end = size if end is None else min(end, size)
+        if start < 0 or start > end:
+            raise InvalidInput(f"invalid byte range {start}..{end} of a {size}-byte message")
+        if start == end:
+            return
+        first, last = start // chunk, (end - 1) // chunk
+        window = self.settings.chunk_concurrency
+        pending: dict[int, asyncio.Task[bytes]] = {}
+        try:
+            for idx in range(first, last + 1):
+                for ahead in range(idx, min(idx + window, last + 1)):
+                    if ahead not in pending:
+                        pending[ahead] = asyncio.ensure_future(self._chunk(info.body_id, ahead, mailbox))
+                data = await pending.pop(idx)
+                lo = start - idx * chunk if idx == first else 0
+                hi = end - idx * chunk if idx == last else len(data)
+                yield data[lo:hi] if (lo, hi) != (0, len(data)) else data
+        finally:
+            for task in pending.values():
+                task.cancel()
+
+    async def _chunk(self, body_id: uuid.UUID, idx: int, mailbox: str) -> bytes:
+        rows = await self._run("chunk_get", body_id, idx)
+        if not rows:
+            raise StoreUnavailable(f"chunk {idx} of body {body_id} in {mailbox!r} not readable at this consistency")
+        return rows[0].data
+
+    # ================================================================= flags and deletion
+
+    async def store_flags(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
+    ) -> None:
+        mode = check_flag_mode(mode)
+        values = set(flag_set(flags))
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        wanted = list(dict.fromkeys(ids))
+        # Only touch rows that exist: an update of a deleted row would bring a ghost of it back.
+        existing = await self.get_summaries(user, mailbox, wanted)
+        statement = self._ps[f"flags_{mode}"]
+        for group in _groups([i for i in wanted if i in existing], IN_BATCH):
+            batch = self._batch(BatchType.UNLOGGED)
+            for message_id in group:
+                batch.add(statement, (values or None if mode == "set" else values, mailbox_id, message_id))
+            await self._exec(batch)
+
+    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        wanted = list(dict.fromkeys(ids))
+        if not wanted:
+            return
+        for group in _groups(wanted, IN_BATCH):
+            rows = [r for r in await self._run("msg_body_infos", mailbox_id, group) if r.body_id is not None]
+            await self._run("msg_delete", mailbox_id, group)
+            await self._release_bodies(mailbox_id, rows)
+        await self._advance_low_water(mailbox_id)
+
+    async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
+        """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""
+        for r in rows:
+            if r.shared:
+                await self._run("body_release", {_ref(mailbox_id, r.id)}, r.body_id)
+                body = await self._run("body_refs", r.body_id)
+                # A missing row (not yet visible at this consistency) is never taken as "no references".
+                if not body or body[0].size is None or body[0].refs:
+                    continue
+            await self._gather_limited(
+                self._run("chunk_delete", r.body_id, i) for i in range(math.ceil(r.size / r.chunk_size))
+            )
+            if r.shared:
+                await self._run("body_delete", r.body_id)
+
+    async def _advance_low_water(self, mailbox_id: uuid.UUID) -> None:
+        """Move the low-water mark up to just below the oldest live message, but never past the grace
+        period: a message that turns up late (slow replica, slow clock) must stay above it."""
+        current = await self._low_water(mailbox_id)
+        rows = await (
+            self._run("msg_first_live", mailbox_id, current)
+            if current
+            else self._run("msg_first_live_all", mailbox_id)
+        )
+        live = next((r.id for r in rows if r.size is not None), None)
+        if live is None and len(rows) == 16:
+            return  # sixteen ghosts in a row: leave the mark where it is
+        limit = _now_100ns() - int(self.settings.tombstone_grace * 10_000_000)
+        candidate = min(live.time - 1, limit) if live else limit
+        if current is None or candidate > current.time:
+            await self._run("msg_set_low_water", _floor_uuid(candidate), mailbox_id)
+
+    # ================================================================= IMAP UIDs
+
+    async def uid_next(self, user: str, mailbox: str) -> int:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        rows = await self._run("msg_uidnext", mailbox_id)
+        return (rows[0].uidnext if rows and rows[0].uidnext else None) or 1
+
+    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        wanted = list(dict.fromkeys(ids))
+        uids: dict[uuid.UUID, int] = {}
+        for group in _groups(wanted, UID_BATCH):
+            uids.update(await self._assign_group(mailbox_id, group))
+        return uids
+
+    async def _assign_group(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> dict[uuid.UUID, int]:
+        uidnext: int | None = None
+        known = False
+        for _ in range(LWT_ATTEMPTS):
+            # SERIAL reads see every committed conditional write, so a UID given by another node is seen.
+            rows = await self._run("uid_read", mailbox_id, ids)
+            alive = {r.id: r.uid for r in rows if r.size is not None}
+            missing = [i for i in ids if i in alive and alive[i] is None]
+            if not missing:
+                return {i: alive[i] for i in ids if i in alive}
+            if not known:
+                current = await self._run("msg_uidnext", mailbox_id)
+                uidnext = current[0].uidnext if current else None
+            batch = self._batch(BatchType.UNLOGGED, conditional=True)
+            first = uidnext or 1
+            if uidnext is None:
+                batch.add(self._ps["uid_bump_first"], (first + len(missing), mailbox_id))
+            else:
+                batch.add(self._ps["uid_bump"], (first + len(missing), mailbox_id, uidnext))
+            for offset, message_id in enumerate(missing):
+                batch.add(self._ps["uid_set"], (first + offset, mailbox_id, message_id))
+            applied, row = await self._conditional(batch)
+            if applied:
+                alive.update({m: first + n for n, m in enumerate(missing)})
+                return {i: alive[i] for i in ids if i in alive}
+            # Lost the race: the failed condition returns the current counter.
+            uidnext, known = getattr(row, "uidnext", None), True
+            await _backoff()
+        raise StoreUnavailable("could not assign UIDs: too much contention")
+
+
+# ===================================================================== helpers
+
+
+def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
+    """An asyncio future for the driver's current page (the driver calls back on its own thread)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def done(result: Any) -> None:
+        loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def failed(exc: BaseException) -> None:
+        loop.call_soon_threadsafe(_settle, fut, None, exc)
+
+    rf.add_callbacks(done, failed)
+    return fut
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    elif isinstance(exc, DriverException):
+        fut.set_exception(exc)
+    else:  # the driver reports some failures (e.g. connection errors) as plain exceptions
+        fut.set_exception(StoreUnavailable(f"Cassandra: {_brief(exc)}"))
+
+
+def _brief(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def _info(name: str, row: Any) -> MailboxInfo:
+    return MailboxInfo(name, row.uidvalidity, row.special_use, bool(row.subscribed))
+
+
+def _summary(row: Any) -> MessageSummary:
+    when = row.internal_date
+    if when is not None and when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return MessageSummary(row.id, row.size, frozenset(row.flags or ()), when, row.uid)
+
+
+def _ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
+    return f"{mailbox_id}/{message_id}"
+
+
+def _utc(when: datetime | None) -> datetime:
+    if when is None:
+        return datetime.now(timezone.utc)
+    if when.tzinfo is None:
+        raise InvalidInput("internal date must carry a time zone")
+    return when.astimezone(timezone.utc)
+
+
+def _groups(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+async def _backoff() -> None:
+    await asyncio.sleep(random.uniform(0.005, 0.05))

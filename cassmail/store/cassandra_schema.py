@@ -1,0 +1,127 @@
+"""Applying schema/*.cql to a Cassandra cluster: `cassmail schema apply`.
+
+The keyspace, its replication strategy and factors come from settings; the
+tables come from the numbered CQL files in schema/. Each file is applied once
+and recorded in `schema_migrations`, so later versions only add what is new.
+Re-running is safe: every statement is `IF NOT EXISTS`, and a keyspace whose
+replication differs from the settings is altered (then run a repair).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from cassandra import DriverException
+from cassandra.cluster import Cluster, Session
+
+from cassmail.config import CassandraSettings
+from cassmail.store.base import StoreUnavailable
+from cassmail.store.cassandra import CassandraStore, _brief
+
+SCHEMA_DIR = Path(__file__).resolve().parent.parent.parent / "schema"
+_FILE = re.compile(r"(\d{3})_([a-z0-9_]+)\.cql\Z")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    statements: list[str]
+
+
+def migrations(directory: Path = SCHEMA_DIR) -> list[Migration]:
+    found = []
+    for path in sorted(directory.glob("*.cql")):
+        match = _FILE.match(path.name)
+        if not match:
+            continue
+        text = "\n".join(line for line in path.read_text().splitlines() if not line.strip().startswith("--"))
+        statements = [s.strip() for s in text.split(";") if s.strip()]
+        found.append(Migration(int(match.group(1)), match.group(2), statements))
+    if not found:
+        raise FileNotFoundError(f"no schema files in {directory}")
+    return found
+
+
+def replication_map(settings: CassandraSettings) -> dict[str, str]:
+    if settings.replication_strategy == "NetworkTopologyStrategy":
+        return {"class": "NetworkTopologyStrategy", **{dc: str(rf) for dc, rf in settings.datacenters.items()}}
+    return {"class": "SimpleStrategy", "replication_factor": str(settings.replication_factor)}
+
+
+def _cql_map(values: dict[str, str]) -> str:
+    return "{" + ", ".join(f"'{k}': '{v}'" for k, v in values.items()) + "}"
+
+
+def _same_replication(current: dict[str, str], wanted: dict[str, str]) -> bool:
+    def norm(m: dict[str, str]) -> dict[str, str]:
+        return {k: v.rsplit(".", 1)[-1] for k, v in m.items()}
+
+    return norm(current) == norm(wanted)
+
+
+def apply(settings: CassandraSettings, directory: Path = SCHEMA_DIR) -> list[str]:
+    """Create or update the keyspace and apply new migrations; returns what was done, line by line."""
+    store = CassandraStore(settings)
+    cluster: Cluster = store._make_cluster()
+    done: list[str] = []
+    try:
+        try:
+            session: Session = cluster.connect()
+        except Exception as exc:  # the driver raises NoHostAvailable (a plain Exception) here
+            raise StoreUnavailable(f"cannot reach Cassandra at {store._where()}: {_brief(exc)}") from exc
+        ks = settings.keyspace
+        wanted = replication_map(settings)
+        current = _current(session, ks)
+        if not current:
+            session.execute(f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {_cql_map(wanted)}")
+            done.append(f"created keyspace {ks} with {wanted}")
+        elif not _same_replication(current, wanted):
+            session.execute(f"ALTER KEYSPACE {ks} WITH replication = {_cql_map(wanted)}")
+            done.append(f"altered keyspace {ks} replication to {wanted}: run a full repair on every node")
+        session.set_keyspace(ks)
+        session.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version int PRIMARY KEY, name text, applied_at timestamp)"
+        )
+        applied = {row.version for row in session.execute("SELECT version FROM schema_migrations")}
+        for migration in migrations(directory):
+            if migration.version in applied:
+                continue
+            for statement in migration.statements:
+                session.execute(statement, timeout=120)
+            session.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (%s, %s, %s)",
+                (migration.version, migration.name, datetime.now(timezone.utc)),
+            )
+            done.append(f"applied schema {migration.version:03d}_{migration.name}")
+        if not cluster.control_connection.wait_for_schema_agreement(wait_time=60):
+            done.append("warning: nodes did not agree on the schema within 60 s")
+        return done
+    except DriverException as exc:
+        raise StoreUnavailable(f"schema apply failed: {_brief(exc)}") from exc
+    finally:
+        cluster.shutdown()
+
+
+def _current(session: Session, keyspace: str) -> dict[str, str]:
+    row = session.execute(
+        "SELECT replication FROM system_schema.keyspaces WHERE keyspace_name = %s", (keyspace,)
+    ).one()
+    return dict(row.replication) if row else {}
+
+
+def drop(settings: CassandraSettings) -> None:
+    """Drop the keyspace and all mail in it (tests and `cassmail schema drop --yes`)."""
+    cluster = CassandraStore(settings)._make_cluster()
+    try:
+        cluster.connect().execute(f"DROP KEYSPACE IF EXISTS {settings.keyspace}", timeout=120)
+    finally:
+        cluster.shutdown()
+
+
+async def apply_async(settings: CassandraSettings) -> list[str]:
+    return await asyncio.to_thread(apply, settings)

@@ -1,0 +1,160 @@
+"""Shared fixtures: a real Cassandra for the session, and the store backends under test.
+
+Where the Cassandra comes from, in order:
+1. CASSMAIL_TEST_CASSANDRA=host:port, an already running one;
+2. a testcontainers Cassandra when a Docker engine answers;
+3. the project's own launcher (deploy/cassandra/launcher.py), a node on 127.0.0.1:19042
+   under var/test-cassandra, started for the session and stopped after it
+   (left running when CASSMAIL_TEST_KEEP=1, and reused by the next run).
+In CI (CI=true) a test that needs Cassandra fails when none can be had; elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from cassmail.auth import HashParams, hash_password
+from cassmail.config import CassandraSettings, host_port
+from cassmail.store.base import Store
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+TEST_NATIVE_PORT = 19042
+TEST_STORAGE_PORT = 17000
+#: Cheap hashes for test users: the cost is a setting and is tested on its own in test_auth.
+FAST_HASH = HashParams(log2_n=10, r=8, p=1)
+
+#: Every backend the shared Store contract suite runs against.
+BACKENDS = ["cassandra"]
+
+
+def unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"Cassandra is required in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def load_launcher() -> ModuleType:
+    path = REPO / "deploy" / "cassandra" / "launcher.py"
+    spec = importlib.util.spec_from_file_location("cassmail_launcher", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _docker_engine() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def cassandra_endpoint() -> Iterator[tuple[str, int]]:
+    """(host, port) of a Cassandra answering CQL, for the whole test session."""
+    launcher = load_launcher()
+    named = os.environ.get("CASSMAIL_TEST_CASSANDRA")
+    if named:
+        host, port = host_port(named, "CASSMAIL_TEST_CASSANDRA")
+        if not launcher.cql_ready(host, port, timeout=5):
+            unavailable(f"CASSMAIL_TEST_CASSANDRA={named} does not answer CQL")
+        yield host, port
+        return
+    if _docker_engine():
+        from testcontainers.cassandra import CassandraContainer
+
+        container = CassandraContainer("cassandra:5.0")
+        try:
+            container.start()
+        except Exception as exc:  # testcontainers raises docker's own errors
+            unavailable(f"testcontainers Cassandra did not start: {exc}")
+        try:
+            yield container.get_container_host_ip(), int(container.get_exposed_port(9042))
+        finally:
+            container.stop()
+        return
+    cluster = launcher.LocalCluster(
+        REPO / "var" / "test-cassandra",
+        1,
+        cluster_name="cassmail-test",
+        native_port=TEST_NATIVE_PORT,
+        storage_port=TEST_STORAGE_PORT,
+        heap_mb=1024,
+    )
+    was_running = cluster.status()[0]["cql"] if (REPO / "var" / "test-cassandra" / "state.json").exists() else False
+    try:
+        cluster.up(timeout=600)
+    except launcher.LauncherError as exc:
+        unavailable(f"local Cassandra did not start: {exc}")
+    try:
+        yield "127.0.0.1", TEST_NATIVE_PORT
+    finally:
+        if not was_running and os.environ.get("CASSMAIL_TEST_KEEP") != "1":
+            cluster.down()
+
+
+@pytest.fixture(scope="session")
+def cassandra_settings(cassandra_endpoint: tuple[str, int]) -> Iterator[CassandraSettings]:
+    """A fresh keyspace with the schema applied, dropped after the session."""
+    from cassmail.store import cassandra_schema
+
+    host, port = cassandra_endpoint
+    settings = CassandraSettings(
+        contact_points=[host],
+        port=port,
+        keyspace=f"cmtest_{uuid.uuid4().hex[:12]}",
+        read_consistency="ONE",
+        write_consistency="ONE",
+        serial_consistency="SERIAL",
+        chunk_size=64 * 1024,
+    )
+    cassandra_schema.apply(settings)
+    yield settings
+    cassandra_schema.drop(settings)
+
+
+async def _open_backend(name: str, request: pytest.FixtureRequest) -> Store:
+    if name == "cassandra":
+        from cassmail.store.cassandra import CassandraStore
+
+        store: Store = CassandraStore(request.getfixturevalue("cassandra_settings"), max_message_size=128 * 1024 * 1024)
+    else:  # pragma: no cover - a backend listed without a factory
+        raise AssertionError(f"no factory for backend {name}")
+    await store.open()
+    return store
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """Each backend in turn; shared by the tests, which isolate themselves by domain."""
+    opened = await _open_backend(request.param, request)
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
+async def domain(store: Store) -> str:
+    name = f"t{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(name)
+    return name
+
+
+@pytest.fixture
+async def user(store: Store, domain: str) -> str:
+    address = f"anne@{domain}"
+    await store.create_user(address, hash_password("secret", FAST_HASH))
+    return address

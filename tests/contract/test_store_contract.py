@@ -1,0 +1,434 @@
+"""The Store contract, written once and run against every backend (conftest.BACKENDS).
+
+Each test names one promise of cassmail.store.base.Store and shows it through
+the public interface only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from cassmail.auth import verify_password
+from cassmail.model import DEFAULT_MAILBOXES, INBOX, InvalidAddress, InvalidInput, InvalidMailboxName, message_id_time
+from cassmail.store.base import (
+    DomainInUse,
+    MailboxExists,
+    MailboxNotAllowed,
+    MessageTooLarge,
+    NoSuchDomain,
+    NoSuchMailbox,
+    NoSuchMessage,
+    NoSuchUser,
+    Store,
+    Target,
+    UserExists,
+)
+from tests.conftest import FAST_HASH, hash_password
+
+pytestmark = pytest.mark.cassandra
+
+MESSAGE = b"From: a@x.example\r\nTo: b@y.example\r\nSubject: hi\r\n\r\nHello\r\n"
+
+
+async def names(store: Store, user: str) -> list[str]:
+    return [m.name for m in await store.list_mailboxes(user)]
+
+
+async def listing(store: Store, user: str, mailbox: str = INBOX) -> list:
+    return [s async for s in store.list_messages(user, mailbox)]
+
+
+# ----------------------------------------------------------------------------- domains
+
+
+async def test_domains_are_added_listed_and_removed_in_canonical_form(store: Store) -> None:
+    name = f"D{uuid.uuid4().hex[:8]}.Example"
+    await store.add_domain(name)
+    await store.add_domain(name)  # idempotent
+    assert name.lower() in await store.list_domains()
+    assert await store.is_local_domain(name.upper())
+    await store.remove_domain(name)
+    assert name.lower() not in await store.list_domains()
+    assert not await store.is_local_domain(name)
+
+
+async def test_removing_an_unknown_domain_or_one_with_users_is_refused(store: Store, user: str, domain: str) -> None:
+    with pytest.raises(NoSuchDomain):
+        await store.remove_domain(f"nothere-{uuid.uuid4().hex[:6]}.example")
+    with pytest.raises(DomainInUse):
+        await store.remove_domain(domain)
+    assert await store.is_local_domain(domain)
+
+
+# ----------------------------------------------------------------------------- users
+
+
+async def test_a_new_user_starts_with_the_six_default_mailboxes(store: Store, user: str) -> None:
+    boxes = await store.list_mailboxes(user)
+    assert sorted(m.name for m in boxes) == sorted(DEFAULT_MAILBOXES)
+    assert boxes[0].name == INBOX
+    assert {m.name: m.special_use for m in boxes} == DEFAULT_MAILBOXES
+    validities = [m.uidvalidity for m in boxes]
+    assert len(set(validities)) == len(validities) and all(0 < v < 2**32 for v in validities)
+
+
+async def test_users_are_keyed_case_insensitively_and_listed_per_domain(store: Store, domain: str) -> None:
+    await store.create_user(f"Bob@{domain.upper()}", hash_password("pw", FAST_HASH))
+    await store.create_user(f"carol@{domain}", hash_password("pw", FAST_HASH))
+    assert await store.list_users(domain) == [f"bob@{domain}", f"carol@{domain}"]
+    assert f"bob@{domain}" in await store.list_users()
+    assert await store.user_exists(f"BOB@{domain}")
+    with pytest.raises(UserExists):
+        await store.create_user(f"bob@{domain}", hash_password("pw", FAST_HASH))
+
+
+async def test_password_hashes_are_stored_and_replaced(store: Store, user: str) -> None:
+    assert verify_password("secret", await store.get_password_hash(user))
+    await store.set_password_hash(user, hash_password("changed", FAST_HASH))
+    stored = await store.get_password_hash(user)
+    assert verify_password("changed", stored) and not verify_password("secret", stored)
+
+
+async def test_unknown_users_nonlocal_domains_and_bad_addresses_give_precise_errors(store: Store, domain: str) -> None:
+    ghost = f"ghost@{domain}"
+    for call in (
+        store.get_password_hash(ghost),
+        store.set_password_hash(ghost, "x"),
+        store.delete_user(ghost),
+        store.list_mailboxes(ghost),
+        store.create_mailbox(ghost, "Work"),
+    ):
+        with pytest.raises(NoSuchUser):
+            await call
+    with pytest.raises(NoSuchDomain):
+        await store.create_user(f"anne@not-local-{uuid.uuid4().hex[:6]}.example", "x")
+    for bad in ("no-at-sign", "a@@b", "two words@x.example", "a@-bad-.example", "ctl\x01@x.example", "a@"):
+        with pytest.raises(InvalidAddress):
+            await store.create_user(bad, "x")
+
+
+async def test_deleting_a_user_removes_their_mail_and_mailboxes(store: Store, user: str) -> None:
+    await store.deliver(MESSAGE, [Target(user)])
+    await store.delete_user(user)
+    assert not await store.user_exists(user)
+    with pytest.raises(NoSuchUser):
+        await store.list_mailboxes(user)
+    assert user not in await store.list_users()
+    # the address can be used again, from scratch
+    await store.create_user(user, hash_password("pw", FAST_HASH))
+    assert await listing(store, user) == []
+
+
+# ----------------------------------------------------------------------------- mailboxes
+
+
+async def test_mailboxes_are_created_renamed_and_deleted(store: Store, user: str) -> None:
+    info = await store.create_mailbox(user, "Projects")
+    assert info.name == "Projects" and info.uidvalidity > 0
+    await store.create_mailbox(user, "Projects/2026")
+    [message_id] = await store.deliver(MESSAGE, [Target(user, "Projects/2026")])
+    await store.rename_mailbox(user, "Projects", "Work")
+    boxes = await names(store, user)
+    assert "Work" in boxes and "Work/2026" in boxes and "Projects" not in boxes and "Projects/2026" not in boxes
+    # renaming keeps the mail and its identity
+    assert [s.id for s in await listing(store, user, "Work/2026")] == [message_id]
+    await store.delete_mailbox(user, "Work/2026")
+    assert "Work/2026" not in await names(store, user)
+    with pytest.raises(NoSuchMailbox):
+        await listing(store, user, "Work/2026")
+
+
+async def test_a_recreated_mailbox_gets_a_new_uidvalidity(store: Store, user: str) -> None:
+    first = await store.create_mailbox(user, "Tmp")
+    await store.delete_mailbox(user, "Tmp")
+    second = await store.create_mailbox(user, "Tmp")
+    assert second.uidvalidity != first.uidvalidity
+    assert (await store.mailbox_info(user, "Tmp")).uidvalidity == second.uidvalidity
+
+
+async def test_renaming_inbox_moves_its_mail_and_leaves_an_empty_inbox(store: Store, user: str) -> None:
+    before = await store.mailbox_info(user, INBOX)
+    [message_id] = await store.deliver(MESSAGE, [Target(user)])
+    await store.rename_mailbox(user, "inbox", "Old mail")
+    assert [s.id for s in await listing(store, user, "Old mail")] == [message_id]
+    assert await listing(store, user) == []
+    after = await store.mailbox_info(user, INBOX)
+    assert after.uidvalidity != before.uidvalidity
+
+
+async def test_mailbox_errors_are_precise(store: Store, user: str) -> None:
+    with pytest.raises(MailboxExists):
+        await store.create_mailbox(user, "Sent")
+    with pytest.raises(MailboxExists):
+        await store.rename_mailbox(user, "Drafts", "Sent")
+    with pytest.raises(NoSuchMailbox):
+        await store.rename_mailbox(user, "Nope", "Other")
+    with pytest.raises(NoSuchMailbox):
+        await store.delete_mailbox(user, "Nope")
+    with pytest.raises(MailboxNotAllowed):
+        await store.delete_mailbox(user, "INBOX")
+    with pytest.raises(MailboxNotAllowed):
+        await store.rename_mailbox(user, "Drafts", "Drafts/child")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "/", "a//b", "/lead", "trail/", "tab\there", "nul\x00", "del\x7f", "bell\x07", "wild*", "per%cent", " pad"],
+)
+async def test_mailbox_names_with_empty_levels_control_bytes_or_wildcards_are_rejected(
+    store: Store, user: str, bad: str
+) -> None:
+    with pytest.raises(InvalidMailboxName):
+        await store.create_mailbox(user, bad)
+
+
+async def test_inbox_is_case_insensitive_and_unicode_names_work(store: Store, user: str) -> None:
+    assert (await store.mailbox_info(user, "iNbOx")).name == INBOX
+    await store.create_mailbox(user, "Entwürfe/日本")
+    assert "Entwürfe/日本" in await names(store, user)
+
+
+# ----------------------------------------------------------------------------- delivery and listing
+
+
+async def test_one_delivery_reaches_several_mailboxes_of_several_users(store: Store, user: str, domain: str) -> None:
+    other = f"bob@{domain}"
+    await store.create_user(other, hash_password("pw", FAST_HASH))
+    ids = await store.deliver(MESSAGE, [Target(user), Target(other), Target(user, "Sent", frozenset({"\\Seen"}))])
+    assert len(set(ids)) == 3
+    assert [s.id for s in await listing(store, user)] == [ids[0]]
+    assert [s.id for s in await listing(store, other)] == [ids[1]]
+    [sent] = await listing(store, user, "Sent")
+    assert sent.id == ids[2] and sent.flags == {"\\Seen"} and sent.size == len(MESSAGE)
+    for target, message_id in zip([(user, INBOX), (other, INBOX), (user, "Sent")], ids):
+        assert await store.read_message(*target, message_id) == MESSAGE
+
+
+async def test_a_mailbox_named_twice_in_one_delivery_gets_one_copy(store: Store, user: str) -> None:
+    ids = await store.deliver(MESSAGE, [Target(user), Target(user.upper(), "inbox")])
+    assert ids[0] == ids[1]
+    assert len(await listing(store, user)) == 1
+
+
+async def test_delivery_to_an_unknown_user_or_mailbox_writes_nothing(store: Store, user: str, domain: str) -> None:
+    with pytest.raises(NoSuchUser):
+        await store.deliver(MESSAGE, [Target(user), Target(f"ghost@{domain}")])
+    with pytest.raises(NoSuchMailbox):
+        await store.deliver(MESSAGE, [Target(user), Target(user, "Nope")])
+    with pytest.raises(InvalidInput):
+        await store.deliver(MESSAGE, [])
+    with pytest.raises(InvalidInput):
+        await store.deliver("text, not bytes", [Target(user)])  # type: ignore[arg-type]
+    assert await listing(store, user) == []
+
+
+async def test_an_oversize_message_is_refused_before_anything_is_stored(store: Store, user: str) -> None:
+    limit = store.max_message_size
+    store.max_message_size = 4096
+    try:
+        with pytest.raises(MessageTooLarge) as err:
+            await store.deliver(b"x" * 4097, [Target(user)])
+        assert err.value.limit == 4096 and err.value.size == 4097
+        await store.deliver(b"x" * 4096, [Target(user)])
+    finally:
+        store.max_message_size = limit
+    assert [s.size for s in await listing(store, user)] == [4096]
+
+
+async def test_listing_is_in_arrival_order_in_pages_with_summaries(store: Store, user: str) -> None:
+    when = datetime(2024, 2, 29, 12, 30, 15, tzinfo=timezone(timedelta(hours=2)))
+    ids = []
+    for i in range(25):
+        [message_id] = await store.deliver(b"m%03d\r\n" % i, [Target(user)], internal_date=when)
+        ids.append(message_id)
+    first = await store.list_page(user, INBOX, limit=10)
+    assert [s.id for s in first.items] == ids[:10] and first.cursor is not None
+    second = await store.list_page(user, INBOX, after=first.cursor, limit=10)
+    third = await store.list_page(user, INBOX, after=second.cursor, limit=10)
+    assert [s.id for s in second.items + third.items] == ids[10:]
+    assert third.cursor is None
+    everything = await listing(store, user)
+    assert [s.id for s in everything] == ids
+    assert all(s.size == 6 and s.flags == frozenset() and s.uid is None for s in everything)
+    assert all(s.internal_date == when for s in everything)
+    assert message_id_time(ids[0]) <= message_id_time(ids[-1])
+
+
+async def test_an_internal_date_without_time_zone_is_refused(store: Store, user: str) -> None:
+    with pytest.raises(InvalidInput):
+        await store.deliver(MESSAGE, [Target(user)], internal_date=datetime(2024, 1, 1))
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(bytes(range(256)) * 3, id="every-byte-value"),
+        pytest.param(b"Subject: \xe2\x9c\x93 8bit\n\nbare LF\nline\r\n.\r\n..dots\r\n" * 50, id="8bit-bare-lf-dots"),
+        pytest.param(b"X-Long: " + b"y" * (3 * 1024 * 1024) + b"\r\n", id="3MB-single-line"),
+        pytest.param(os.urandom(64 * 1024), id="exactly-one-chunk"),
+        pytest.param(os.urandom(64 * 1024 + 1), id="one-chunk-and-a-byte"),
+    ],
+)
+async def test_bodies_come_back_byte_exact(store: Store, user: str, body: bytes) -> None:
+    [message_id] = await store.deliver(body, [Target(user)])
+    assert await store.read_message(user, INBOX, message_id) == body
+    [summary] = await listing(store, user)
+    assert summary.size == len(body)
+
+
+async def test_byte_ranges_of_a_body_stream_exactly(store: Store, user: str) -> None:
+    body = os.urandom(300_000)
+    [message_id] = await store.deliver(body, [Target(user)])
+    for start, end in [(0, 1), (0, 65536), (65535, 65537), (100, 299_999), (131072, 196608), (299_999, 300_000), (7, 7)]:
+        chunks = [c async for c in store.read_chunks(user, INBOX, message_id, start, end)]
+        assert b"".join(chunks) == body[start:end]
+    tail = b"".join([c async for c in store.read_chunks(user, INBOX, message_id, 250_000)])
+    assert tail == body[250_000:]
+    with pytest.raises(InvalidInput):
+        [c async for c in store.read_chunks(user, INBOX, message_id, 10, 5)]
+
+
+@pytest.mark.slow
+async def test_a_50_megabyte_message_is_stored_and_streamed_back(store: Store, user: str) -> None:
+    body = os.urandom(1024 * 1024) * 50
+    [message_id] = await store.deliver(body, [Target(user)])
+    received = 0
+    largest = 0
+    async for chunk in store.read_chunks(user, INBOX, message_id):
+        assert chunk == body[received : received + len(chunk)]
+        received += len(chunk)
+        largest = max(largest, len(chunk))
+    assert received == len(body)
+    assert largest <= 1024 * 1024  # streamed in chunks, never whole
+
+
+async def test_reading_a_missing_message_is_no_such_message(store: Store, user: str) -> None:
+    with pytest.raises(NoSuchMessage):
+        await store.read_message(user, INBOX, uuid.uuid1())
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+async def test_flags_are_set_added_and_removed(store: Store, user: str) -> None:
+    a, b = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(2)]
+    await store.store_flags(user, INBOX, [a, b], ["\\seen", "$Label1"], "add")
+    await store.store_flags(user, INBOX, [b], ["\\Flagged"], "add")
+    await store.store_flags(user, INBOX, [a], ["$Label1"], "remove")
+    flags = {s.id: s.flags for s in await listing(store, user)}
+    assert flags == {a: {"\\Seen"}, b: {"\\Seen", "$Label1", "\\Flagged"}}
+    await store.store_flags(user, INBOX, [b], ["\\Answered"], "set")
+    await store.store_flags(user, INBOX, [a], [], "set")
+    flags = {s.id: s.flags for s in await listing(store, user)}
+    assert flags == {a: frozenset(), b: {"\\Answered"}}
+
+
+async def test_concurrent_flag_changes_of_different_flags_all_hold(store: Store, user: str) -> None:
+    [a] = await store.deliver(MESSAGE, [Target(user)])
+    await asyncio.gather(*(store.store_flags(user, INBOX, [a], [f"k{i}"], "add") for i in range(20)))
+    [summary] = await listing(store, user)
+    assert summary.flags == {f"k{i}" for i in range(20)}
+
+
+async def test_invalid_flags_and_modes_are_refused(store: Store, user: str) -> None:
+    [a] = await store.deliver(MESSAGE, [Target(user)])
+    for bad in (["\\Bogus"], ["has space"], ["paren("], [""], "\\Seen"):
+        with pytest.raises(InvalidInput):
+            await store.store_flags(user, INBOX, [a], bad, "add")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        await store.store_flags(user, INBOX, [a], ["\\Seen"], "toggle")  # type: ignore[arg-type]
+
+
+async def test_flags_on_a_deleted_message_do_not_bring_it_back(store: Store, user: str) -> None:
+    [a] = await store.deliver(MESSAGE, [Target(user)])
+    await store.delete_messages(user, INBOX, [a])
+    await store.store_flags(user, INBOX, [a], ["\\Seen"], "add")
+    assert await listing(store, user) == []
+
+
+# ----------------------------------------------------------------------------- deletion and copy
+
+
+async def test_deleted_messages_are_gone_and_the_rest_stay(store: Store, user: str) -> None:
+    ids = [(await store.deliver(b"n%d" % i, [Target(user)]))[0] for i in range(6)]
+    await store.delete_messages(user, INBOX, [ids[0], ids[2], ids[5], uuid.uuid1()])
+    await store.delete_messages(user, INBOX, [ids[0]])  # already gone: ignored
+    assert [s.id for s in await listing(store, user)] == [ids[1], ids[3], ids[4]]
+    assert await store.read_message(user, INBOX, ids[3]) == b"n3"
+    with pytest.raises(NoSuchMessage):
+        await store.read_message(user, INBOX, ids[2])
+
+
+async def test_deleting_one_copy_of_a_shared_delivery_keeps_the_others(store: Store, user: str) -> None:
+    body = os.urandom(200_000)
+    a, b = await store.deliver(body, [Target(user), Target(user, "Archive")])
+    await store.delete_messages(user, INBOX, [a])
+    assert await store.read_message(user, "Archive", b) == body
+    await store.delete_messages(user, "Archive", [b])
+    with pytest.raises(NoSuchMessage):
+        await store.read_message(user, "Archive", b)
+
+
+async def test_copy_keeps_body_flags_and_internal_date(store: Store, user: str) -> None:
+    when = datetime(2020, 5, 17, 8, 0, tzinfo=timezone.utc)
+    [a] = await store.deliver(MESSAGE, [Target(user, INBOX, frozenset({"\\Flagged"}))], internal_date=when)
+    [c] = await store.copy_messages(user, INBOX, [a], "Archive")
+    [copied] = await listing(store, user, "Archive")
+    assert copied.id == c != a and copied.flags == {"\\Flagged"} and copied.internal_date == when
+    assert await store.read_message(user, "Archive", c) == MESSAGE
+    await store.delete_messages(user, INBOX, [a])
+    assert await store.read_message(user, "Archive", c) == MESSAGE
+
+
+# ----------------------------------------------------------------------------- IMAP UIDs
+
+
+async def test_uids_are_assigned_in_order_once_and_only_grow(store: Store, user: str) -> None:
+    assert await store.uid_next(user, INBOX) == 1
+    ids = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(5)]
+    first = await store.assign_uids(user, INBOX, ids[:3])
+    assert [first[i] for i in ids[:3]] == [1, 2, 3]
+    again = await store.assign_uids(user, INBOX, ids)
+    assert [again[i] for i in ids] == [1, 2, 3, 4, 5]
+    assert await store.uid_next(user, INBOX) == 6
+    assert [s.uid for s in await listing(store, user)] == [1, 2, 3, 4, 5]
+    # deleting the newest does not let its UID be handed out again
+    await store.delete_messages(user, INBOX, [ids[4]])
+    [late] = await store.deliver(MESSAGE, [Target(user)])
+    assert (await store.assign_uids(user, INBOX, [late]))[late] == 6
+    # ids that are gone are left out of the answer
+    assert ids[4] not in await store.assign_uids(user, INBOX, [ids[4]])
+
+
+async def test_concurrent_uid_assignment_never_gives_a_uid_twice(store: Store, user: str) -> None:
+    ids = [(await store.deliver(b"c%d" % i, [Target(user)]))[0] for i in range(60)]
+    # twelve allocators racing over overlapping windows of the same new messages
+    windows = [ids[i : i + 30] for i in range(0, 60, 5)]
+    results = await asyncio.gather(*(store.assign_uids(user, INBOX, w) for w in windows))
+    merged: dict[uuid.UUID, int] = {}
+    for result in results:
+        for message_id, uid in result.items():
+            assert merged.setdefault(message_id, uid) == uid  # every caller sees the same UID for an id
+    assert sorted(merged) == sorted(ids)
+    assert len(set(merged.values())) == len(ids)  # never the same UID twice
+    for window, result in zip(windows, results):
+        fresh = [result[i] for i in window]
+        assert fresh == sorted(fresh)  # within one call, UIDs follow the order asked for
+    assert await store.uid_next(user, INBOX) == max(merged.values()) + 1
+
+
+async def test_uids_belong_to_their_mailbox(store: Store, user: str) -> None:
+    [a] = await store.deliver(MESSAGE, [Target(user, "Drafts")])
+    [b] = await store.deliver(MESSAGE, [Target(user)])
+    assert (await store.assign_uids(user, "Drafts", [a]))[a] == 1
+    assert (await store.assign_uids(user, INBOX, [b]))[b] == 1
+    assert await store.assign_uids(user, INBOX, [a]) == {}
