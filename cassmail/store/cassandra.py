@@ -14,12 +14,16 @@ use lightweight transactions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import math
 import random
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -73,6 +77,23 @@ IN_BATCH = 100
 #: Attempts at one conditional write before giving up with StoreUnavailable.
 LWT_ATTEMPTS = 32
 _EPOCH_OFFSET_100NS = 0x01B21DD213814000
+_READ_EVENT = re.compile(r"Read (\d+) live rows? and (\d+) tombstone cells?")
+
+
+@dataclass
+class ReadCost:
+    """What Cassandra reported reading for the statements run inside `CassandraStore.tracing()`."""
+
+    statements: int = 0
+    live_rows: int = 0
+    tombstones: int = 0
+
+
+_tracing: contextvars.ContextVar[ReadCost | None] = contextvars.ContextVar("cassmail_tracing", default=None)
+
+
+#: The anchor row of every mailbox partition: the largest timeuuid, written with the UID counter.
+ANCHOR = uuid.UUID(fields=(0xFFFFFFFF, 0xFFFF, 0x1FFF, 0xBF, 0xFF, 0xFFFFFFFFFFFF))
 
 
 def _floor_uuid(timestamp_100ns: int) -> uuid.UUID:
@@ -124,7 +145,7 @@ class CassandraStore(Store):
             return
         self._cluster = self._make_cluster()
         try:
-            self._session = await asyncio.to_thread(self._cluster.connect, self.settings.keyspace)
+            self._session = await asyncio.to_thread(self._cluster.connect)
         except DriverException as exc:
             self._cluster.shutdown()
             self._cluster = None
@@ -169,20 +190,22 @@ class CassandraStore(Store):
         "by_domain_count": ("SELECT user FROM users_by_domain WHERE domain = ? LIMIT 1", "r"),
         "by_domain_domains": ("SELECT DISTINCT domain FROM users_by_domain", "r"),
         "mbox_list": (
-            "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed FROM users WHERE user = ?",
+            "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users WHERE user = ?",
             "r",
         ),
         "mbox_get": (
-            "SELECT mailbox_id, uidvalidity, special_use, subscribed FROM users WHERE user = ? AND mailbox = ?",
+            "SELECT mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users "
+            "WHERE user = ? AND mailbox = ?",
             "r",
         ),
         "mbox_get_serial": (
-            "SELECT mailbox_id, uidvalidity, special_use, subscribed FROM users WHERE user = ? AND mailbox = ?",
+            "SELECT mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users "
+            "WHERE user = ? AND mailbox = ?",
             "s",
         ),
         "mbox_insert": (
-            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed) "
-            "VALUES (?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
             "l",
         ),
         "mbox_insert_plain": (
@@ -212,11 +235,13 @@ class CassandraStore(Store):
             "SELECT id, size, flags, internal_date, uid FROM messages WHERE mailbox_id = ? LIMIT ?",
             "r",
         ),
-        "msg_static": ("SELECT DISTINCT mailbox_id, low_water FROM messages WHERE mailbox_id = ?", "r"),
-        "msg_uidnext": ("SELECT DISTINCT mailbox_id, uidnext FROM messages WHERE mailbox_id = ?", "s"),
+        "msg_uidnext": ("SELECT uidnext, uid FROM messages WHERE mailbox_id = ? AND id = ?", "s"),
         "msg_first_live": ("SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16", "r"),
         "msg_first_live_all": ("SELECT id, size FROM messages WHERE mailbox_id = ? LIMIT 16", "r"),
-        "msg_set_low_water": ("UPDATE messages SET low_water = ? WHERE mailbox_id = ?", "w"),
+        "mbox_set_low_water": (
+            "UPDATE users SET low_water = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+            "l",
+        ),
         "msg_body_info": (
             "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?",
             "r",
@@ -242,10 +267,11 @@ class CassandraStore(Store):
         "flags_set": ("UPDATE messages SET flags = ? WHERE mailbox_id = ? AND id = ?", "w"),
         "flags_add": ("UPDATE messages SET flags = flags + ? WHERE mailbox_id = ? AND id = ?", "w"),
         "flags_remove": ("UPDATE messages SET flags = flags - ? WHERE mailbox_id = ? AND id = ?", "w"),
-        "uid_read": ("SELECT id, uid, size FROM messages WHERE mailbox_id = ? AND id IN ?", "s"),
+        "uid_read": ("SELECT id, uid, size, uidnext FROM messages WHERE mailbox_id = ? AND id IN ?", "s"),
         "uid_bump": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = ?", "l"),
         "uid_bump_first": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = null", "l"),
         "uid_set": ("UPDATE messages SET uid = ? WHERE mailbox_id = ? AND id = ?", "l"),
+        "uid_anchor": ("UPDATE messages SET uid = 0 WHERE mailbox_id = ? AND id = ?", "l"),
         "body_insert": ("INSERT INTO bodies (body_id, size, chunk_size, refs) VALUES (?, ?, ?, ?)", "w"),
         "body_release": ("UPDATE bodies SET refs = refs - ? WHERE body_id = ?", "w"),
         "body_refs": ("SELECT size, refs FROM bodies WHERE body_id = ?", "r"),
@@ -259,8 +285,14 @@ class CassandraStore(Store):
         """Prepare every statement once, each with the consistency level of its class."""
         session = self.session
 
+        qualify = re.compile(r"\b(FROM|INTO|UPDATE) (\w+)")
+        keyspace = self.settings.keyspace
+
         def prepare() -> dict[str, PreparedStatement]:
-            return {name: session.prepare(cql) for name, (cql, _) in self._STATEMENTS.items()}
+            return {
+                name: session.prepare(qualify.sub(rf"\1 {keyspace}.\2", cql))
+                for name, (cql, _) in self._STATEMENTS.items()
+            }
 
         try:
             prepared = await asyncio.to_thread(prepare)
@@ -283,18 +315,37 @@ class CassandraStore(Store):
         return await self._exec(self._ps[name].bind(params))
 
     async def _exec(self, statement: Statement) -> list[Any]:
+        cost = _tracing.get()
         try:
-            rf = self.session.execute_async(statement, timeout=self.settings.request_timeout)
+            rf = self.session.execute_async(statement, timeout=self.settings.request_timeout, trace=cost is not None)
             rows: list[Any] = []
             while True:
                 page = await _wrap(rf)
                 if page:
                     rows.extend(page)
+                if cost is not None:
+                    await asyncio.to_thread(_add_trace, cost, rf)
                 if not rf.has_more_pages:
                     return rows
                 rf.start_fetching_next_page()
         except DriverException as exc:
             raise StoreUnavailable(f"Cassandra: {_brief(exc)}") from exc
+
+    @staticmethod
+    @contextlib.contextmanager
+    def tracing() -> Iterator[ReadCost]:
+        """Trace every statement run inside (in this task) and add up what Cassandra read.
+
+        A diagnostic: it shows, for example, that a listing does not walk the
+        tombstones of deleted mail. Tracing costs a write per statement; never
+        leave it on.
+        """
+        cost = ReadCost()
+        token = _tracing.set(cost)
+        try:
+            yield cost
+        finally:
+            _tracing.reset(token)
 
     async def _conditional(self, statement: Statement) -> tuple[bool, Any]:
         """Run a conditional statement or batch: (applied, first result row)."""
@@ -398,7 +449,7 @@ class CassandraStore(Store):
     # ================================================================= mailboxes
 
     async def _mailbox_rows(self, key: str) -> list[Any]:
-        rows = [r for r in await self._run("mbox_list", key) if r.mailbox is not None]
+        rows = [r for r in await self._run("mbox_list", key) if r.mailbox_id is not None]
         if not rows:
             await self._account(key)  # raises NoSuchUser
         return rows
@@ -435,7 +486,7 @@ class CassandraStore(Store):
         for _ in range(LWT_ATTEMPTS):
             batch, uidvalidity = await self._reserve_uidvalidity(key, 1, self._batch(conditional=True))
             mailbox_id = new_message_id()
-            batch.add(self._ps["mbox_insert"], (key, name, mailbox_id, uidvalidity, special_use, True))
+            batch.add(self._ps["mbox_insert"], (key, name, mailbox_id, uidvalidity, special_use, True, None))
             applied, row = await self._conditional(batch)
             if applied:
                 return MailboxInfo(name, uidvalidity, special_use, True)
@@ -466,7 +517,8 @@ class CassandraStore(Store):
             for source, target in moves:
                 r = rows[source]
                 batch.add(
-                    self._ps["mbox_insert"], (key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed)
+                    self._ps["mbox_insert"],
+                    (key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed, r.low_water),
                 )
                 if fresh and source == INBOX:
                     # RFC 3501: renaming INBOX moves its mail and leaves a new, empty INBOX.
@@ -557,21 +609,15 @@ class CassandraStore(Store):
     ) -> Page:
         if not 1 <= limit <= 10_000:
             raise InvalidInput(f"page limit must be 1..10000, got {limit}")
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        return await self._page(mailbox_id, after, limit)
+        row = await self._resolve(address_key(user), mailbox)
+        return await self._page(row.mailbox_id, after or row.low_water, limit)
 
     async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
-        if after is None:
-            after = await self._low_water(mailbox_id)
         rows = await (
             self._run("msg_page", mailbox_id, after, limit) if after else self._run("msg_page_first", mailbox_id, limit)
         )
         items = [_summary(r) for r in rows if r.size is not None]
         return Page(items, rows[-1].id if len(rows) == limit else None)
-
-    async def _low_water(self, mailbox_id: uuid.UUID) -> uuid.UUID | None:
-        rows = await self._run("msg_static", mailbox_id)
-        return rows[0].low_water if rows else None
 
     async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
@@ -626,7 +672,7 @@ class CassandraStore(Store):
         mode = check_flag_mode(mode)
         values = set(flag_set(flags))
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        wanted = list(dict.fromkeys(ids))
+        wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         # Only touch rows that exist: an update of a deleted row would bring a ghost of it back.
         existing = await self.get_summaries(user, mailbox, wanted)
         statement = self._ps[f"flags_{mode}"]
@@ -637,15 +683,17 @@ class CassandraStore(Store):
             await self._exec(batch)
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        wanted = list(dict.fromkeys(ids))
+        key, name = address_key(user), mailbox_name(mailbox)
+        row = await self._resolve(key, name)
+        mailbox_id = row.mailbox_id
+        wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         if not wanted:
             return
         for group in _groups(wanted, IN_BATCH):
             rows = [r for r in await self._run("msg_body_infos", mailbox_id, group) if r.body_id is not None]
             await self._run("msg_delete", mailbox_id, group)
             await self._release_bodies(mailbox_id, rows)
-        await self._advance_low_water(mailbox_id)
+        await self._advance_low_water(key, name, row)
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""
@@ -662,10 +710,10 @@ class CassandraStore(Store):
             if r.shared:
                 await self._run("body_delete", r.body_id)
 
-    async def _advance_low_water(self, mailbox_id: uuid.UUID) -> None:
+    async def _advance_low_water(self, key: str, name: str, mailbox: Any) -> None:
         """Move the low-water mark up to just below the oldest live message, but never past the grace
         period: a message that turns up late (slow replica, slow clock) must stay above it."""
-        current = await self._low_water(mailbox_id)
+        mailbox_id, current = mailbox.mailbox_id, mailbox.low_water
         rows = await (
             self._run("msg_first_live", mailbox_id, current)
             if current
@@ -677,14 +725,21 @@ class CassandraStore(Store):
         limit = _now_100ns() - int(self.settings.tombstone_grace * 10_000_000)
         candidate = min(live.time - 1, limit) if live else limit
         if current is None or candidate > current.time:
-            await self._run("msg_set_low_water", _floor_uuid(candidate), mailbox_id)
+            # Conditional, so a mailbox deleted or renamed meanwhile is not brought back as a ghost row.
+            await self._conditional(
+                self._ps["mbox_set_low_water"].bind((_floor_uuid(candidate), key, name, mailbox_id))
+            )
 
     # ================================================================= IMAP UIDs
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        rows = await self._run("msg_uidnext", mailbox_id)
-        return (rows[0].uidnext if rows and rows[0].uidnext else None) or 1
+        return await self._uid_counter(mailbox_id) or 1
+
+    async def _uid_counter(self, mailbox_id: uuid.UUID) -> int | None:
+        """The UID counter, read through the anchor row (None before the first assignment)."""
+        rows = await self._run("msg_uidnext", mailbox_id, ANCHOR)
+        return rows[0].uidnext if rows else None
 
     async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
@@ -695,32 +750,29 @@ class CassandraStore(Store):
         return uids
 
     async def _assign_group(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> dict[uuid.UUID, int]:
-        uidnext: int | None = None
-        known = False
         for _ in range(LWT_ATTEMPTS):
-            # SERIAL reads see every committed conditional write, so a UID given by another node is seen.
+            # One SERIAL read gives the UIDs and the counter (a static column, returned with every
+            # row) as one snapshot that sees every committed assignment. The batch below applies only
+            # if the counter is unchanged, i.e. nobody assigned anything since this snapshot.
             rows = await self._run("uid_read", mailbox_id, ids)
             alive = {r.id: r.uid for r in rows if r.size is not None}
             missing = [i for i in ids if i in alive and alive[i] is None]
             if not missing:
                 return {i: alive[i] for i in ids if i in alive}
-            if not known:
-                current = await self._run("msg_uidnext", mailbox_id)
-                uidnext = current[0].uidnext if current else None
-            batch = self._batch(BatchType.UNLOGGED, conditional=True)
+            uidnext = rows[0].uidnext
             first = uidnext or 1
+            batch = self._batch(BatchType.UNLOGGED, conditional=True)
             if uidnext is None:
                 batch.add(self._ps["uid_bump_first"], (first + len(missing), mailbox_id))
             else:
                 batch.add(self._ps["uid_bump"], (first + len(missing), mailbox_id, uidnext))
             for offset, message_id in enumerate(missing):
                 batch.add(self._ps["uid_set"], (first + offset, mailbox_id, message_id))
-            applied, row = await self._conditional(batch)
+            batch.add(self._ps["uid_anchor"], (mailbox_id, ANCHOR))
+            applied, _ = await self._conditional(batch)
             if applied:
                 alive.update({m: first + n for n, m in enumerate(missing)})
                 return {i: alive[i] for i in ids if i in alive}
-            # Lost the race: the failed condition returns the current counter.
-            uidnext, known = getattr(row, "uidnext", None), True
             await _backoff()
         raise StoreUnavailable("could not assign UIDs: too much contention")
 
@@ -752,6 +804,16 @@ def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) ->
         fut.set_exception(exc)
     else:  # the driver reports some failures (e.g. connection errors) as plain exceptions
         fut.set_exception(StoreUnavailable(f"Cassandra: {_brief(exc)}"))
+
+
+def _add_trace(cost: ReadCost, rf: ResponseFuture) -> None:
+    trace = rf.get_query_trace(max_wait=10)
+    cost.statements += 1
+    for event in trace.events:
+        match = _READ_EVENT.search(event.description)
+        if match:
+            cost.live_rows += int(match.group(1))
+            cost.tombstones += int(match.group(2))
 
 
 def _brief(exc: BaseException) -> str:

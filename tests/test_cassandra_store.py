@@ -1,0 +1,224 @@
+"""What the Cassandra backend promises beyond the shared contract: data-model costs,
+consistency levels from settings, failures as StoreUnavailable, and nothing half-visible."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from cassandra import ConsistencyLevel
+
+from cassmail.config import CassandraSettings
+from cassmail.model import INBOX, new_message_id
+from cassmail.store import cassandra as cassandra_module
+from cassmail.store import cassandra_schema
+from cassmail.store.base import StoreUnavailable, Target
+from cassmail.store.cassandra import CassandraStore
+from tests.conftest import FAST_HASH, hash_password
+
+pytestmark = pytest.mark.cassandra
+
+
+@pytest.fixture
+async def make_store(cassandra_settings: CassandraSettings) -> AsyncIterator:
+    """Open extra stores on the test keyspace with other settings (another node, other levels)."""
+    opened: list[CassandraStore] = []
+
+    async def make(**changes: object) -> CassandraStore:
+        store = CassandraStore(dataclasses.replace(cassandra_settings, **changes))
+        await store.open()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.close()
+
+
+async def new_user(store: CassandraStore) -> str:
+    domain = f"c{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    address = f"user@{domain}"
+    await store.create_user(address, hash_password("pw", FAST_HASH))
+    return address
+
+
+async def deliver_many(store: CassandraStore, user: str, count: int, mailbox: str = INBOX) -> list[uuid.UUID]:
+    limit = asyncio.Semaphore(64)
+
+    async def one(i: int) -> uuid.UUID:
+        async with limit:
+            return (await store.deliver(b"Subject: %d\r\n\r\nbody\r\n" % i, [Target(user, mailbox)]))[0]
+
+    ids = await asyncio.gather(*(one(i) for i in range(count)))
+    return sorted(ids, key=lambda u: (u.time, u.bytes))
+
+
+async def test_listing_after_mass_deletion_does_not_walk_the_tombstones(make_store) -> None:
+    store = await make_store(tombstone_grace=0.0)
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 5000)
+    listed = [s.id async for s in store.list_messages(user, INBOX, page_size=1000)]
+    assert len(listed) == 5000
+    await store.delete_messages(user, INBOX, listed[:4990])
+
+    with store.tracing() as after_deletion:
+        page = await store.list_page(user, INBOX, limit=500)
+    assert [s.id for s in page.items] == listed[4990:]
+
+    fresh = await new_user(store)
+    await deliver_many(store, fresh, 10)
+    with store.tracing() as ten_messages:
+        assert len((await store.list_page(fresh, INBOX, limit=500)).items) == 10
+
+    assert after_deletion.live_rows == ten_messages.live_rows
+    assert after_deletion.tombstones <= ten_messages.tombstones + 2
+    # The measurement itself sees tombstones: the same read from the start of the partition walks them all.
+    mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
+    with store.tracing() as unbounded:
+        await store._run("msg_page_first", mailbox_id, 500)
+    assert unbounded.tombstones >= 4990
+
+
+async def test_a_late_message_older_than_the_live_ones_is_still_listed_within_the_grace(make_store, monkeypatch) -> None:
+    store = await make_store()  # default grace: hours
+    user = await new_user(store)
+    first, second = await deliver_many(store, user, 2)
+    await store.delete_messages(user, INBOX, [first])
+    # A node whose clock is a minute slow delivers now: its id sorts before `second`.
+    monkeypatch.setattr(cassandra_module, "new_message_id", lambda: new_message_id(time.time() - 60))
+    [late] = await store.deliver(b"late\r\n", [Target(user)])
+    monkeypatch.undo()
+    assert late.time < second.time
+    assert {s.id async for s in store.list_messages(user, INBOX)} == {late, second}
+
+
+async def test_consistency_levels_come_from_settings(make_store) -> None:
+    store = await make_store(read_consistency="LOCAL_ONE", write_consistency="QUORUM", serial_consistency="LOCAL_SERIAL")
+    ps = store._ps
+    assert ps["msg_page"].consistency_level == ConsistencyLevel.LOCAL_ONE
+    assert ps["chunk_insert"].consistency_level == ConsistencyLevel.QUORUM
+    assert ps["msg_insert"].consistency_level == ConsistencyLevel.QUORUM
+    assert ps["uid_read"].consistency_level == ConsistencyLevel.LOCAL_SERIAL
+    assert ps["user_create"].serial_consistency_level == ConsistencyLevel.LOCAL_SERIAL
+
+
+async def test_too_few_replicas_for_the_write_level_is_unavailable_and_shows_nothing(cassandra_settings) -> None:
+    """RF=3 on a one-node cluster: QUORUM writes cannot succeed, ONE writes can."""
+    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmrf3_{uuid.uuid4().hex[:8]}", write_consistency="ONE")
+    cassandra_schema.apply(settings)
+    try:
+        async with CassandraStore(settings) as one:
+            user = await new_user(one)  # account creation is a Paxos round: it needs a quorum, so before RF=3
+        cassandra_schema.apply(dataclasses.replace(settings, replication_factor=3))
+        async with CassandraStore(settings) as one, CassandraStore(
+            dataclasses.replace(settings, write_consistency="QUORUM")
+        ) as quorum:
+            with pytest.raises(StoreUnavailable) as err:
+                await quorum.deliver(b"Subject: x\r\n\r\nx\r\n", [Target(user)])
+            assert "Cannot achieve consistency level QUORUM" in str(err.value)
+            assert [s async for s in one.list_messages(user, INBOX)] == []
+            await one.deliver(b"ok\r\n", [Target(user)])
+            assert len([s async for s in one.list_messages(user, INBOX)]) == 1
+    finally:
+        cassandra_schema.drop(settings)
+
+
+async def test_a_delivery_that_fails_before_its_rows_are_written_is_invisible(make_store, monkeypatch) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    real_run = store._run
+
+    async def failing_run(name: str, *params: object) -> list:
+        if name == "msg_insert":
+            raise StoreUnavailable("injected: write timeout")
+        return await real_run(name, *params)
+
+    monkeypatch.setattr(store, "_run", failing_run)
+    with pytest.raises(StoreUnavailable):
+        await store.deliver(b"x" * 200_000, [Target(user)])
+    monkeypatch.undo()
+    assert [s async for s in store.list_messages(user, INBOX)] == []
+
+
+async def test_an_unreachable_cassandra_is_unavailable_with_a_clear_message() -> None:
+    settings = CassandraSettings(contact_points=["127.0.0.1"], port=1, connect_timeout=2.0)
+    with pytest.raises(StoreUnavailable) as err:
+        await CassandraStore(settings).open()
+    assert "cannot reach Cassandra at 127.0.0.1:1" in str(err.value)
+
+
+async def test_a_request_that_times_out_is_unavailable(make_store) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    store.settings = dataclasses.replace(store.settings, request_timeout=0.000001)
+    with pytest.raises(StoreUnavailable):
+        await store.deliver(b"x" * 300_000, [Target(user)])
+
+
+async def test_two_nodes_assigning_uids_at_once_never_collide(make_store) -> None:
+    node_a, node_b = await make_store(), await make_store()
+    user = await new_user(node_a)
+    everything: list[uuid.UUID] = []
+    for _ in range(5):  # rounds of new mail seen by four sessions on two nodes at once
+        ids = await deliver_many(node_a, user, 100)
+        everything += ids
+        results = await asyncio.gather(
+            node_a.assign_uids(user, INBOX, ids),
+            node_b.assign_uids(user, INBOX, ids),
+            node_b.assign_uids(user, INBOX, ids[50:]),
+            node_a.assign_uids(user, INBOX, ids[25:75]),
+        )
+        final = await node_a.assign_uids(user, INBOX, everything)
+        for result in results:
+            mismatched = {i: (uid, final[i]) for i, uid in result.items() if final[i] != uid}
+            assert not mismatched, f"{len(mismatched)} ids got two UIDs"
+        assert len(set(final.values())) == len(everything)
+    assert await node_b.uid_next(user, INBOX) == max(final.values()) + 1
+
+
+async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    single, *_ = await store.deliver(b"s" * 150_000, [Target(user)])
+    shared_a, shared_b = await store.deliver(b"t" * 150_000, [Target(user, "Archive"), Target(user, "Trash")])
+
+    async def chunks_of(mailbox: str, message_id: uuid.UUID) -> int:
+        mailbox_id = (await store._resolve(user, mailbox)).mailbox_id
+        [info] = await store._run("msg_body_info", mailbox_id, message_id)
+        return sum([len(await store._run("chunk_get", info.body_id, i)) for i in range(3)]), info.body_id
+
+    count, single_body = await chunks_of(INBOX, single)
+    assert count == 3  # 150,000 bytes in 64 KiB chunks
+    await store.delete_messages(user, INBOX, [single])
+    assert not any([await store._run("chunk_get", single_body, i) for i in range(3)])
+
+    _, shared_body = await chunks_of("Archive", shared_a)
+    await store.delete_messages(user, "Archive", [shared_a])
+    assert all([await store._run("chunk_get", shared_body, i) for i in range(3)])  # Trash still refers to it
+    await store.delete_messages(user, "Trash", [shared_b])
+    assert not any([await store._run("chunk_get", shared_body, i) for i in range(3)])
+    assert not await store._run("body_refs", shared_body)
+
+
+async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_settings) -> None:
+    assert cassandra_schema.apply(cassandra_settings) == []
+    async with CassandraStore(cassandra_settings) as store:
+        query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
+        rows = await store._exec(store.session.prepare(query).bind(()))
+    assert [(r.version, r.name) for r in rows] == [(1, "initial")]
+
+
+async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_settings) -> None:
+    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmalter_{uuid.uuid4().hex[:8]}")
+    try:
+        assert any("created keyspace" in line for line in cassandra_schema.apply(settings))
+        changed = cassandra_schema.apply(dataclasses.replace(settings, replication_factor=2))
+        assert any("altered keyspace" in line and "repair" in line for line in changed)
+        assert cassandra_schema.apply(dataclasses.replace(settings, replication_factor=2)) == []
+    finally:
+        cassandra_schema.drop(settings)
