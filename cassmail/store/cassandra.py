@@ -154,6 +154,12 @@ class CassandraStore(Store):
             self._cluster.shutdown()
             self._cluster = None
             raise StoreUnavailable(f"cannot reach Cassandra at {self._where()}: {_brief(exc)}") from exc
+        if self.settings.keyspace not in self._cluster.metadata.keyspaces:
+            await self.close()
+            raise StoreUnavailable(
+                f"keyspace {self.settings.keyspace} does not exist on "
+                f"{','.join(self.settings.contact_points)}:{self.settings.port}: run `cassmail schema apply`"
+            )
         await self._prepare_all()
 
     def _where(self) -> str:

@@ -1,0 +1,56 @@
+"""Password hashing: salted scrypt, self-describing, constant-time checks, safe on malformed input."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cassmail import auth
+from cassmail.auth import HashParams
+from cassmail.config import AuthSettings
+
+FAST = HashParams(log2_n=10)
+
+
+def test_a_hash_verifies_its_password_only() -> None:
+    stored = auth.hash_password("correct horse", FAST)
+    assert stored.startswith("$scrypt$ln=10,r=8,p=1$")
+    assert auth.verify_password("correct horse", stored)
+    assert not auth.verify_password("correct horsE", stored)
+    assert not auth.verify_password("", stored)
+
+
+def test_the_same_password_gets_a_new_salt_every_time() -> None:
+    assert auth.hash_password("pw", FAST) != auth.hash_password("pw", FAST)
+
+
+def test_unicode_passwords_work() -> None:
+    stored = auth.hash_password("pässwörd-密码", FAST)
+    assert auth.verify_password("pässwörd-密码", stored)
+
+
+def test_malformed_stored_hashes_and_inputs_never_raise() -> None:
+    good = auth.hash_password("pw", FAST)
+    for stored in ("", "plaintext", "$scrypt$ln=99,r=8,p=1$AAAA$AAAA", "$scrypt$ln=10,r=8,p=1$!!$!!", good[:-5] + "$$$"):
+        assert not auth.verify_password("pw", stored)
+    assert not auth.verify_password("x" * 5000, good)
+    assert not auth.verify_password(None, good)  # type: ignore[arg-type]
+
+
+def test_the_cost_comes_from_settings_and_old_hashes_still_verify() -> None:
+    params = HashParams.from_settings(AuthSettings(scrypt_n=2**11, scrypt_r=4, scrypt_p=2))
+    assert params == HashParams(11, 4, 2)
+    old = auth.hash_password("pw", FAST)
+    assert auth.needs_rehash(old, params)
+    assert auth.verify_password("pw", old)
+    assert not auth.needs_rehash(auth.hash_password("pw", params), params)
+
+
+def test_default_cost_is_the_interactive_login_setting() -> None:
+    assert HashParams.from_settings(AuthSettings()) == HashParams(14, 8, 1)
+
+
+def test_bulk_hashing_and_async_checks() -> None:
+    hashes = auth.hash_many([f"pw{i}" for i in range(20)], FAST)
+    assert len(set(hashes)) == 20
+    assert asyncio.run(auth.verify_async("pw7", hashes[7]))
+    assert not asyncio.run(auth.verify_async("pw7", hashes[8]))

@@ -1,0 +1,158 @@
+"""The `cassmail` command as an operator runs it: a real process against a real Cassandra."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cassmail import auth
+from cassmail.config import CassandraSettings
+from cassmail.store import cassandra_schema
+from cassmail.store.cassandra import CassandraStore
+
+pytestmark = pytest.mark.cassandra
+
+CASSMAIL = str(Path(sys.executable).parent / "cassmail")
+
+
+@pytest.fixture
+def run(cassandra_settings: CassandraSettings):
+    env = {
+        **os.environ,
+        "CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS": ",".join(cassandra_settings.contact_points),
+        "CASSMAIL_STORE_CASSANDRA_PORT": str(cassandra_settings.port),
+        "CASSMAIL_STORE_CASSANDRA_KEYSPACE": cassandra_settings.keyspace,
+        "CASSMAIL_STORE_CASSANDRA_READ_CONSISTENCY": "ONE",
+        "CASSMAIL_STORE_CASSANDRA_WRITE_CONSISTENCY": "ONE",
+        "CASSMAIL_AUTH_SCRYPT_N": "1024",
+    }
+    env.pop("CASSMAIL_CONFIG", None)
+
+    def invoke(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [CASSMAIL, *args], input=stdin, capture_output=True, text=True, env=env, timeout=300,
+            stdin=None if stdin is not None else subprocess.DEVNULL,
+        )
+
+    return invoke
+
+
+@pytest.fixture
+def domain(run) -> str:
+    name = f"cli{uuid.uuid4().hex[:8]}.example"
+    assert run("domain", "add", name).returncode == 0
+    return name
+
+
+def stored_hash(settings: CassandraSettings, address: str) -> str:
+    async def read() -> str:
+        async with CassandraStore(settings) as store:
+            return await store.get_password_hash(address)
+
+    return asyncio.run(read())
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stdout
+
+
+def fails(result: subprocess.CompletedProcess[str], text: str) -> None:
+    assert result.returncode == 1, result.stdout
+    assert result.stderr.startswith("cassmail: error: ") and text in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_schema_apply_creates_a_keyspace_then_reports_it_up_to_date(run, cassandra_settings) -> None:
+    keyspace = f"cmcli_{uuid.uuid4().hex[:8]}"
+    try:
+        out = ok(run("--set", f"store.cassandra.keyspace={keyspace}", "schema", "apply"))
+        assert f"created keyspace {keyspace}" in out and "applied schema 001_initial" in out
+        assert "up to date" in ok(run("-o", f"store.cassandra.keyspace={keyspace}", "schema", "apply"))
+    finally:
+        cassandra_schema.drop(dataclasses.replace(cassandra_settings, keyspace=keyspace))
+
+
+def test_domains_are_added_listed_and_deleted(run) -> None:
+    name = f"CLI{uuid.uuid4().hex[:8]}.Example"
+    assert ok(run("domain", "add", name)) == f"added {name.lower()}\n"
+    assert name.lower() in ok(run("domain", "list")).split()
+    ok(run("domain", "del", name))
+    assert name.lower() not in ok(run("domain", "list")).split()
+    fails(run("domain", "del", name), "not a local domain")
+
+
+def test_user_lifecycle_add_list_passwd_mailboxes_del(run, domain, cassandra_settings) -> None:
+    address = f"anne@{domain}"
+    assert ok(run("user", "add", address, "--password-stdin", stdin="first secret\n")) == f"created {address}\n"
+    fails(run("user", "add", address, "--password-stdin", stdin="again\n"), "already exists")
+    assert ok(run("user", "list", "--domain", domain)) == f"{address}\n"
+    ok(run("user", "passwd", address.upper(), "--password-stdin", stdin="second secret\n"))
+
+    stored = stored_hash(cassandra_settings, address)
+    assert auth.verify_password("second secret", stored) and not auth.verify_password("first secret", stored)
+
+    table = ok(run("mailbox", "list", address)).splitlines()
+    assert table[0].split() == ["MAILBOX", "SPECIAL-USE", "UIDVALIDITY", "MESSAGES", "BYTES"]
+    assert [line.split()[0] for line in table[1:]] == ["INBOX", "Archive", "Drafts", "Junk", "Sent", "Trash"]
+    assert table[5].split()[1] == "\\Sent" and table[1].split()[-2:] == ["0", "0"]
+
+    fails(run("domain", "del", domain), "still has 1 user")
+    ok(run("user", "del", address))
+    assert ok(run("user", "list", "--domain", domain)) == ""
+    fails(run("mailbox", "list", address), "no such user")
+
+
+def test_user_commands_refuse_bad_input_with_one_line(run, domain) -> None:
+    fails(run("user", "add", "not-an-address", "--password-stdin", stdin="pw\n"), "not an address")
+    fails(run("user", "add", f"x@elsewhere-{uuid.uuid4().hex[:6]}.example", "--password-stdin", stdin="pw\n"), "not a local domain")
+    fails(run("user", "add", f"bob@{domain}"), "no terminal to prompt for a password")
+    fails(run("user", "add", f"bob@{domain}", "--password-stdin", stdin="\n"), "empty password")
+    fails(run("user", "passwd", f"ghost@{domain}", "--password-stdin", stdin="pw\n"), "no such user")
+    fails(run("user", "del", f"ghost@{domain}"), "no such user")
+    fails(run("-o", "store.backend=sqlite", "user", "list"), "store.backend: must be")
+
+
+def test_an_unreachable_cassandra_is_one_line_not_a_traceback(run) -> None:
+    fails(run("-o", "store.cassandra.port=1", "-o", "store.cassandra.connect_timeout=2", "user", "list"), "cannot reach Cassandra")
+
+
+def test_usage_errors_exit_2(run) -> None:
+    assert run().returncode == 2
+    assert run("user", "frobnicate").returncode == 2
+
+
+def test_bulk_import_of_thousands_of_users_in_one_process(run, domain, tmp_path, cassandra_settings) -> None:
+    lines = [f"user{i}@{domain} password-{i} with spaces" for i in range(3000)]
+    lines[10:10] = ["# a comment", "", "broken-line-without-password", f"bad address@{domain} pw"]
+    path = tmp_path / "users.txt"
+    path.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    result = run("user", "import", str(path))
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1  # two bad lines are reported, the rest imported
+    assert "imported 3000 user(s)" in result.stdout and "2 error(s)" in result.stdout
+    assert "line 13: expected 'address password'" in result.stderr and "line 14: not an address" in result.stderr
+    assert elapsed < 120
+    users = ok(run("user", "list", "--domain", domain)).split()
+    assert len(users) == 3000
+    # the password is the rest of the line, spaces included, and it was hashed
+    assert auth.verify_password("password-7 with spaces", stored_hash(cassandra_settings, f"user7@{domain}"))
+
+
+def test_import_from_stdin_and_of_existing_hashes(run, domain) -> None:
+    hashed = auth.hash_password("from-elsewhere", auth.HashParams(log2_n=10))
+    out = ok(run("user", "import", "-", "--hashed", stdin=f"a@{domain} {hashed}\nb@{domain} {hashed}\n"))
+    assert "imported 2 user(s)" in out
+    result = run("user", "import", "-", "--hashed", stdin=f"c@{domain} plaintext\na@{domain} {hashed}\n")
+    assert result.returncode == 1
+    assert "line 1: not a $scrypt$ hash" in result.stderr and "line 2: a@" in result.stderr and "already exists" in result.stderr

@@ -1,0 +1,112 @@
+"""Settings: TOML file, then environment, then flags; every bad value stops start-up with one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cassmail import config
+from cassmail.config import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cassmail.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_need_no_file() -> None:
+    settings = config.load(env={})
+    assert settings.store.backend == "cassandra"
+    assert settings.store.cassandra.contact_points == ["127.0.0.1"]
+    assert settings.smtp.listen == "127.0.0.1:2525" and settings.submission.listen == "127.0.0.1:2587"
+    assert settings.pop3.listen == "127.0.0.1:1110" and settings.imap.listen == "127.0.0.1:1143"
+    assert settings.lmtp.enabled is False
+
+
+def test_file_then_environment_then_flags(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        [store.cassandra]
+        contact_points = ["10.0.0.1", "10.0.0.2"]
+        keyspace = "from_file"
+        replication_factor = 3
+        write_consistency = "QUORUM"
+        [smtp]
+        listen = "0.0.0.0:25"
+        """,
+    )
+    env = {"CASSMAIL_CONFIG": str(path), "CASSMAIL_STORE_CASSANDRA_KEYSPACE": "from_env", "CASSMAIL_SMTP_ENABLED": "false"}
+    settings = config.load(env=env, overrides=["store.cassandra.keyspace=from_flag"])
+    c = settings.store.cassandra
+    assert c.contact_points == ["10.0.0.1", "10.0.0.2"] and c.replication_factor == 3 and c.write_consistency == "QUORUM"
+    assert c.keyspace == "from_flag"
+    assert settings.smtp.listen == "0.0.0.0:25" and settings.smtp.enabled is False
+
+
+def test_environment_lists_and_tables_are_parsed() -> None:
+    settings = config.load(
+        env={
+            "CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS": "127.0.0.1, 127.0.0.2,127.0.0.3",
+            "CASSMAIL_STORE_CASSANDRA_REPLICATION_STRATEGY": "NetworkTopologyStrategy",
+            "CASSMAIL_STORE_CASSANDRA_DATACENTERS": "dc1=3, dc2=2",
+            "CASSMAIL_STORE_CASSANDRA_REQUEST_TIMEOUT": "2.5",
+        }
+    )
+    c = settings.store.cassandra
+    assert c.contact_points == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert c.datacenters == {"dc1": 3, "dc2": 2} and c.request_timeout == 2.5
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[store]\nbackend = 'sqlite'", "store.backend: must be cassandra, mbox or wheelfs"),
+        ("[store.cassandra]\nreplication_factor = 'three'", "store.cassandra.replication_factor: must be an integer"),
+        ("[store.cassandra]\nreplication_factor = 0", "store.cassandra.replication_factor: must be >= 1"),
+        ("[store.cassandra]\nwrite_consistency = 'MOST'", "store.cassandra.write_consistency: must be one of"),
+        ("[store.cassandra]\nserial_consistency = 'ONE'", "store.cassandra.serial_consistency: must be SERIAL or LOCAL_SERIAL"),
+        ("[store.cassandra]\nkeyspace = 'bad-name'", "store.cassandra.keyspace: must be letters"),
+        ("[store.cassandra]\nchunk_size = 16777216", "store.cassandra.chunk_size: must be between"),
+        ("[store.cassandra]\nreplication_strategy = 'NetworkTopologyStrategy'", "store.cassandra.datacenters: NetworkTopologyStrategy needs"),
+        ("[store.cassandra]\ncontact_points = '10.0.0.1'", "store.cassandra.contact_points: must be a list"),
+        ("[smtp]\nlisten = 'localhost'", 'smtp.listen: must be "host:port"'),
+        ("[smtp]\nlisten = ':25'", "smtp.listen: missing host"),
+        ("[imap]\nlisten = '127.0.0.1:70000'", "imap.listen: port out of range"),
+        ("[smtp]\nlisen = '127.0.0.1:25'", "smtp.lisen: unknown setting"),
+        ("[smpt]\nlisten = '127.0.0.1:25'", "smpt: unknown setting"),
+        ("[auth]\nscrypt_n = 1000", "auth.scrypt_n: must be a power of two"),
+        ("[pop3]\nenabled = 'maybe'", "pop3.enabled: must be true or false"),
+        ("store = 3", "store: must be a table"),
+        ("[store\nbackend=", "invalid TOML"),
+    ],
+)
+def test_invalid_settings_stop_with_one_line_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.load(write(tmp_path, text), env={})
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_environment_and_flag_values_name_their_key() -> None:
+    with pytest.raises(ConfigError, match="store.cassandra.port: must be an integer"):
+        config.load(env={"CASSMAIL_STORE_CASSANDRA_PORT": "ninety"})
+    with pytest.raises(ConfigError, match="store.nope: unknown setting"):
+        config.load(env={}, overrides=["store.nope=1"])
+    with pytest.raises(ConfigError, match="must be"):
+        config.load(env={}, overrides=["store.cassandra"])
+    with pytest.raises(ConfigError, match="is a section"):
+        config.load(env={}, overrides=["store.cassandra=1"])
+
+
+def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found: .*nothere.toml"):
+        config.load(tmp_path / "nothere.toml", env={})
+
+
+def test_the_shipped_example_config_loads_and_matches_the_defaults() -> None:
+    assert config.example_path().exists()
+    settings = config.load(config.example_path(), env={})
+    assert settings.store.cassandra == config.load(env={}).store.cassandra
