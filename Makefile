@@ -1,0 +1,39 @@
+# The two commands of the README, and a few helpers. Needs Python >= 3.11, Java 17 and Maven.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: install cassandra cassandra-down cassandra-status test bench clean
+
+# A virtualenv with cassmail (editable) and its test tools; redone when pyproject.toml changes.
+$(BIN)/cassmail: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/cassmail
+
+# A local Apache Cassandra 5.0 node on 127.0.0.1:9042 (jars fetched once from Maven Central), schema applied.
+cassandra: install
+	$(BIN)/cassmail cassandra up
+
+cassandra-down: install
+	$(BIN)/cassmail cassandra down
+
+cassandra-status: install
+	$(BIN)/cassmail cassandra status
+
+# The whole suite against a real Cassandra (its own node on 127.0.0.1:19042, started and stopped by the
+# tests; or CASSMAIL_TEST_CASSANDRA=host:port). pytest's "no tests collected" (exit 5) is a failure.
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Store benchmark against the local node started by `make cassandra`.
+bench: install
+	$(BIN)/python loadtest/bench_store.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
