@@ -150,17 +150,21 @@ def cmd_schema_apply(settings: config.Settings, args: argparse.Namespace) -> int
     return 0
 
 
-def cmd_user_add(settings: config.Settings, args: argparse.Namespace) -> int:
+def _key_and_hash(settings: config.Settings, args: argparse.Namespace) -> tuple[str, str]:
+    """The user key and the hash of the password read for it (address checked before the prompt)."""
     key = address_key(args.address)
-    hashed = auth.hash_password(_read_password(args), _params(settings))
+    return key, auth.hash_password(_read_password(args), _params(settings))
+
+
+def cmd_user_add(settings: config.Settings, args: argparse.Namespace) -> int:
+    key, hashed = _key_and_hash(settings, args)
     _with_store(settings, lambda s: s.create_user(key, hashed))
     print(f"created {key}")
     return 0
 
 
 def cmd_user_passwd(settings: config.Settings, args: argparse.Namespace) -> int:
-    key = address_key(args.address)
-    hashed = auth.hash_password(_read_password(args), _params(settings))
+    key, hashed = _key_and_hash(settings, args)
     _with_store(settings, lambda s: s.set_password_hash(key, hashed))
     print(f"password of {key} changed")
     return 0

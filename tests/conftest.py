@@ -11,19 +11,17 @@ In CI (CI=true) a test that needs Cassandra fails when none can be had; elsewher
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from cassmail.auth import HashParams, hash_password
+from cassmail.cli import load_launcher
 from cassmail.config import CassandraSettings, host_port
 from cassmail.store.base import Store
 
@@ -42,16 +40,6 @@ def unavailable(reason: str) -> None:
     if IN_CI:
         pytest.fail(f"Cassandra is required in CI: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def load_launcher() -> ModuleType:
-    path = REPO / "deploy" / "cassandra" / "launcher.py"
-    spec = importlib.util.spec_from_file_location("cassmail_launcher", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _docker_engine() -> bool:

@@ -405,16 +405,14 @@ class CassandraStore(Store):
         if not await self.is_local_domain(domain):
             raise NoSuchDomain(domain)
         base = int(time.time())
-        applied, _ = await self._conditional(
-            self._ps["user_create"].bind((key, password_hash, datetime.now(timezone.utc), base + len(DEFAULT_MAILBOXES)))
-        )
-        if not applied:
-            raise UserExists(key)
-        # The account row won the race; its default mailboxes take the UIDVALIDITYs reserved above.
-        batch = self._batch(BatchType.UNLOGGED)
+        # Account and default mailboxes in one conditional batch of the user's partition: all or nothing.
+        batch = self._batch(conditional=True)
+        batch.add(self._ps["user_create"], (key, password_hash, datetime.now(timezone.utc), base + len(DEFAULT_MAILBOXES)))
         for i, (name, special) in enumerate(DEFAULT_MAILBOXES.items()):
             batch.add(self._ps["mbox_insert_plain"], (key, name, new_message_id(), base + i, special, True))
-        await self._exec(batch)
+        applied, _ = await self._conditional(batch)
+        if not applied:
+            raise UserExists(key)
         await self._run("by_domain_add", domain, key)
 
     async def _account(self, key: str, serial: bool = False) -> Any:
