@@ -71,6 +71,8 @@ class CassandraSettings:
     chunk_size: int = 256 * 1024
     #: Chunk reads/writes kept in flight per message.
     chunk_concurrency: int = 8
+    #: Chunk reads/writes in flight across all messages of one process (64 x 256 KiB = 16 MiB).
+    max_chunks_in_flight: int = 64
     #: Seconds a deleted range must age before listings skip it by the low-water mark; must
     #: exceed clock skew between nodes plus the longest replication delay (hint window).
     tombstone_grace: float = 3 * 3600.0
@@ -113,6 +115,7 @@ class CassandraSettings:
             f"must be between 4096 and 1048576 bytes, got {self.chunk_size}",
         )
         _check(self.chunk_concurrency >= 1, f"{prefix}.chunk_concurrency", "must be >= 1")
+        _check(self.max_chunks_in_flight >= 1, f"{prefix}.max_chunks_in_flight", "must be >= 1")
         _check(self.tombstone_grace >= 0, f"{prefix}.tombstone_grace", "must be >= 0 seconds")
 
 

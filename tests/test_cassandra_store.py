@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -222,3 +223,28 @@ async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_set
         assert cassandra_schema.apply(dataclasses.replace(settings, replication_factor=2)) == []
     finally:
         cassandra_schema.drop(settings)
+
+
+async def test_many_concurrent_large_deliveries_wait_for_room_instead_of_failing(make_store) -> None:
+    """48 deliveries of 2 MB at once would fill the driver's socket buffers; the store holds them back."""
+    store = await make_store(chunk_size=256 * 1024)
+    user = await new_user(store)
+    body = os.urandom(2 * 1024 * 1024)
+    ids = await asyncio.gather(*(store.deliver(body, [Target(user)]) for _ in range(48)))
+    assert len({i for [i] in ids}) == 48
+    assert len([s async for s in store.list_messages(user, INBOX)]) == 48
+    assert await store.read_message(user, INBOX, ids[-1][0]) == body
+
+
+def test_only_requests_that_were_never_sent_are_retried() -> None:
+    from cassandra import OperationTimedOut
+    from cassandra.cluster import NoHostAvailable
+    from cassandra.connection import ConnectionBusy
+    from cassandra.pool import NoConnectionsAvailable
+
+    from cassmail.store.cassandra import _never_sent
+
+    assert _never_sent(NoHostAvailable("x", {"h1": ConnectionBusy("busy"), "h2": NoConnectionsAvailable()}))
+    assert not _never_sent(NoHostAvailable("x", {"h1": ConnectionBusy("busy"), "h2": OSError("reset")}))
+    assert not _never_sent(NoHostAvailable("x", {"h1": OperationTimedOut("timed out")}))
+    assert not _never_sent(NoHostAvailable("x", {}))

@@ -29,7 +29,9 @@ from typing import Any
 
 from cassandra import ConsistencyLevel, DriverException
 from cassandra.auth import PlainTextAuthProvider
-from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, ResponseFuture, Session
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable, ResponseFuture, Session
+from cassandra.connection import ConnectionBusy
+from cassandra.pool import NoConnectionsAvailable
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
 
@@ -113,6 +115,9 @@ class CassandraStore(Store):
         self._cluster: Cluster | None = None
         self._session: Session | None = None
         self._ps: dict[str, PreparedStatement] = {}
+        # Chunk reads and writes in flight across every message of this process: backpressure
+        # instead of filling the driver's socket buffers until it refuses requests.
+        self._chunk_slots = asyncio.Semaphore(settings.max_chunks_in_flight)
         cl = ConsistencyLevel.name_to_value
         self._read_cl = cl[settings.read_consistency.upper()]
         self._write_cl = cl[settings.write_consistency.upper()]
@@ -321,21 +326,31 @@ class CassandraStore(Store):
         return await self._exec(self._ps[name].bind(params))
 
     async def _exec(self, statement: Statement) -> list[Any]:
+        """Run a statement, every page. A request the driver could not even send (its connection
+        busy) is retried with backoff until request_timeout; any other failure is StoreUnavailable."""
         cost = _tracing.get()
-        try:
-            rf = self.session.execute_async(statement, timeout=self.settings.request_timeout, trace=cost is not None)
-            rows: list[Any] = []
-            while True:
-                page = await _wrap(rf)
-                if page:
-                    rows.extend(page)
-                if cost is not None:
-                    await asyncio.to_thread(_add_trace, cost, rf)
-                if not rf.has_more_pages:
-                    return rows
-                rf.start_fetching_next_page()
-        except DriverException as exc:
-            raise StoreUnavailable(f"Cassandra: {_brief(exc)}") from exc
+        deadline = time.monotonic() + self.settings.request_timeout
+        pause = 0.002
+        while True:
+            try:
+                rf = self.session.execute_async(statement, timeout=self.settings.request_timeout, trace=cost is not None)
+                rows: list[Any] = []
+                while True:
+                    page = await _wrap(rf)
+                    if page:
+                        rows.extend(page)
+                    if cost is not None:
+                        await asyncio.to_thread(_add_trace, cost, rf)
+                    if not rf.has_more_pages:
+                        return rows
+                    rf.start_fetching_next_page()
+            except NoHostAvailable as exc:
+                if not _never_sent(exc) or time.monotonic() + pause > deadline:
+                    raise StoreUnavailable(f"Cassandra: {_brief(exc)}") from exc
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            except DriverException as exc:
+                raise StoreUnavailable(f"Cassandra: {_brief(exc)}") from exc
 
     @staticmethod
     @contextlib.contextmanager
@@ -366,11 +381,12 @@ class CassandraStore(Store):
         return batch
 
     async def _gather_limited(self, coros: Iterable[Any]) -> list[Any]:
-        """Run coroutines with at most chunk_concurrency in flight, preserving order."""
+        """Run chunk operations of one message, at most chunk_concurrency at once and within the
+        store-wide chunk budget, preserving order."""
         limit = asyncio.Semaphore(self.settings.chunk_concurrency)
 
         async def one(coro: Any) -> Any:
-            async with limit:
+            async with limit, self._chunk_slots:
                 return await coro
 
         return await asyncio.gather(*(one(c) for c in coros))
@@ -663,7 +679,8 @@ class CassandraStore(Store):
                 task.cancel()
 
     async def _chunk(self, body_id: uuid.UUID, idx: int, mailbox: str) -> bytes:
-        rows = await self._run("chunk_get", body_id, idx)
+        async with self._chunk_slots:
+            rows = await self._run("chunk_get", body_id, idx)
         if not rows:
             raise StoreUnavailable(f"chunk {idx} of body {body_id} in {mailbox!r} not readable at this consistency")
         return rows[0].data
@@ -804,10 +821,17 @@ def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) ->
         return
     if exc is None:
         fut.set_result(result)
-    elif isinstance(exc, DriverException):
+    elif isinstance(exc, (DriverException, NoHostAvailable)):
         fut.set_exception(exc)
     else:  # the driver reports some failures (e.g. connection errors) as plain exceptions
         fut.set_exception(StoreUnavailable(f"Cassandra: {_brief(exc)}"))
+
+
+def _never_sent(exc: NoHostAvailable) -> bool:
+    """True when every host refused the request before sending it (connection busy or out of
+    stream ids), so sending it again cannot apply it twice."""
+    errors = list(exc.errors.values())
+    return bool(errors) and all(isinstance(e, (ConnectionBusy, NoConnectionsAvailable)) for e in errors)
 
 
 def _add_trace(cost: ReadCost, rf: ResponseFuture) -> None:

@@ -1,0 +1,639 @@
+"""Store benchmark: drive a mail store directly through the Store contract and print a table.
+
+Not a test. It measures what the protocol front ends would get from the store
+alone (no SMTP/IMAP parsing), so a slow number here is the store's or the
+database's, not a protocol's:
+
+    make cassandra && .venv/bin/python loadtest/bench_store.py --seconds 20
+
+Per size range it runs three phases, each bounded by --seconds and by
+--max-messages: deliver (one recipient), list (INBOX pages of up to 500) and
+read (whole bodies, checked byte for byte); plus one "deliver x3" phase (one
+call, three mailboxes) at the first range. Sizes are decimal (K = 10^3,
+M = 10^6) and MB/s means 10^6 bytes per second. Failed calls are counted
+(errors column) and count towards --max-messages, but not towards ops/s, MB/s
+or the latencies.
+
+By default everything happens in a fresh `bench_<random>` keyspace, created
+with the schema and dropped at the end, and a fresh `bench-<random>.example`
+domain whose users are deleted at the end (--keep leaves both). With
+--keyspace (or `--set store.cassandra.keyspace=...`) an existing keyspace is
+used as it is: no schema change, never dropped.
+
+CPU: the benchmark's own process (getrusage, includes the driver's threads)
+and, when Cassandra is on this host, the CassandraDaemon JVM (utime+stime
+from /proc), per phase and for the run, so one can see who spent the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import resource
+import secrets
+import socket
+import sys
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from cassmail import config
+from cassmail.auth import HashParams, hash_password
+from cassmail.config import ConfigError, Settings
+from cassmail.server import make_store
+from cassmail.store.base import Store, StoreError, Target
+
+#: Cheap password hashes: user creation is setup, not what is measured.
+BENCH_HASH = HashParams(log2_n=10)
+LIST_LIMIT = 500
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_size(text: str) -> int:
+    """"50K" -> 50000: decimal units, so sizes and MB/s use the same megabyte."""
+    t = text.strip().upper()
+    digits = t.rstrip("BKMG")
+    unit = t[len(digits) :]
+    if not digits or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500, 50K, 2M)")
+    try:
+        value = float(digits) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    return int(value)
+
+
+def parse_ranges(text: str) -> list[tuple[int, int]]:
+    """"50K-500K,200K-2M" -> [(50000, 500000), (200000, 2000000)]; "100K" alone is a fixed size."""
+    ranges = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo_text, sep, hi_text = part.partition("-")
+        lo = parse_size(lo_text)
+        hi = parse_size(hi_text) if sep else lo
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"range {part!r} ends below its start")
+        ranges.append((lo, hi))
+    if not ranges:
+        raise argparse.ArgumentTypeError("--sizes needs at least one range")
+    return ranges
+
+
+def positive(kind: type) -> Callable[[str], int | float]:
+    def convert(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+
+    return convert
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Benchmark a cassmail store through the Store contract (deliver, list, read).",
+    )
+    p.add_argument("--config", metavar="FILE", help="cassmail TOML settings (default: $CASSMAIL_CONFIG or built-ins)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a setting, e.g. --set store.cassandra.port=29042 (repeatable)",
+    )
+    p.add_argument(
+        "--keyspace", metavar="NAME",
+        help="use this existing keyspace as is (default: create a fresh bench_<random> one and drop it after)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the users, domain and created keyspace")
+    p.add_argument("--users", type=positive(int), default=50, help="users in the bench domain (default 50)")
+    p.add_argument("--concurrency", type=positive(int), default=32, help="operations in flight (default 32)")
+    p.add_argument("--seconds", type=positive(float), default=20.0, help="time limit per phase (default 20)")
+    p.add_argument("--max-messages", type=positive(int), default=5000, help="operation limit per phase (default 5000)")
+    p.add_argument(
+        "--sizes", type=parse_ranges, default=parse_ranges("50K-500K,200K-2M"),
+        help="comma-separated size ranges, uniform within each (default 50K-500K,200K-2M)",
+    )
+    return p.parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
+    """Settings to bench, and whether the keyspace is ours (fresh: create, then drop)."""
+    overrides = list(args.overrides)
+    named = args.keyspace is not None or any(o.split("=", 1)[0].strip() == "store.cassandra.keyspace" for o in overrides)
+    if args.keyspace is not None:
+        overrides.append(f"store.cassandra.keyspace={args.keyspace}")
+    elif not named:
+        overrides.append(f"store.cassandra.keyspace=bench_{secrets.token_hex(5)}")
+    settings = config.load(args.config, overrides=overrides)
+    return settings, settings.store.backend == "cassandra" and not named
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+
+def own_cpu() -> float:
+    """CPU seconds (user+system) of this process, the driver's I/O threads included."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _is_local_address(host: str) -> bool:
+    """True when host names this machine: it is loopback, or we can bind to it."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _cassandra_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if b"CassandraDaemon" in fh.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on a TCP port (this network namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(cols[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def _owns_socket(pid: int, inodes: set[str]) -> bool:
+    wanted = {f"socket:[{i}]" for i in inodes}
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return False
+
+
+class CassandraCpu:
+    """CPU seconds of the local CassandraDaemon JVM(s) serving the benchmarked port.
+
+    Other nodes on this host are left out when the one listening on our port can be
+    told apart; otherwise every CassandraDaemon is counted and the label says so.
+    """
+
+    def __init__(self, contact_points: Sequence[str] | None, port: int = 0) -> None:
+        self.pids: list[int] = []
+        self._tick = os.sysconf("SC_CLK_TCK")
+        if contact_points is None:
+            self.label = "backend is not cassandra"
+            return
+        self.label = "Cassandra not on this host: its CPU not measured"
+        if not any(_is_local_address(h) for h in contact_points):
+            return
+        every = _cassandra_pids()
+        if not every:
+            self.label = "local, but no CassandraDaemon process visible (container?): not measured"
+            return
+        inodes = _listening_inodes(port)
+        ours = [pid for pid in every if inodes and _owns_socket(pid, inodes)]
+        if ours:
+            self.pids = ours
+            others = len(every) - len(ours)
+            self.label = f"CassandraDaemon pid {','.join(map(str, ours))} (listening on :{port})" + (
+                f"; {others} other CassandraDaemon on this host not counted" if others else ""
+            )
+        else:
+            self.pids = every
+            self.label = f"all CassandraDaemon pids {','.join(map(str, every))} (owner of :{port} not identified)"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.pids)
+
+    def sample(self) -> dict[int, float]:
+        out = {}
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
+                out[pid] = (int(fields[11]) + int(fields[12])) / self._tick
+            except (OSError, IndexError, ValueError):
+                continue
+        return out
+
+    @staticmethod
+    def delta(before: dict[int, float], after: dict[int, float]) -> float | None:
+        common = before.keys() & after.keys()
+        return sum(after[p] - before[p] for p in common) if common else None
+
+
+# --------------------------------------------------------------------------- phases
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    sizes: str
+    ops: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+    items: int = 0
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    first_error: dict[str, str] = field(default_factory=dict)
+    bench_cpu: float = 0.0
+    cass_cpu: float | None = None
+    note: str = ""
+
+    def rate(self, n: float) -> float:
+        return n / self.seconds if self.seconds > 0 else 0.0
+
+    def pct(self, q: float) -> float | None:
+        """Nearest-rank percentile in ms."""
+        if not self.latencies:
+            return None
+        ordered = sorted(self.latencies)
+        rank = max(1, -(-len(ordered) * q // 100))
+        return ordered[int(rank) - 1] * 1000
+
+
+#: An operation: given its sequence number, do one store call; return (bytes moved, items).
+Op = Callable[[int], Awaitable[tuple[int, int]]]
+
+
+async def run_phase(
+    name: str, sizes: str, op: Op, concurrency: int, seconds: float, max_ops: int, cass: CassandraCpu
+) -> PhaseResult:
+    """Run `op` from `concurrency` workers until max_ops have started or time is up."""
+    result = PhaseResult(name, sizes)
+    issued = 0
+    cpu0, cass0 = own_cpu(), cass.sample()
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    async def worker() -> None:
+        nonlocal issued
+        while issued < max_ops and time.perf_counter() < deadline:
+            seq = issued
+            issued += 1
+            t0 = time.perf_counter()
+            try:
+                moved, items = await op(seq)
+            except Exception as exc:  # noqa: BLE001 - a benchmark counts failures instead of stopping
+                kind = type(exc).__name__
+                result.errors[kind] += 1
+                result.first_error.setdefault(kind, str(exc) or kind)
+                continue
+            result.latencies.append(time.perf_counter() - t0)
+            result.bytes += moved
+            result.items += items
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.seconds = time.perf_counter() - start
+    result.ops = len(result.latencies)
+    result.bench_cpu = own_cpu() - cpu0
+    result.cass_cpu = CassandraCpu.delta(cass0, cass.sample()) if cass.enabled else None
+    print(f"  {name:<10} {sizes:<10} {result.ops:>6} ok {sum(result.errors.values()):>4} err "
+          f"{result.seconds:6.1f} s {result.rate(result.ops):8.1f} ops/s {result.rate(result.bytes) / 1e6:8.1f} MB/s",
+          flush=True)
+    return result
+
+
+@dataclass
+class Delivered:
+    user: str
+    id: uuid.UUID
+    offset: int
+    size: int
+
+
+class Bench:
+    """The benchmark state: one open store, its users, and the random body pool."""
+
+    def __init__(self, store: Store, users: list[str], args: argparse.Namespace, cass: CassandraCpu) -> None:
+        self.store, self.users, self.args, self.cass = store, users, args, cass
+        self.rng = random.Random()
+        top = max(hi for _, hi in args.sizes)
+        # One pool of random bytes, sliced per message: generating bodies costs nothing in the loop.
+        self.pool = os.urandom(top + 1024 * 1024)
+        self.view = memoryview(self.pool)
+
+    def _body(self, lo: int, hi: int) -> tuple[int, int]:
+        size = self.rng.randint(lo, hi)
+        return self.rng.randint(0, len(self.pool) - size), size
+
+    def phase(self, name: str, sizes: str, op: Op) -> Awaitable[PhaseResult]:
+        a = self.args
+        return run_phase(name, sizes, op, a.concurrency, a.seconds, a.max_messages, self.cass)
+
+    async def deliver(self, lo: int, hi: int, label: str, recipients: int, keep: list[Delivered] | None) -> PhaseResult:
+        async def op(_: int) -> tuple[int, int]:
+            offset, size = self._body(lo, hi)
+            users = self.rng.sample(self.users, recipients)
+            ids = await self.store.deliver(self.view[offset : offset + size], [Target(u) for u in users])
+            if keep is not None:
+                keep.append(Delivered(users[0], ids[0], offset, size))
+            return size, len(ids)
+
+        name = "deliver" if recipients == 1 else f"deliver x{recipients}"
+        result = await self.phase(name, label, op)
+        if recipients > 1:
+            result.note = f"{result.rate(result.items):.0f} copies/s; MB/s counts each body once"
+        return result
+
+    async def list(self, label: str) -> PhaseResult:
+        async def op(seq: int) -> tuple[int, int]:
+            page = await self.store.list_page(self.users[seq % len(self.users)], "INBOX", limit=LIST_LIMIT)
+            return 0, len(page.items)
+
+        result = await self.phase("list", label, op)
+        per = result.items / result.ops if result.ops else 0
+        result.note = f"{result.rate(result.items):.0f} summaries/s ({per:.0f} per listing)"
+        return result
+
+    async def read(self, label: str, delivered: list[Delivered]) -> PhaseResult:
+        async def op(_: int) -> tuple[int, int]:
+            m = self.rng.choice(delivered)
+            pos = 0
+            async for chunk in self.store.read_chunks(m.user, "INBOX", m.id):
+                start = m.offset + pos
+                if chunk != self.pool[start : start + len(chunk)]:
+                    raise ValueError(f"body of {m.id} differs from what was delivered at byte {pos}")
+                pos += len(chunk)
+            if pos != m.size:
+                raise ValueError(f"body of {m.id} is {pos} bytes, delivered {m.size}")
+            return pos, 1
+
+        result = await self.phase("read", label, op)
+        result.note = f"bodies checked byte for byte; from {len(delivered)} delivered"
+        return result
+
+
+# --------------------------------------------------------------------------- setup and report
+
+
+def human(n: int) -> str:
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale and n % (scale // 1000 or 1) == 0:
+            return f"{n / scale:g}{unit}"
+    return str(n)
+
+
+def describe(settings: Settings, args: argparse.Namespace, created: bool, store: Store | None = None) -> list[str]:
+    """The settings that decide the numbers, one per line."""
+    s = settings.store
+    lines = [f"backend            {s.backend}"]
+    if s.backend == "cassandra":
+        c = s.cassandra
+        if c.replication_strategy == "NetworkTopologyStrategy":
+            rf = "NetworkTopologyStrategy " + ", ".join(f"{dc}={n}" for dc, n in c.datacenters.items())
+        else:
+            rf = f"SimpleStrategy, replication_factor={c.replication_factor}"
+        lines += [
+            f"contact points     {', '.join(c.contact_points)} port {c.port}",
+            f"keyspace           {c.keyspace} ({'created for this run' if created else 'existing, used as is'})",
+            f"replication        {rf}  (from settings{'' if created else '; the keyspace may differ'})",
+            f"consistency        read {c.read_consistency.upper()}, write {c.write_consistency.upper()}, "
+            f"serial {c.serial_consistency.upper()}",
+            f"chunk size         {c.chunk_size} bytes, {c.chunk_concurrency} chunk requests in flight per message",
+            f"request timeout    {c.request_timeout:g} s",
+        ]
+        cluster = getattr(store, "_cluster", None)
+        if cluster is not None:
+            import cassandra
+
+            lines.append(f"driver             cassandra-driver {cassandra.__version__}, {cluster.connection_class.__name__}")
+    lines += [
+        f"concurrency        {args.concurrency} operations in flight",
+        f"users              {args.users}",
+        f"per phase          at most {args.seconds:g} s and {args.max_messages} operations",
+        f"sizes              {', '.join(f'{human(lo)}-{human(hi)}' for lo, hi in args.sizes)} (uniform; K=10^3, M=10^6)",
+        f"host               {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start",
+    ]
+    return lines
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(results: list[PhaseResult], cass_on: bool) -> list[str]:
+    head = ["phase", "sizes", "ops", "errors", "s", "ops/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "bench CPU s"]
+    if cass_on:
+        head.append("Cassandra CPU s")
+    head.append("notes")
+    rows = []
+    for r in results:
+        row = [
+            r.name, r.sizes, str(r.ops), str(sum(r.errors.values())), f"{r.seconds:.1f}", f"{r.rate(r.ops):.1f}",
+            "-" if r.name == "list" else f"{r.rate(r.bytes) / 1e6:.1f}",
+            _fmt(r.pct(50)), _fmt(r.pct(95)), _fmt(r.pct(99)), f"{r.bench_cpu:.1f}",
+        ]
+        if cass_on:
+            row.append(_fmt(r.cass_cpu))
+        row.append(r.note)
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    right = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11} - ({11} if not cass_on else set())
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
+    return [line(head), sep, *(line(r) for r in rows)]
+
+
+async def make_users(store: Store, domain: str, n: int, concurrency: int) -> list[str]:
+    """Create the bench users, `concurrency` at a time (each creation is a lightweight transaction)."""
+    hashed = hash_password("pw", BENCH_HASH)  # one hash for all: hashing is not what is measured
+    limit = asyncio.Semaphore(concurrency)
+    users = [f"u{i:04d}@{domain}" for i in range(n)]
+
+    async def one(user: str) -> None:
+        async with limit:
+            await store.create_user(user, hashed)
+
+    await asyncio.gather(*(one(u) for u in users))
+    return users
+
+
+async def delete_users(store: Store, users: list[str], concurrency: int) -> list[str]:
+    """Delete the bench users; returns the failures (cleanup never hides the results)."""
+    limit = asyncio.Semaphore(concurrency)
+    failures: list[str] = []
+
+    async def one(user: str) -> None:
+        async with limit:
+            try:
+                await store.delete_user(user)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{user}: {type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(one(u) for u in users))
+    return failures
+
+
+async def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings, created = load_settings(args)
+    except ConfigError as exc:
+        print(f"bench_store: {exc}", file=sys.stderr)
+        return 2
+    too_big = [hi for _, hi in args.sizes if settings.store.max_message_size and hi > settings.store.max_message_size]
+    if too_big:
+        print(f"bench_store: sizes up to {max(too_big)} exceed store.max_message_size "
+              f"({settings.store.max_message_size})", file=sys.stderr)
+        return 2
+    try:
+        store = make_store(settings)
+    except ConfigError as exc:
+        print(f"bench_store: {exc}", file=sys.stderr)
+        return 2
+
+    c = settings.store.cassandra
+    cass = CassandraCpu(c.contact_points, c.port) if settings.store.backend == "cassandra" else CassandraCpu(None)
+    run_cpu0, run_cass0, run_t0 = own_cpu(), cass.sample(), time.perf_counter()
+    results: list[PhaseResult] = []
+    users: list[str] = []
+    domain = f"bench-{secrets.token_hex(4)}.example"
+    opened = False
+    made = None  # None: no keyspace made; False: apply failed part way; True: made
+    status = 0
+    try:
+        if created:
+            from cassmail.store import cassandra_schema
+
+            t = time.perf_counter()
+            made = False
+            await asyncio.to_thread(cassandra_schema.apply, c)
+            made = True
+            print(f"created keyspace {c.keyspace} in {time.perf_counter() - t:.1f} s", flush=True)
+        await store.open()
+        opened = True
+        print("# cassmail store benchmark")
+        for line in describe(settings, args, created, store):
+            print("  " + line)
+        print(f"  CPU accounting     bench process (getrusage); {cass.label}")
+        print(flush=True)
+
+        await store.add_domain(domain)
+        t = time.perf_counter()
+        users = await make_users(store, domain, args.users, args.concurrency)
+        print(f"created {len(users)} users in {domain} in {time.perf_counter() - t:.1f} s", flush=True)
+
+        bench = Bench(store, users, args, cass)
+        for index, (lo, hi) in enumerate(args.sizes):
+            label = f"{human(lo)}-{human(hi)}"
+            delivered: list[Delivered] = []
+            results.append(await bench.deliver(lo, hi, label, 1, delivered))
+            results.append(await bench.list(label))
+            if delivered:
+                results.append(await bench.read(label, delivered))
+            else:
+                print(f"  read       {label:<10} skipped: nothing was delivered", flush=True)
+            if index == 0:
+                if len(users) >= 3:
+                    results.append(await bench.deliver(lo, hi, label, 3, None))
+                else:
+                    print("  deliver x3 skipped: needs --users >= 3", flush=True)
+    except Exception as exc:  # noqa: BLE001 - still print what was measured and clean up
+        print(f"\nbench_store: stopped by {type(exc).__name__}: {exc}", file=sys.stderr)
+        if not isinstance(exc, StoreError):
+            traceback.print_exc()
+        status = 1
+    finally:
+        if opened and not args.keep:
+            t = time.perf_counter()
+            failures = await delete_users(store, users, args.concurrency)
+            try:
+                await store.remove_domain(domain)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"domain {domain}: {type(exc).__name__}: {exc}")
+            print(f"\ncleanup: deleted {len(users) - len(failures)} users and the domain in "
+                  f"{time.perf_counter() - t:.1f} s" + (f"; {len(failures)} failures" if failures else ""))
+            for failure in failures[:5]:
+                print(f"  {failure}")
+        elif opened:
+            print(f"\n--keep: left {len(users)} users in {domain}")
+        if opened:
+            await store.close()
+        if made is not None and args.keep:
+            print(f"--keep: left keyspace {c.keyspace}")
+        elif made is not None:
+            try:
+                await asyncio.to_thread(cassandra_schema.drop, c)
+                print(f"dropped keyspace {c.keyspace}")
+            except Exception as exc:  # noqa: BLE001
+                if made:  # after a failed apply the node is usually unreachable and there is nothing to drop
+                    print(f"could not drop keyspace {c.keyspace}: {exc}", file=sys.stderr)
+                    status = status or 1
+
+    if not results:
+        return status or 1
+
+    run_cpu = own_cpu() - run_cpu0
+    run_cass = CassandraCpu.delta(run_cass0, cass.sample()) if cass.enabled else None
+    wall = time.perf_counter() - run_t0
+    print()
+    for line in table(results, cass.enabled):
+        print(line)
+    for r in results:
+        for kind, n in r.errors.items():
+            print(f"errors in {r.name} {r.sizes}: {n} x {kind}, first: {r.first_error[kind]}")
+    phase_cpu = sum(r.bench_cpu for r in results)
+    phase_wall = sum(r.seconds for r in results)
+    print()
+    print(f"bench process CPU: {run_cpu:.1f} s over the whole run ({wall:.1f} s wall, setup and cleanup included); "
+          f"{phase_cpu:.1f} s in the phases ({phase_wall:.1f} s wall, {phase_cpu / phase_wall if phase_wall else 0:.2f} cores)")
+    if cass.enabled:
+        phase_cass = sum(r.cass_cpu or 0.0 for r in results)
+        print(f"Cassandra CPU:     {_fmt(run_cass)} s over the whole run; {phase_cass:.1f} s in the phases "
+              f"({phase_cass / phase_wall if phase_wall else 0:.2f} cores) [{cass.label}]")
+    else:
+        print(f"Cassandra CPU:     {cass.label}")
+    return status
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(asyncio.run(main()))
+    except KeyboardInterrupt:
+        sys.exit(130)
