@@ -4,7 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install cassandra cassandra-down cassandra-status test bench clean
+.PHONY: install test-tools cassandra cassandra-down cassandra-status test bench clean
+
+# Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
+TEST_TOOLS := swaks openssl
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # A virtualenv with cassmail (editable) and its test tools; redone when pyproject.toml changes.
 $(BIN)/cassmail: pyproject.toml
@@ -27,7 +31,12 @@ cassandra-status: install
 
 # The whole suite against a real Cassandra (its own node on 127.0.0.1:19042, started and stopped by the
 # tests; or CASSMAIL_TEST_CASSANDRA=host:port). pytest's "no tests collected" (exit 5) is a failure.
-test: install
+test-tools:
+	@missing=""; for t in $(TEST_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then echo "installing$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; fi
+
+test: install test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

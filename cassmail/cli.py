@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(metavar="COMMAND")
 
+    serve = sub.add_parser("serve", help="run the mail server (SMTP, submission, LMTP listeners)")
+    serve.add_argument("--workers", type=int, help="worker processes (default: node.workers, 0 = one per core)")
+    serve.set_defaults(run=cmd_serve)
+
     schema = sub.add_parser("schema", help="Cassandra keyspace and tables").add_subparsers(metavar="ACTION")
     schema.add_parser("apply", help="create or update the keyspace and tables").set_defaults(run=cmd_schema_apply)
 
@@ -137,6 +141,15 @@ def _params(settings: config.Settings) -> auth.HashParams:
 
 
 # --------------------------------------------------------------------------- commands
+
+
+def cmd_serve(settings: config.Settings, args: argparse.Namespace) -> int:
+    from cassmail import server
+
+    if args.workers is not None:
+        settings.node.workers = args.workers
+        config.validate(settings)
+    return server.serve(settings)
 
 
 def cmd_schema_apply(settings: config.Settings, args: argparse.Namespace) -> int:

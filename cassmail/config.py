@@ -44,6 +44,19 @@ def _check(cond: bool, key: str, why: str) -> None:
 class NodeSettings:
     #: Name of this node in Received: headers and logs.
     name: str = field(default_factory=socket.getfqdn)
+    #: Worker processes sharing the listening sockets (SO_REUSEPORT); 0 = one per CPU core.
+    workers: int = 0
+    #: Log level of `cassmail serve`: DEBUG, INFO, WARNING or ERROR.
+    log_level: str = "INFO"
+
+    def validate(self, prefix: str) -> None:
+        _check(bool(self.name.strip()), f"{prefix}.name", "must not be empty")
+        _check(0 <= self.workers <= 256, f"{prefix}.workers", "must be 0 (one per core) .. 256")
+        _check(
+            self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+            f"{prefix}.log_level",
+            f"must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}",
+        )
 
 
 @dataclass
@@ -166,13 +179,52 @@ class AuthSettings:
 class ListenerSettings:
     enabled: bool = True
     listen: str = "127.0.0.1:0"
+    #: PEM certificate chain and key; with them STARTTLS (or STLS) is offered.
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: TLS from the first byte (ports 465, 993, 995 style) instead of STARTTLS.
+    implicit_tls: bool = False
+    #: Offer password authentication without TLS (only for trusted networks and tests).
+    allow_plaintext_auth: bool = False
+    #: Seconds a session may stay idle before it is closed.
+    timeout: float = 300.0
+    #: Failed authentications before the session is closed.
+    max_auth_failures: int = 3
 
     def validate(self, prefix: str) -> None:
         host_port(self.listen, f"{prefix}.listen")
+        _check(bool(self.tls_cert) == bool(self.tls_key), f"{prefix}.tls_cert", "tls_cert and tls_key go together")
+        for key in ("tls_cert", "tls_key"):
+            path = getattr(self, key)
+            _check(not path or Path(path).is_file(), f"{prefix}.{key}", f"no such file: {path}")
+        _check(not self.implicit_tls or bool(self.tls_cert), f"{prefix}.implicit_tls", "needs tls_cert and tls_key")
+        _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
+        _check(self.max_auth_failures >= 1, f"{prefix}.max_auth_failures", "must be >= 1")
 
 
-def _listener(port: int, enabled: bool = True) -> Any:
-    return field(default_factory=lambda: ListenerSettings(enabled=enabled, listen=f"127.0.0.1:{port}"))
+@dataclass
+class SmtpSettings(ListenerSettings):
+    #: Recipients accepted per message (more get 452 4.5.3).
+    max_recipients: int = 100
+    #: Longest command line in bytes (RFC 5321: 512); longer ones get 500 5.5.2.
+    max_command_length: int = 512
+    #: Times one command may be sent in a session before it is closed with 421 (e.g. RCPT, NOOP).
+    max_commands: int = 1000
+    #: Seconds the list of local domains is cached for RCPT checks.
+    domain_cache_seconds: float = 10.0
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        _check(1 <= self.max_recipients <= 100_000, f"{prefix}.max_recipients", "must be 1..100000")
+        _check(
+            512 <= self.max_command_length <= 65536, f"{prefix}.max_command_length", "must be 512..65536 bytes"
+        )
+        _check(self.max_commands >= 10, f"{prefix}.max_commands", "must be >= 10")
+        _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
+
+
+def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings) -> Any:
+    return field(default_factory=lambda: kind(enabled=enabled, listen=f"127.0.0.1:{port}"))
 
 
 @dataclass
@@ -180,9 +232,9 @@ class Settings:
     node: NodeSettings = field(default_factory=NodeSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
-    smtp: ListenerSettings = _listener(2525)
-    submission: ListenerSettings = _listener(2587)
-    lmtp: ListenerSettings = _listener(2424, enabled=False)
+    smtp: SmtpSettings = _listener(2525, kind=SmtpSettings)
+    submission: SmtpSettings = _listener(2587, kind=SmtpSettings)
+    lmtp: SmtpSettings = _listener(2424, enabled=False, kind=SmtpSettings)
     pop3: ListenerSettings = _listener(1110)
     imap: ListenerSettings = _listener(1143)
 

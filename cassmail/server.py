@@ -1,9 +1,36 @@
-"""Wires settings, the store and the listeners into a running node."""
+"""Wires settings, the store and the listeners into a running node.
+
+`serve` is a small supervisor: it checks that every listening address can be
+bound (and resolves port 0), then forks `node.workers` worker processes (one
+per core by default). Each worker opens its own store connection and its own
+listening sockets with SO_REUSEPORT, so the kernel spreads connections over
+the workers and no state is shared between them. The supervisor restarts a
+worker that dies and, on SIGTERM/SIGINT, asks every worker to stop: a worker
+stops accepting, lets sessions in progress finish for a grace period, then
+closes the store.
+"""
 
 from __future__ import annotations
 
-from cassmail.config import ConfigError, Settings
-from cassmail.store.base import Store
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from cassmail import logs
+from cassmail.config import ConfigError, Settings, host_port
+from cassmail.logs import kv
+from cassmail.store.base import Store, StoreError
+
+log = logging.getLogger("cassmail.server")
+
+#: Seconds a stopping worker waits for sessions in progress.
+STOP_GRACE = 10.0
+#: A worker that dies sooner than this after its start is restarted only after a pause.
+RESTART_PAUSE = 1.0
 
 
 def make_store(settings: Settings) -> Store:
@@ -14,3 +41,133 @@ def make_store(settings: Settings) -> Store:
 
         return CassandraStore(settings.store.cassandra, max_message_size=settings.store.max_message_size)
     raise ConfigError(f"store.backend: {backend!r} is not available yet in this version of cassmail (use \"cassandra\")")
+
+
+def enabled_listeners(settings: Settings) -> dict[str, tuple[str, int]]:
+    """Name -> (host, port) of every listener this node runs."""
+    from cassmail.smtp import LISTENERS
+
+    return {
+        name: host_port(getattr(settings, name).listen)
+        for name, _ in LISTENERS
+        if getattr(settings, name).enabled
+    }
+
+
+def _reserve(address: tuple[str, int]) -> socket.socket:
+    """Bind (without listening) so the address is known to be free and port 0 gets a number;
+    with SO_REUSEPORT the workers can bind the same address beside it."""
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {address[0]}:{address[1]}: {exc.strerror}") from None
+    return sock
+
+
+def serve(settings: Settings) -> int:
+    """Run the node until SIGTERM/SIGINT; returns the exit code."""
+    logs.setup(settings.node.log_level)
+    reserved = {name: _reserve(addr) for name, addr in enabled_listeners(settings).items()}
+    if not reserved:
+        raise ConfigError("no listener is enabled: enable at least one of [smtp], [submission], [lmtp]")
+    for name, sock in reserved.items():
+        host, port = sock.getsockname()[:2]
+        setattr(getattr(settings, name), "listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    workers = settings.node.workers or os.cpu_count() or 1
+    listening = " ".join(f"{name}={getattr(settings, name).listen}" for name in reserved)
+    log.info(kv("start", node=settings.node.name, workers=workers, backend=settings.store.backend, listen=listening))
+    print(f"cassmail: serving {listening} with {workers} worker(s)", flush=True)
+    if workers == 1:
+        return asyncio.run(run_worker(settings))
+    return _supervise(settings, workers)
+
+
+def _supervise(settings: Settings, workers: int) -> int:
+    children: dict[int, float] = {}
+    stopping = False
+
+    def spawn() -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            code = 1
+            try:
+                code = asyncio.run(run_worker(settings))
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        children[pid] = time.monotonic()
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in list(children):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for _ in range(workers):
+        spawn()
+    exit_code = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        started = children.pop(pid, None)
+        if started is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        if stopping:
+            continue
+        log.error(kv("worker-exit", worker=pid, code=code))
+        if code == 3:  # the store could not be opened: restarting will not help
+            exit_code = 3
+            stop(signal.SIGTERM, None)
+            continue
+        if time.monotonic() - started < RESTART_PAUSE:
+            time.sleep(RESTART_PAUSE)
+        spawn()
+    log.info(kv("stopped", node=settings.node.name))
+    return exit_code
+
+
+async def run_worker(settings: Settings) -> int:
+    """One worker: a store connection and every listener on one event loop, until SIGTERM."""
+    from cassmail import smtp
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    store = make_store(settings)
+    try:
+        await store.open()
+    except StoreError as exc:
+        log.error(kv("store-open", result="fail", error=exc))
+        print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)
+        return 3
+    servers = await smtp.start(settings, store)
+    log.info(kv("worker-ready", listeners=len(servers)))
+    try:
+        await stop.wait()
+    finally:
+        for server in servers:
+            server.close()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.wait_closed() for s in servers)), STOP_GRACE)
+        except asyncio.TimeoutError:
+            log.warning(kv("stop", result="sessions-cut", grace=STOP_GRACE))
+        await store.close()
+    return 0

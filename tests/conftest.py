@@ -22,7 +22,8 @@ import pytest
 
 from cassmail.auth import HashParams, hash_password
 from cassmail.cli import load_launcher
-from cassmail.config import CassandraSettings, host_port
+from cassmail.config import CassandraSettings, Settings, host_port
+from cassmail.server import make_store
 from cassmail.store.base import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,21 +116,29 @@ def cassandra_settings(cassandra_endpoint: tuple[str, int]) -> Iterator[Cassandr
     cassandra_schema.drop(settings)
 
 
-async def _open_backend(name: str, request: pytest.FixtureRequest) -> Store:
+def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
+    """Complete settings whose [store] section names one backend prepared for tests."""
+    settings = Settings()
+    settings.store.backend = name
+    settings.store.max_message_size = 128 * 1024 * 1024
     if name == "cassandra":
-        from cassmail.store.cassandra import CassandraStore
-
-        store: Store = CassandraStore(request.getfixturevalue("cassandra_settings"), max_message_size=128 * 1024 * 1024)
+        settings.store.cassandra = request.getfixturevalue("cassandra_settings")
     else:  # pragma: no cover - a backend listed without a factory
-        raise AssertionError(f"no factory for backend {name}")
-    await store.open()
-    return store
+        raise AssertionError(f"no settings for backend {name}")
+    return settings
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """Each backend in turn; shared by the tests, which isolate themselves by domain."""
-    opened = await _open_backend(request.param, request)
+def backend_settings(request: pytest.FixtureRequest) -> Settings:
+    """Each backend in turn, as settings: the store fixture and the `cassmail serve` nodes share it."""
+    return backend_settings_for(request.param, request)
+
+
+@pytest.fixture(scope="session")
+async def store(backend_settings: Settings) -> AsyncIterator[Store]:
+    """The backend's store, opened in the test process; tests isolate themselves by domain."""
+    opened = make_store(backend_settings)
+    await opened.open()
     yield opened
     await opened.close()
 

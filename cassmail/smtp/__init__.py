@@ -1,0 +1,76 @@
+"""The SMTP front end: MX receive, authenticated submission and LMTP, on aiosmtpd.
+
+`listeners(settings, store)` gives the servers a node runs; nothing here knows a backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+from cassmail.config import Settings, SmtpSettings, host_port
+from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, DeliveryHandler, Role
+from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP
+from cassmail.store.base import Store
+from cassmail.tls import server_context
+
+
+def _factory(settings: Settings, listener: SmtpSettings, role: Role, store: Store) -> Callable[[], asyncio.Protocol]:
+    handler = DeliveryHandler(store, listener, role, settings.node.name)
+    tls = server_context(listener)
+    engine = CassmailLMTP if role.lmtp else CassmailSMTP
+    starttls = tls if (tls is not None and not listener.implicit_tls) else None
+    limit = settings.store.max_message_size
+
+    def make() -> asyncio.Protocol:
+        protocol = engine(
+            handler,
+            data_size_limit=limit,
+            enable_SMTPUTF8=True,
+            decode_data=False,
+            hostname=settings.node.name,
+            ident="cassmail",
+            tls_context=starttls,
+            timeout=listener.timeout,
+            auth_required=role.submission,
+            auth_require_tls=not listener.allow_plaintext_auth and not listener.implicit_tls,
+            command_call_limit=listener.max_commands,
+            authenticator=_unused_authenticator,
+        )
+        protocol.command_size_limit = listener.max_command_length
+        if not role.submission:
+            # Only submission offers AUTH: MX and LMTP peers are other servers.
+            protocol._auth_methods.clear()
+        return protocol
+
+    return make
+
+
+def _unused_authenticator(*args: object) -> None:  # pragma: no cover - replaced by the engine's async check
+    raise AssertionError("the engine checks credentials itself")
+
+
+LISTENERS: tuple[tuple[str, Role], ...] = (("smtp", MX), ("submission", SUBMISSION), ("lmtp", LMTP_ROLE))
+
+
+async def start(settings: Settings, store: Store, sockets: dict[str, socket.socket] | None = None) -> list[asyncio.Server]:
+    """Start every enabled SMTP-family listener; `sockets` are pre-bound ones (from the supervisor)."""
+    loop = asyncio.get_running_loop()
+    servers = []
+    for name, role in LISTENERS:
+        listener: SmtpSettings = getattr(settings, name)
+        if not listener.enabled:
+            continue
+        factory = _factory(settings, listener, role, store)
+        ssl = server_context(listener) if listener.implicit_tls else None
+        if sockets and name in sockets:
+            server = await loop.create_server(factory, sock=sockets[name], ssl=ssl)
+        else:
+            host, port = host_port(listener.listen)
+            server = await loop.create_server(factory, host, port, ssl=ssl, reuse_port=True, backlog=1024)
+        servers.append(server)
+    return servers
+
+
+__all__ = ["start", "LISTENERS"]

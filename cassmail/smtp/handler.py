@@ -1,0 +1,262 @@
+"""What cassmail does at each SMTP step: who may send, who may receive, and storing the message.
+
+One handler object serves every session of one listener (aiosmtpd calls its
+`handle_*` hooks). It knows the store only through the Store contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from email.utils import format_datetime
+from datetime import datetime, timezone
+from typing import Any
+
+from aiosmtpd.smtp import AuthResult, Envelope, Session
+
+from cassmail import auth
+from cassmail.config import SmtpSettings
+from cassmail.logs import Timer, kv
+from cassmail.model import Address, InvalidInput
+from cassmail.store.base import (
+    MessageTooLarge,
+    NoSuchMailbox,
+    NoSuchUser,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    Target,
+)
+from cassmail.tls import describe
+
+log = logging.getLogger("cassmail.smtp")
+
+TEMPORARY = "451 4.3.0 Mail system temporarily unavailable, try again later"
+#: Checked when the user does not exist, so a wrong address costs as long as a wrong password.
+_DUMMY_HASH = auth.hash_password(os.urandom(8).hex(), auth.HashParams())
+
+
+@dataclass
+class Role:
+    """How a listener behaves: MX (anyone, local recipients only), submission (authenticated
+    users, copy to Sent) or LMTP (a trusted MTA hands over mail, one reply per recipient)."""
+
+    name: str
+    submission: bool = False
+    lmtp: bool = False
+
+
+MX = Role("smtp")
+SUBMISSION = Role("submission", submission=True)
+LMTP_ROLE = Role("lmtp", lmtp=True)
+
+
+class LocalDomains:
+    """The store's local domains, cached briefly for the common case (mail to a local domain).
+
+    Only hits are trusted from the cache: a domain not in it is asked of the store, so a
+    domain added a moment ago is accepted at once; a removed one is refused within `ttl`.
+    """
+
+    def __init__(self, store: Store, ttl: float) -> None:
+        self.store, self.ttl = store, ttl
+        self._domains: frozenset[str] = frozenset()
+        self._expires = 0.0
+        self._lock = asyncio.Lock()
+
+    async def contains(self, domain: str) -> bool:
+        if self.ttl > 0 and time.monotonic() >= self._expires:
+            async with self._lock:
+                if time.monotonic() >= self._expires:
+                    self._domains = frozenset(await self.store.list_domains())
+                    self._expires = time.monotonic() + self.ttl
+        if domain in self._domains:
+            return True
+        return await self.store.is_local_domain(domain)
+
+
+class DeliveryHandler:
+    def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str) -> None:
+        self.store = store
+        self.settings = settings
+        self.role = role
+        self.node_name = node_name
+        self.domains = LocalDomains(store, settings.domain_cache_seconds)
+
+    # ------------------------------------------------------------------ session
+
+    async def handle_HELO(self, server: Any, session: Session, envelope: Envelope, hostname: str) -> str:
+        session.host_name = hostname
+        return f"250 {server.hostname}"
+
+    async def handle_EHLO(
+        self, server: Any, session: Session, envelope: Envelope, hostname: str, responses: list[str]
+    ) -> list[str]:
+        """aiosmtpd's EHLO keywords plus PIPELINING and ENHANCEDSTATUSCODES; AUTH only where offered."""
+        session.host_name = hostname
+        server.in_ehlo_reply = True
+        lines = [r for r in responses[:-1] if not (r.startswith("250-AUTH") and r.strip() == "250-AUTH")]
+        return [*lines, "250-PIPELINING", "250-ENHANCEDSTATUSCODES", responses[-1]]
+
+    # ------------------------------------------------------------------ AUTH
+
+    async def authenticate(self, server: Any, login: bytes, password: bytes) -> AuthResult:
+        """Check a login against the store; count failures and close the session after too many."""
+        session: Session = server.session
+        timer = Timer()
+        try:
+            user = Address.parse(login.decode("utf-8")).key
+            secret = password.decode("utf-8")
+        except (UnicodeDecodeError, InvalidInput):
+            user, secret = None, ""
+        try:
+            stored = await self.store.get_password_hash(user) if user else _DUMMY_HASH
+        except NoSuchUser:
+            stored = _DUMMY_HASH
+        except StoreError as exc:
+            log.warning(kv("auth", listener=self.role.name, peer=_peer(session), user=user, result="tempfail", error=exc))
+            return AuthResult(success=False, handled=False, message="454 4.7.0 Temporary authentication failure")
+        ok = user is not None and stored is not _DUMMY_HASH and await auth.verify_async(secret, stored)
+        if user is None or stored is _DUMMY_HASH:
+            await auth.verify_async(secret or "x", _DUMMY_HASH)
+        log.info(kv("auth", listener=self.role.name, peer=_peer(session), user=user, result="ok" if ok else "fail", ms=timer.ms))
+        if ok:
+            return AuthResult(success=True, auth_data=user)
+        failures = getattr(session, "auth_failures", 0) + 1
+        session.auth_failures = failures  # type: ignore[attr-defined]
+        if failures >= self.settings.max_auth_failures:
+            await server.push("421 4.7.0 Too many failed authentications, closing connection")
+            server.transport.close()
+            return AuthResult(success=False, handled=True)
+        return AuthResult(success=False, handled=False)
+
+    # ------------------------------------------------------------------ envelope
+
+    async def handle_MAIL(
+        self, server: Any, session: Session, envelope: Envelope, address: str, mail_options: list[str]
+    ) -> str:
+        null = address in ("", "<>")  # the null reverse-path of bounces; aiosmtpd keeps it as "<>"
+        if not null:
+            try:
+                sender = Address.parse(address)
+            except InvalidInput as exc:
+                return f"553 5.1.7 Bad sender address syntax: {exc}"
+            if not envelope.smtp_utf8 and not str(sender).isascii():
+                return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
+        elif self.role.submission:
+            return "553 5.7.1 The null sender is not allowed for submission"
+        if self.role.submission and (null or sender.key != session.auth_data):
+            return f"553 5.7.1 Sender address <{address}> is not owned by the authenticated user {session.auth_data}"
+        envelope.mail_from = "<>" if null else address
+        envelope.mail_options.extend(mail_options)
+        return "250 2.1.0 Sender OK"
+
+    async def handle_RCPT(
+        self, server: Any, session: Session, envelope: Envelope, address: str, rcpt_options: list[str]
+    ) -> str:
+        if len(envelope.rcpt_tos) >= self.settings.max_recipients:
+            return f"452 4.5.3 Too many recipients (at most {self.settings.max_recipients} per message)"
+        try:
+            rcpt = Address.parse(address)
+        except InvalidInput as exc:
+            return f"501 5.1.3 Bad recipient address syntax: {exc}"
+        if not envelope.smtp_utf8 and not str(rcpt).isascii():
+            return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
+        try:
+            local = await self.domains.contains(rcpt.domain)
+            if not local:
+                if session.authenticated:
+                    return "550 5.7.1 Delivery to other domains is not available on this server"
+                return "550 5.7.1 Relaying denied"
+            if not await self.store.user_exists(rcpt.key):
+                return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
+        except StoreError as exc:
+            log.warning(kv("rcpt", listener=self.role.name, peer=_peer(session), rcpt=rcpt.key, result="tempfail", error=exc))
+            return TEMPORARY
+        envelope.rcpt_tos.append(rcpt.key)
+        envelope.rcpt_options.extend(rcpt_options)
+        return "250 2.1.5 Recipient OK"
+
+    async def handle_VRFY(self, server: Any, session: Session, envelope: Envelope, address: str) -> str:
+        # Answering yes or no would let anyone harvest the user list (RFC 5321 3.5.3).
+        return "252 2.5.2 Cannot VRFY user, but will accept message and attempt delivery"
+
+    # ------------------------------------------------------------------ DATA
+
+    async def handle_DATA(self, server: Any, session: Session, envelope: Envelope) -> str:
+        timer = Timer()
+        queue_id = uuid.uuid4().hex[:16]
+        body = envelope.original_content
+        assert isinstance(body, bytes)
+        targets = [Target(rcpt) for rcpt in envelope.rcpt_tos]
+        if self.role.submission and session.auth_data:
+            targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
+        message = self.trace_headers(server, session, envelope, queue_id) + body
+        fields = dict(
+            listener=self.role.name, peer=_peer(session), helo=session.host_name, user=session.auth_data,
+            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), size=len(body), id=queue_id,
+        )
+        try:
+            await self.store.deliver(message, targets)
+        except MessageTooLarge:
+            log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
+            return self._per_recipient(envelope, "552 5.3.4 Message too big for system")
+        except (StoreUnavailable, NoSuchUser, NoSuchMailbox) as exc:
+            log.warning(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
+            return self._per_recipient(envelope, TEMPORARY)
+        except StoreError as exc:
+            log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
+            return self._per_recipient(envelope, TEMPORARY)
+        log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
+        return self._per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
+
+    def _per_recipient(self, envelope: Envelope, status: str) -> str:
+        """LMTP answers DATA once per accepted recipient (RFC 2033 4.2); SMTP once."""
+        return "\r\n".join([status] * len(envelope.rcpt_tos)) if self.role.lmtp else status
+
+    def trace_headers(self, server: Any, session: Session, envelope: Envelope, queue_id: str) -> bytes:
+        """Return-Path and a Received header (RFC 5321 4.4) with the TLS and auth facts (RFC 3848)."""
+        tls = describe(server.transport.get_extra_info("ssl_object")) if server.transport else None
+        if self.role.lmtp:
+            protocol = "LMTP"
+        else:
+            protocol = "ESMTP" if session.extended_smtp else "SMTP"
+        if envelope.smtp_utf8:
+            protocol = "UTF8" + protocol.replace("ESMTP", "SMTP")
+        protocol += ("S" if tls else "") + ("A" if session.authenticated else "")
+        ip = _peer(session)
+        helo = _clean(session.host_name or "unknown")
+        lines = [
+            f"Return-Path: <{'' if envelope.mail_from == '<>' else envelope.mail_from}>",
+            f"Received: from {helo} ([{ip}])",
+            f"\tby {self.node_name} (cassmail) with {protocol} id {queue_id}",
+        ]
+        if tls:
+            lines.append(f"\t(using {tls})")
+        if session.authenticated and session.auth_data:
+            lines.append(f"\t(authenticated as {session.auth_data})")
+        when = format_datetime(datetime.now(timezone.utc))
+        if len(envelope.rcpt_tos) == 1:
+            lines.append(f"\tfor <{envelope.rcpt_tos[0]}>; {when}")
+        else:
+            lines[-1] += f"; {when}"
+        return ("\r\n".join(lines) + "\r\n").encode("utf-8")
+
+    async def handle_exception(self, error: Exception) -> str:
+        """A bug must not reach the client as a traceback; a temporary error makes it retry."""
+        log.error(kv("session-error", error=type(error).__name__), exc_info=error)
+        return "451 4.3.0 Internal error, try again later"
+
+
+def _peer(session: Session) -> str:
+    peer = session.peer
+    return peer[0] if isinstance(peer, tuple) else str(peer)
+
+
+def _clean(text: str) -> str:
+    """A client-chosen name made safe for a header: printable, no parentheses, bounded."""
+    return "".join(c for c in text if c.isprintable() and c not in "()\\;")[:128] or "unknown"

@@ -1,0 +1,114 @@
+"""Real `cassmail serve` processes for protocol tests: a config file, free ports, start, wait, stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cassmail.config import Settings
+
+CASSMAIL = str(Path(sys.executable).parent / "cassmail")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise TypeError(value)
+
+
+def to_toml(obj: Any, prefix: str = "") -> str:
+    """Settings written back as a TOML file (what an operator would write)."""
+    scalars, tables = [], []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            tables.append(to_toml(value, f"{prefix}{f.name}."))
+        else:
+            scalars.append(f"{f.name} = {_toml(value)}")
+    head = f"[{prefix[:-1]}]\n" if prefix else ""
+    return head + "\n".join(scalars) + "\n\n" + "".join(tables)
+
+
+class Node:
+    """One `cassmail serve` process with its own ports; `port(name)` gives a listener's port."""
+
+    def __init__(self, settings: Settings, directory: Path, **listeners: dict[str, Any]) -> None:
+        self.settings = dataclasses.replace(settings)
+        self.settings.node = dataclasses.replace(settings.node, name="mx.test", workers=1, log_level="INFO")
+        for name in ("smtp", "submission", "lmtp", "pop3", "imap"):
+            listener = dataclasses.replace(getattr(settings, name))
+            listener.listen = f"127.0.0.1:{free_port()}"
+            listener.enabled = name in ("smtp", "submission", "lmtp")
+            for key, value in listeners.get(name, {}).items():
+                setattr(listener, key, value)
+            setattr(self.settings, name, listener)
+        for key, value in listeners.get("node", {}).items():
+            setattr(self.settings.node, key, value)
+        self.config = directory / f"node-{os.getpid()}-{time.monotonic_ns()}.toml"
+        self.config.write_text(to_toml(self.settings))
+        self.log = self.config.with_suffix(".log")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def port(self, name: str) -> int:
+        return int(getattr(self.settings, name).listen.rsplit(":", 1)[1])
+
+    def start(self, timeout: float = 60) -> Node:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                [CASSMAIL, "--config", str(self.config), "serve"], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env,
+            )
+        deadline = time.monotonic() + timeout
+        ports = [self.port(n) for n in ("smtp", "submission", "lmtp") if getattr(self.settings, n).enabled]
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"cassmail serve exited with {self.process.returncode}:\n{self.log.read_text()}")
+            if all(_accepts(p) for p in ports) and "worker-ready" in self.log.read_text():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"cassmail serve did not come up in {timeout} s:\n{self.log.read_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else None
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
