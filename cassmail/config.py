@@ -190,6 +190,8 @@ class ListenerSettings:
     timeout: float = 300.0
     #: Failed authentications before the session is closed.
     max_auth_failures: int = 3
+    #: Sessions one worker process serves at once; more are turned away at once (SMTP 421).
+    max_connections: int = 1000
 
     def validate(self, prefix: str) -> None:
         host_port(self.listen, f"{prefix}.listen")
@@ -200,6 +202,7 @@ class ListenerSettings:
         _check(not self.implicit_tls or bool(self.tls_cert), f"{prefix}.implicit_tls", "needs tls_cert and tls_key")
         _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
         _check(self.max_auth_failures >= 1, f"{prefix}.max_auth_failures", "must be >= 1")
+        _check(self.max_connections >= 1, f"{prefix}.max_connections", "must be >= 1")
 
 
 @dataclass

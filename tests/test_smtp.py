@@ -408,6 +408,22 @@ def test_sigterm_stops_the_node_cleanly(backend_settings, tmp_path) -> None:
     assert "Traceback" not in node.log_text() and "event=stopped" in node.log_text()
 
 
+def test_connections_past_the_limit_are_turned_away_with_421(backend_settings, tmp_path) -> None:
+    node = Node(node_settings(backend_settings), tmp_path, smtp={"max_connections": 2}).start()
+    try:
+        first, second = Raw(node.port("smtp")), Raw(node.port("smtp"))
+        assert first.greeting.startswith("220") and second.greeting.startswith("220")
+        third = Raw(node.port("smtp"))
+        assert third.greeting.startswith("421 4.7.0") and third.closed()
+        assert first.cmd("QUIT").startswith("221")
+        first.closed()
+        fourth = Raw(node.port("smtp"))  # a freed place is taken again
+        assert fourth.greeting.startswith("220")
+    finally:
+        assert node.stop() == 0
+    assert "event=session listener=smtp peer=127.0.0.1" in node.log_text()
+
+
 def test_a_busy_address_is_one_clear_line(backend_settings, tmp_path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -31,6 +31,7 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
 )
+from cassmail.smtp.protocol import peer_ip
 from cassmail.tls import describe
 
 log = logging.getLogger("cassmail.smtp")
@@ -86,6 +87,8 @@ class DeliveryHandler:
         self.role = role
         self.node_name = node_name
         self.domains = LocalDomains(store, settings.domain_cache_seconds)
+        #: Sessions open on this listener in this worker (limited by settings.max_connections).
+        self.sessions = 0
 
     # ------------------------------------------------------------------ session
 
@@ -211,6 +214,7 @@ class DeliveryHandler:
         except StoreError as exc:
             log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
             return self._per_recipient(envelope, TEMPORARY)
+        server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
         return self._per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
 
@@ -253,8 +257,7 @@ class DeliveryHandler:
 
 
 def _peer(session: Session) -> str:
-    peer = session.peer
-    return peer[0] if isinstance(peer, tuple) else str(peer)
+    return peer_ip(session.peer)
 
 
 def _clean(text: str) -> str:

@@ -20,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from typing import Any, AnyStr
 
 from aiosmtpd.lmtp import LMTP
 from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
 
-log = logging.getLogger(__name__)
+from cassmail.logs import kv
+
+log = logging.getLogger("cassmail.smtp")
 
 END_OF_DATA = b"\r\n.\r\n"
 READ_SIZE = 256 * 1024
@@ -93,6 +96,37 @@ class _CassmailEngine:
     _reader: asyncio.StreamReader
     #: Set by the EHLO hook: EHLO/LHLO reply lines carry no enhanced codes (RFC 2034).
     in_ehlo_reply = False
+    #: Messages stored in this connection (for the session log line).
+    deliveries = 0
+    _opened_at: float | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        new_connection = getattr(self, "transport", None) is None  # not the TLS layer after STARTTLS
+        super().connection_made(transport)  # type: ignore[misc]
+        if not new_connection:
+            return
+        self._opened_at = time.monotonic()
+        handler = self.event_handler
+        handler.sessions += 1
+        if handler.sessions > handler.settings.max_connections:
+            # Turned away before the greeting, as RFC 5321 3.1 allows.
+            self._handler_coroutine.cancel()  # type: ignore[attr-defined]
+            transport.write(b"421 4.7.0 Too many connections, try again later\r\n")  # type: ignore[attr-defined]
+            transport.close()
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._opened_at is not None:
+            handler, session = self.event_handler, self.session
+            handler.sessions -= 1
+            log.info(
+                kv(
+                    "session", listener=handler.role.name, peer=peer_ip(session.peer), helo=session.host_name,
+                    user=session.auth_data, tls=bool(session.ssl), deliveries=self.deliveries,
+                    ms=int((time.monotonic() - self._opened_at) * 1000),
+                )
+            )
+            self._opened_at = None
+        super().connection_lost(error)  # type: ignore[misc]
 
     async def push(self, status: AnyStr) -> None:
         """Every reply but the greeting and EHLO's carries an enhanced status code, since
@@ -152,6 +186,11 @@ class _CassmailEngine:
 
     async def auth_LOGIN(self, _: Any, args: list[str]) -> AuthResult:
         return await self._checked(await super().auth_LOGIN(_, args))  # type: ignore[misc]
+
+
+def peer_ip(peer: Any) -> str:
+    """The client's address from a peername (a (host, port, ...) tuple, or a path for Unix sockets)."""
+    return peer[0] if isinstance(peer, tuple) else str(peer)
 
 
 class CassmailSMTP(_CassmailEngine, SMTP):
