@@ -14,6 +14,7 @@ import socket
 import ssl
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
@@ -461,8 +462,9 @@ class FailingStore:
 
 
 @pytest.fixture
-async def flaky(backend_settings: Settings, store: Store) -> AsyncIterator[tuple[FailingStore, int]]:
-    """An MX listener in this process over a store whose failures the test switches on."""
+async def flaky(backend_settings: Settings, store: Store) -> AsyncIterator[tuple[FailingStore, Any]]:
+    """An MX listener in this process over a store whose failures the test switches on, and a
+    connected client's `cmd(line) -> reply`."""
     from cassmail import smtp as smtp_front
 
     settings = node_settings(backend_settings)
@@ -470,18 +472,19 @@ async def flaky(backend_settings: Settings, store: Store) -> AsyncIterator[tuple
     settings.submission = dataclasses.replace(settings.submission, enabled=False)
     wrapped = FailingStore(store)
     servers = await smtp_front.start(settings, wrapped)  # type: ignore[arg-type]
-    yield wrapped, servers[0].sockets[0].getsockname()[1]
+    raw = await asyncio.to_thread(Raw, servers[0].sockets[0].getsockname()[1])
+
+    async def cmd(line: str) -> str:
+        return await asyncio.to_thread(raw.cmd, line)
+
+    yield wrapped, cmd
+    raw.close()
     for server in servers:
         server.close()
 
 
 async def test_a_store_failure_at_data_is_451_and_nothing_is_stored(flaky, store: Store, users) -> None:
-    failing, port = flaky
-    raw = await asyncio.to_thread(Raw, port)
-
-    async def cmd(line: str) -> str:
-        return await asyncio.to_thread(raw.cmd, line)
-
+    failing, cmd = flaky
     await cmd("EHLO client.test")
     await cmd("MAIL FROM:<a@b.test>")
     await cmd(f"RCPT TO:<{users['anne']}>")
@@ -498,12 +501,7 @@ async def test_a_store_failure_at_data_is_451_and_nothing_is_stored(flaky, store
 
 
 async def test_a_store_failure_at_rcpt_or_a_bug_is_451_never_a_traceback(flaky, users) -> None:
-    failing, port = flaky
-    raw = await asyncio.to_thread(Raw, port)
-
-    async def cmd(line: str) -> str:
-        return await asyncio.to_thread(raw.cmd, line)
-
+    failing, cmd = flaky
     await cmd("EHLO client.test")
     await cmd("MAIL FROM:<a@b.test>")
     failing.failing["user_exists"] = StoreUnavailable("injected: cassandra down")

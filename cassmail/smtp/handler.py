@@ -144,12 +144,9 @@ class DeliveryHandler:
     ) -> str:
         null = address in ("", "<>")  # the null reverse-path of bounces; aiosmtpd keeps it as "<>"
         if not null:
-            try:
-                sender = Address.parse(address)
-            except InvalidInput as exc:
-                return f"553 5.1.7 Bad sender address syntax: {exc}"
-            if not envelope.smtp_utf8 and not str(sender).isascii():
-                return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
+            sender = _path(address, envelope, "553 5.1.7 Bad sender address syntax")
+            if isinstance(sender, str):
+                return sender
         elif self.role.submission:
             return "553 5.7.1 The null sender is not allowed for submission"
         if self.role.submission and (null or sender.key != session.auth_data):
@@ -163,12 +160,9 @@ class DeliveryHandler:
     ) -> str:
         if len(envelope.rcpt_tos) >= self.settings.max_recipients:
             return f"452 4.5.3 Too many recipients (at most {self.settings.max_recipients} per message)"
-        try:
-            rcpt = Address.parse(address)
-        except InvalidInput as exc:
-            return f"501 5.1.3 Bad recipient address syntax: {exc}"
-        if not envelope.smtp_utf8 and not str(rcpt).isascii():
-            return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
+        rcpt = _path(address, envelope, "501 5.1.3 Bad recipient address syntax")
+        if isinstance(rcpt, str):
+            return rcpt
         try:
             local = await self.domains.contains(rcpt.domain)
             if not local:
@@ -254,6 +248,17 @@ class DeliveryHandler:
         """A bug must not reach the client as a traceback; a temporary error makes it retry."""
         log.error(kv("session-error", error=type(error).__name__), exc_info=error)
         return "451 4.3.0 Internal error, try again later"
+
+
+def _path(address: str, envelope: Envelope, syntax_error: str) -> Address | str:
+    """A MAIL or RCPT address parsed, or the reply refusing it (bad syntax; UTF-8 without SMTPUTF8)."""
+    try:
+        parsed = Address.parse(address)
+    except InvalidInput as exc:
+        return f"{syntax_error}: {exc}"
+    if not envelope.smtp_utf8 and not str(parsed).isascii():
+        return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
+    return parsed
 
 
 def _peer(session: Session) -> str:
