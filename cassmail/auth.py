@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import os
 import re
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,3 +112,45 @@ def hash_many(passwords: Iterable[str], params: HashParams = HashParams(), worke
     """Hash many passwords on every core (bulk import)."""
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(lambda pw: hash_password(pw, params), passwords))
+
+
+class FailureThrottle:
+    """Slows down password guessing: failed logins are counted per peer and per user (in this
+    process, over `window` seconds) and each answer after the first few failures waits
+    `delay` seconds, doubling per further failure up to `max_delay`.
+
+    Memory is bounded: entries older than the window go, and at most `max_entries` are kept.
+    """
+
+    def __init__(self, delay: float, window: float = 900.0, free: int = 2, max_delay: float = 30.0,
+                 max_entries: int = 100_000) -> None:
+        self.delay, self.window, self.free, self.max_delay = delay, window, free, max_delay
+        self.max_entries = max_entries
+        self._failures: dict[str, tuple[int, float]] = {}
+
+    def _count(self, key: str, now: float) -> int:
+        count, since = self._failures.get(key, (0, now))
+        return count if now - since < self.window else 0
+
+    def penalty(self, peer: str, user: str | None, now: float | None = None) -> float:
+        """Seconds to wait before answering this login attempt."""
+        now = time.monotonic() if now is None else now
+        worst = max(self._count(f"peer:{peer}", now), self._count(f"user:{user}", now) if user else 0)
+        if self.delay <= 0 or worst < self.free:
+            return 0.0
+        return min(self.delay * 2 ** (worst - self.free), self.max_delay)
+
+    def failed(self, peer: str, user: str | None, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for key in (f"peer:{peer}", f"user:{user}" if user else None):
+            if key is None:
+                continue
+            count = self._count(key, now)
+            self._failures[key] = (count + 1, self._failures.get(key, (0, now))[1] if count else now)
+        if len(self._failures) > self.max_entries:
+            expired = [k for k, (_, since) in self._failures.items() if now - since >= self.window]
+            for key in expired or list(self._failures)[: len(self._failures) // 2]:
+                del self._failures[key]
+
+    def succeeded(self, user: str) -> None:
+        self._failures.pop(f"user:{user}", None)

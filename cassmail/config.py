@@ -192,6 +192,9 @@ class ListenerSettings:
     max_auth_failures: int = 3
     #: Sessions one worker process serves at once; more are turned away at once (SMTP 421).
     max_connections: int = 1000
+    #: Seconds an answer to a failed login waits once a peer or user has failed twice; doubles per
+    #: further failure (at most 30 s). 0 turns the slow-down off.
+    auth_failure_delay: float = 1.0
 
     def validate(self, prefix: str) -> None:
         host_port(self.listen, f"{prefix}.listen")
@@ -203,6 +206,7 @@ class ListenerSettings:
         _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
         _check(self.max_auth_failures >= 1, f"{prefix}.max_auth_failures", "must be >= 1")
         _check(self.max_connections >= 1, f"{prefix}.max_connections", "must be >= 1")
+        _check(self.auth_failure_delay >= 0, f"{prefix}.auth_failure_delay", "must be >= 0 seconds")
 
 
 @dataclass
@@ -226,6 +230,19 @@ class SmtpSettings(ListenerSettings):
         _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
 
 
+@dataclass
+class Pop3Settings(ListenerSettings):
+    #: Longest command line in bytes (RFC 2449: 255); longer ones get -ERR and the session goes on.
+    max_line_length: int = 1024
+    #: Message summaries read from the store per request when a session opens its maildrop.
+    page_size: int = 500
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        _check(255 <= self.max_line_length <= 65536, f"{prefix}.max_line_length", "must be 255..65536 bytes")
+        _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
+
+
 def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings) -> Any:
     return field(default_factory=lambda: kind(enabled=enabled, listen=f"127.0.0.1:{port}"))
 
@@ -238,7 +255,7 @@ class Settings:
     smtp: SmtpSettings = _listener(2525, kind=SmtpSettings)
     submission: SmtpSettings = _listener(2587, kind=SmtpSettings)
     lmtp: SmtpSettings = _listener(2424, enabled=False, kind=SmtpSettings)
-    pop3: ListenerSettings = _listener(1110)
+    pop3: Pop3Settings = _listener(1110, kind=Pop3Settings)
     imap: ListenerSettings = _listener(1143)
 
 

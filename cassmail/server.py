@@ -43,15 +43,13 @@ def make_store(settings: Settings) -> Store:
     raise ConfigError(f"store.backend: {backend!r} is not available yet in this version of cassmail (use \"cassandra\")")
 
 
+#: Every listener a node can run, by its settings section.
+LISTENERS = ("smtp", "submission", "lmtp", "pop3")
+
+
 def enabled_listeners(settings: Settings) -> dict[str, tuple[str, int]]:
     """Name -> (host, port) of every listener this node runs."""
-    from cassmail.smtp import LISTENERS
-
-    return {
-        name: host_port(getattr(settings, name).listen)
-        for name, _ in LISTENERS
-        if getattr(settings, name).enabled
-    }
+    return {name: host_port(getattr(settings, name).listen) for name in LISTENERS if getattr(settings, name).enabled}
 
 
 def _reserve(address: tuple[str, int]) -> socket.socket:
@@ -74,7 +72,7 @@ def serve(settings: Settings) -> int:
     logs.setup(settings.node.log_level)
     reserved = {name: _reserve(addr) for name, addr in enabled_listeners(settings).items()}
     if not reserved:
-        raise ConfigError("no listener is enabled: enable at least one of [smtp], [submission], [lmtp]")
+        raise ConfigError(f"no listener is enabled: enable at least one of {', '.join(f'[{n}]' for n in LISTENERS)}")
     for name, sock in reserved.items():
         host, port = sock.getsockname()[:2]
         setattr(getattr(settings, name), "listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -145,12 +143,16 @@ def _supervise(settings: Settings, workers: int) -> int:
 
 async def run_worker(settings: Settings) -> int:
     """One worker: a store connection and every listener on one event loop, until SIGTERM."""
-    from cassmail import smtp
+    from cassmail import smtp, twisted_asyncio
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    reactor = None
+    if settings.pop3.enabled:
+        # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
+        reactor = twisted_asyncio.install(loop)
     store = make_store(settings)
     try:
         await store.open()
@@ -159,10 +161,17 @@ async def run_worker(settings: Settings) -> int:
         print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)
         return 3
     servers = await smtp.start(settings, store)
-    log.info(kv("worker-ready", listeners=len(servers)))
+    ports: list = []
+    if reactor is not None:
+        from cassmail import pop3
+
+        ports += pop3.start(settings, store, reactor)
+    log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
     try:
         await stop.wait()
     finally:
+        for port in ports:
+            await port.stopListening().asFuture(loop)
         for server in servers:
             server.close()
         try:

@@ -60,7 +60,7 @@ class Node:
         for name in ("smtp", "submission", "lmtp", "pop3", "imap"):
             listener = dataclasses.replace(getattr(settings, name))
             listener.listen = f"127.0.0.1:{free_port()}"
-            listener.enabled = name in ("smtp", "submission", "lmtp")
+            listener.enabled = name in ("smtp", "submission", "lmtp", "pop3")
             for key, value in listeners.get(name, {}).items():
                 setattr(listener, key, value)
             setattr(self.settings, name, listener)
@@ -82,7 +82,7 @@ class Node:
                 stdin=subprocess.DEVNULL, env=env,
             )
         deadline = time.monotonic() + timeout
-        ports = [self.port(n) for n in ("smtp", "submission", "lmtp") if getattr(self.settings, n).enabled]
+        ports = [self.port(n) for n in ("smtp", "submission", "lmtp", "pop3") if getattr(self.settings, n).enabled]
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"cassmail serve exited with {self.process.returncode}:\n{self.log.read_text()}")

@@ -1,0 +1,74 @@
+"""Twisted on the worker's asyncio loop: one loop serves SMTP (aiosmtpd), POP3 and IMAP (Twisted).
+
+Twisted's asyncio reactor is installed on the running loop before anything
+imports `twisted.internet.reactor`; the loop is run by asyncio, never by
+`reactor.run()`. Listening sockets are made here (SO_REUSEPORT, like the SMTP
+listeners) and handed to Twisted, and coroutines and Deferreds are bridged
+both ways.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from cassmail.config import ListenerSettings, host_port
+
+
+def install(loop: asyncio.AbstractEventLoop) -> Any:
+    """Install (once per process) and return Twisted's reactor running on `loop`."""
+    import sys
+
+    if "twisted.internet.reactor" in sys.modules:
+        from twisted.internet import reactor
+
+        if getattr(reactor, "_asyncioEventloop", None) is not loop:
+            raise RuntimeError("a Twisted reactor is already installed on another loop")
+        return reactor
+    from twisted.internet import asyncioreactor
+
+    asyncioreactor.install(eventloop=loop)
+    from twisted.internet import reactor
+
+    return reactor
+
+
+def deferred(coro: Coroutine[Any, Any, Any]) -> Any:
+    """A Deferred for a coroutine run as an asyncio task."""
+    from twisted.internet.defer import Deferred
+
+    return Deferred.fromFuture(asyncio.ensure_future(coro))
+
+
+def tls_options(settings: ListenerSettings) -> Any | None:
+    """Twisted TLS options (TLS 1.2+) from a listener's PEM files, or None without a certificate."""
+    if not settings.tls_cert:
+        return None
+    from twisted.internet import ssl as tssl
+
+    with open(settings.tls_cert, "rb") as cert, open(settings.tls_key, "rb") as key:
+        certificate = tssl.PrivateCertificate.loadPEM(cert.read() + b"\n" + key.read())
+    return certificate.options(raiseMinimumTo=tssl.TLSVersion.TLSv1_2)
+
+
+def listen(reactor: Any, settings: ListenerSettings, factory: Any) -> Any:
+    """Listen for a Twisted factory on the listener's address with SO_REUSEPORT (so every worker
+    has its own socket), with TLS from the first byte when `implicit_tls` is set."""
+    host, port = host_port(settings.listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        sock.setblocking(False)
+        if settings.implicit_tls:
+            from twisted.protocols.tls import TLSMemoryBIOFactory
+
+            factory = TLSMemoryBIOFactory(tls_options(settings), False, factory)
+        return reactor.adoptStreamPort(sock.fileno(), family, factory)
+    finally:
+        sock.close()  # Twisted holds its own duplicate of the descriptor
