@@ -70,6 +70,13 @@ def _reserve(address: tuple[str, int]) -> socket.socket:
 def serve(settings: Settings) -> int:
     """Run the node until SIGTERM/SIGINT; returns the exit code."""
     logs.setup(settings.node.log_level)
+    from cassmail.tls import TLSConfigError, server_context
+
+    for name in enabled_listeners(settings):
+        try:
+            server_context(getattr(settings, name))  # a bad certificate is one line now, not a worker crash later
+        except TLSConfigError as exc:
+            raise ConfigError(f"{name}.tls_cert: {exc}") from None
     reserved = {name: _reserve(addr) for name, addr in enabled_listeners(settings).items()}
     if not reserved:
         raise ConfigError(f"no listener is enabled: enable at least one of {', '.join(f'[{n}]' for n in LISTENERS)}")

@@ -50,7 +50,11 @@ def tls_options(settings: ListenerSettings) -> Any | None:
 
     with open(settings.tls_cert, "rb") as cert, open(settings.tls_key, "rb") as key:
         certificate = tssl.PrivateCertificate.loadPEM(cert.read() + b"\n" + key.read())
-    return certificate.options(raiseMinimumTo=tssl.TLSVersion.TLSv1_2)
+    return tssl.CertificateOptions(
+        privateKey=certificate.privateKey.original,
+        certificate=certificate.original,
+        raiseMinimumTo=tssl.TLSVersion.TLSv1_2,
+    )
 
 
 def listen(reactor: Any, settings: ListenerSettings, factory: Any) -> Any:

@@ -25,6 +25,7 @@ from cassmail.cli import load_launcher
 from cassmail.config import CassandraSettings, Settings, host_port
 from cassmail.server import make_store
 from cassmail.store.base import Store
+from tests.nodes import Node, node_settings
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -155,3 +156,46 @@ async def user(store: Store, domain: str) -> str:
     address = f"anne@{domain}"
     await store.create_user(address, hash_password("secret", FAST_HASH))
     return address
+
+
+# ----------------------------------------------------------------------------- protocol nodes
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A self-signed certificate for mx.test."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=mx.test", "-days", "2",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return {"tls_cert": str(cert), "tls_key": str(key)}
+
+
+@pytest.fixture(scope="session")
+def node(backend_settings: Settings, tls_files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """A running `cassmail serve`: MX with STARTTLS and a 5-recipient limit, submission with
+    STARTTLS, LMTP in clear text, POP3 with STLS (plaintext login only after it)."""
+    running = Node(
+        node_settings(backend_settings),
+        tmp_path_factory.mktemp("node"),
+        smtp={**tls_files, "max_recipients": 5},
+        submission={**tls_files},
+        lmtp={"enabled": True},
+        pop3={**tls_files, "auth_failure_delay": 0.5},
+    ).start()
+    yield running
+    assert running.stop() == 0
+    assert "Traceback" not in running.log_text()
+
+
+@pytest.fixture
+async def users(store: Store, domain: str) -> dict[str, str]:
+    """anne, bob and carol in a fresh local domain, password = their name."""
+    out = {}
+    for name in ("anne", "bob", "carol"):
+        out[name] = f"{name}@{domain}"
+        await store.create_user(out[name], hash_password(name, FAST_HASH))
+    return out

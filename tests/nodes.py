@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -112,3 +114,31 @@ def _accepts(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+# ----------------------------------------------------------------------------- shared by the protocol suites
+
+#: Message size limit of the test nodes: a 50 MB message fits, 53 MB does not.
+MAX_SIZE = 52 * 1024 * 1024
+CLIENT_TLS = ssl.create_default_context()
+CLIENT_TLS.check_hostname = False
+CLIENT_TLS.verify_mode = ssl.CERT_NONE
+
+
+def node_settings(backend_settings: Settings) -> Settings:
+    """The backend's settings with the test nodes' message size limit."""
+    settings = dataclasses.replace(backend_settings)
+    settings.store = dataclasses.replace(backend_settings.store, max_message_size=MAX_SIZE)
+    return settings
+
+
+async def inbox(store: Any, user: str, mailbox: str = "INBOX") -> list[bytes]:
+    """Every message of a mailbox, in arrival order, read through the store."""
+    return [await store.read_message(user, mailbox, s.id) async for s in store.list_messages(user, mailbox)]
+
+
+def strip_trace(message: bytes) -> tuple[bytes, bytes]:
+    """(trace headers cassmail added, the message as the client sent it)."""
+    match = re.match(rb"(Return-Path: [^\r]*\r\n(?:Received: .*?\r\n)(?:\t[^\r]*\r\n)*)", message, re.S)
+    assert match, message[:300]
+    return match.group(1), message[match.end() :]

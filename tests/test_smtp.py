@@ -8,12 +8,10 @@ import base64
 import concurrent.futures
 import dataclasses
 import os
-import re
 import smtplib
 import socket
-import ssl
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,70 +20,9 @@ from cassmail.config import Settings
 from cassmail.model import INBOX
 from cassmail.store.base import Store, StoreUnavailable
 from tests.conftest import FAST_HASH, hash_password
-from tests.nodes import CASSMAIL, Node
+from tests.nodes import CASSMAIL, CLIENT_TLS, MAX_SIZE, Node, inbox, node_settings, strip_trace
 
 pytestmark = pytest.mark.cassandra
-
-MAX_SIZE = 52 * 1024 * 1024
-CLIENT_TLS = ssl.create_default_context()
-CLIENT_TLS.check_hostname = False
-CLIENT_TLS.verify_mode = ssl.CERT_NONE
-
-
-@pytest.fixture(scope="session")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A self-signed certificate for mx.test."""
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=mx.test", "-days", "2",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
-    return {"tls_cert": str(cert), "tls_key": str(key)}
-
-
-def node_settings(backend_settings: Settings) -> Settings:
-    settings = dataclasses.replace(backend_settings)
-    settings.store = dataclasses.replace(backend_settings.store, max_message_size=MAX_SIZE)
-    return settings
-
-
-@pytest.fixture(scope="session")
-def node(backend_settings: Settings, tls_files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """MX with STARTTLS and a 5-recipient limit, submission with STARTTLS, LMTP in clear text."""
-    running = Node(
-        node_settings(backend_settings),
-        tmp_path_factory.mktemp("node"),
-        smtp={**tls_files, "max_recipients": 5},
-        submission={**tls_files},
-        lmtp={"enabled": True},
-    ).start()
-    yield running
-    assert running.stop() == 0
-    assert "Traceback" not in running.log_text()
-
-
-@pytest.fixture
-async def users(store: Store, domain: str) -> dict[str, str]:
-    """anne, bob and carol in a fresh local domain, password = their name."""
-    out = {}
-    for name in ("anne", "bob", "carol"):
-        out[name] = f"{name}@{domain}"
-        await store.create_user(out[name], hash_password(name, FAST_HASH))
-    return out
-
-
-async def inbox(store: Store, user: str, mailbox: str = INBOX) -> list[bytes]:
-    return [await store.read_message(user, mailbox, s.id) async for s in store.list_messages(user, mailbox)]
-
-
-def strip_trace(message: bytes) -> tuple[bytes, bytes]:
-    """(trace headers cassmail added, the message as the client sent it)."""
-    match = re.match(rb"(Return-Path: [^\r]*\r\n(?:Received: .*?\r\n)(?:\t[^\r]*\r\n)*)", message, re.S)
-    assert match, message[:300]
-    return match.group(1), message[match.end() :]
-
 
 def smtp(node: Node, listener: str = "smtp") -> smtplib.SMTP:
     return smtplib.SMTP("127.0.0.1", node.port(listener), timeout=30)

@@ -260,7 +260,8 @@ def scan(data: Buffer, mtime_us: int) -> Iterator[Record]:
             pos += record.length
             continue
         nxt = _next_from(data, pos + 1, size)
-        yield _foreign(data, pos, nxt, mtime_us) if starts_record else Record(pos, nxt - pos)
+        head = _foreign_head(data, pos, nxt) if starts_record else None
+        yield _foreign(data, pos, nxt, head, mtime_us) if head is not None else Record(pos, nxt - pos)
         pos = nxt
 
 
@@ -275,20 +276,41 @@ def _line(data: Buffer, pos: int, limit: int) -> bytes | None:
     return None if nl < 0 else data[pos : nl + 1]
 
 
+def _skip_pad(data: Buffer, cursor: int) -> int | None:
+    """Where the headers after a pad begin (`cursor` itself when there is no pad); None if cut short."""
+    if data[cursor : cursor + len(PAD_TAG)] != PAD_TAG:
+        return cursor
+    while True:
+        line = _line(data, cursor, 1 << 20)
+        if line is None:
+            return None
+        cursor += len(line)
+        if data[cursor : cursor + 1] != b" ":
+            return cursor
+
+
+def _foreign_head(data: Buffer, pos: int, end: int) -> int | None:
+    """Bytes of the From_ line (and pad) of a record another tool wrote, or None when the record
+    is one of ours cut short by a crash (its From_ line is followed by the start of an
+    X-Cassmail line, or by nothing): such bytes are garbage, never a message."""
+    first = _line(data, pos, MAX_FROM_LINE)
+    if first is None or pos + len(first) > end:
+        return None
+    cursor = _skip_pad(data, pos + len(first))
+    if cursor is None or cursor > end:
+        return None
+    if META_TAG.startswith(data[cursor : min(cursor + len(META_TAG), end)]):
+        return None
+    return cursor - pos
+
+
 def _ours(data: Buffer, pos: int, size: int) -> Record | None:
     first = _line(data, pos, MAX_FROM_LINE)
     if first is None:
         return None
-    cursor = pos + len(first)
-    if data[cursor : cursor + len(PAD_TAG)] == PAD_TAG:
-        line = _line(data, cursor, 1 << 20)
-        while line is not None:
-            cursor += len(line)
-            if data[cursor : cursor + 1] != b" ":
-                break
-            line = _line(data, cursor, 1 << 20)
-        if line is None:
-            return None
+    cursor = _skip_pad(data, pos + len(first))
+    if cursor is None:
+        return None
     meta = _line(data, cursor, 256)
     parsed = parse_meta(meta) if meta else None
     if parsed is None or meta is None:
@@ -329,11 +351,12 @@ def _ours(data: Buffer, pos: int, size: int) -> Record | None:
     )
 
 
-def _foreign(data: Buffer, pos: int, end: int, mtime_us: int) -> Record:
-    """A record another mbox tool wrote: its content runs from after its From_ line to the blank
-    line before the next From_ line. Its Status/X-Status/X-Keywords give its flags."""
-    first = _line(data, pos, MAX_FROM_LINE) or data[pos:end]
-    content_start = pos + len(first)
+def _foreign(data: Buffer, pos: int, end: int, head: int, mtime_us: int) -> Record:
+    """A record another mbox tool wrote: its content runs from after its From_ line (and a pad,
+    if a compaction gave it one) to the blank line before the next From_ line. Its
+    Status/X-Status/X-Keywords give its flags."""
+    first = _line(data, pos, MAX_FROM_LINE) or b""
+    content_start = pos + head
     content_end = end - 1 if end - content_start >= 2 and data[end - 2 : end] == b"\n\n" else end
     stored = data[content_start:content_end]
     blank = stored.find(b"\n\n")
@@ -346,7 +369,7 @@ def _foreign(data: Buffer, pos: int, end: int, mtime_us: int) -> Record:
         offset=pos,
         length=end - pos,
         id=foreign_id(date_us, zlib.crc32(sample) << 32 | zlib.adler32(sample), end - pos),
-        head=len(first),
+        head=head,
         from_len=len(first),
         stored=content_end - content_start,
         raw=len(unquote(stored)),
