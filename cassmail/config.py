@@ -134,7 +134,50 @@ class CassandraSettings:
 
 @dataclass
 class MboxSettings:
+    #: Data directory: domains, users, password hashes and every mailbox (one mbox file each).
     path: str = "./var/mail"
+    #: Reclaim the space of deleted mail during the deletion itself (POP3 QUIT, IMAP EXPUNGE).
+    compact_on_delete: bool = True
+    #: Bytes one deletion may write while compacting (pads, defragmentation moves, a rewritten
+    #: tail); what is left waits for the next deletion or `cassmail store compact`.
+    compact_budget: int = 8 * 1024 * 1024
+    #: Seconds one deletion may spend defragmenting after its collapses.
+    compact_seconds: float = 0.5
+    #: "auto": collapse ranges where the file system can (ext4, XFS), else rewrite the tail;
+    #: "collapse": require it; "rewrite": always rewrite the tail (the classic mbox way).
+    method: str = "auto"
+    #: Move data to merge small extents around collapse points (ext4 only).
+    defrag: bool = True
+    #: Largest run of extents moved at once, in bytes (a multiple of 4096).
+    defrag_window: int = 2 * 1024 * 1024
+    #: A run is moved only when it holds at least this many extents (moving removes all but one).
+    defrag_min_extents: int = 4
+    #: Also take `<mbox>.lock` dot-locks, for mbox tools that do not use fcntl locks.
+    dotlock: bool = True
+    #: Seconds to wait for a mailbox lock before answering "try again later".
+    lock_timeout: float = 30.0
+    #: Bytes reserved in each message's X-Keywords header so keyword changes are in-place writes.
+    keyword_reserve: int = 64
+    #: fsync before acknowledging; false only for throw-away test data.
+    fsync: bool = True
+
+    def validate(self, prefix: str) -> None:
+        _check(bool(self.path.strip()), f"{prefix}.path", "must name a directory")
+        _check(self.compact_budget >= 0, f"{prefix}.compact_budget", "must be >= 0 bytes")
+        _check(self.compact_seconds > 0, f"{prefix}.compact_seconds", "must be > 0 seconds")
+        _check(
+            self.method in ("auto", "collapse", "rewrite"),
+            f"{prefix}.method",
+            f"must be auto, collapse or rewrite, got {self.method!r}",
+        )
+        _check(
+            self.defrag_window % 4096 == 0 and 64 * 1024 <= self.defrag_window <= 1024**3,
+            f"{prefix}.defrag_window",
+            f"must be a multiple of 4096 between 65536 and 1073741824, got {self.defrag_window}",
+        )
+        _check(self.defrag_min_extents >= 2, f"{prefix}.defrag_min_extents", "must be >= 2")
+        _check(self.lock_timeout > 0, f"{prefix}.lock_timeout", "must be > 0 seconds")
+        _check(0 <= self.keyword_reserve <= 4096, f"{prefix}.keyword_reserve", "must be between 0 and 4096 bytes")
 
 
 @dataclass
@@ -232,6 +275,8 @@ class SmtpSettings(ListenerSettings):
 
 @dataclass
 class Pop3Settings(ListenerSettings):
+    #: RFC 1939 3: the autologout timer is at least 10 minutes.
+    timeout: float = 600.0
     #: Longest command line in bytes (RFC 2449: 255); longer ones get -ERR and the session goes on.
     max_line_length: int = 1024
     #: Message summaries read from the store per request when a session opens its maildrop.
@@ -239,6 +284,7 @@ class Pop3Settings(ListenerSettings):
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
+        _check(self.timeout >= 600, f"{prefix}.timeout", "must be at least 600 seconds (RFC 1939)")
         _check(255 <= self.max_line_length <= 65536, f"{prefix}.max_line_length", "must be 255..65536 bytes")
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
 
