@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from cassmail.config import AuthSettings
 
@@ -106,6 +107,31 @@ def needs_rehash(stored: str, params: HashParams) -> bool:
         return _parse(stored)[0] != params
     except InvalidHash:
         return True
+
+
+_dummy_hash: str | None = None
+
+
+async def check_password(store: Any, user: str | None, password: str) -> bool:
+    """True when `user` exists in the store and the password matches its hash.
+
+    An unknown (or unparsable, None) user costs the same hash check as a wrong password, so
+    timing does not tell which it was. A StoreError from the store propagates: it is a
+    temporary failure, not a wrong password.
+    """
+    global _dummy_hash
+    if _dummy_hash is None:
+        _dummy_hash = hash_password(os.urandom(8).hex())
+    stored = _dummy_hash
+    if user is not None:
+        from cassmail.store.base import NoSuchUser
+
+        try:
+            stored = await store.get_password_hash(user)
+        except NoSuchUser:
+            pass
+    matches = await verify_async(password or "-", stored)
+    return matches and stored is not _dummy_hash
 
 
 def hash_many(passwords: Iterable[str], params: HashParams = HashParams(), workers: int | None = None) -> list[str]:

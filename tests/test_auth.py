@@ -54,3 +54,39 @@ def test_bulk_hashing_and_async_checks() -> None:
     assert len(set(hashes)) == 20
     assert asyncio.run(auth.verify_async("pw7", hashes[7]))
     assert not asyncio.run(auth.verify_async("pw7", hashes[8]))
+
+
+def test_the_failure_throttle_slows_down_after_two_failures_and_doubles() -> None:
+    throttle = auth.FailureThrottle(delay=1.0, window=60, free=2, max_delay=5)
+    assert throttle.penalty("10.0.0.1", "anne@x.example", now=0) == 0
+    throttle.failed("10.0.0.1", "anne@x.example", now=0)
+    throttle.failed("10.0.0.1", "anne@x.example", now=1)
+    assert throttle.penalty("10.0.0.1", "anne@x.example", now=2) == 1.0
+    assert throttle.penalty("10.0.0.9", "anne@x.example", now=2) == 1.0  # per user, from anywhere
+    assert throttle.penalty("10.0.0.1", "bob@x.example", now=2) == 1.0  # per peer, for anyone
+    throttle.failed("10.0.0.1", "anne@x.example", now=2)
+    assert throttle.penalty("10.0.0.1", "anne@x.example", now=3) == 2.0
+    for t in range(4, 10):
+        throttle.failed("10.0.0.1", "anne@x.example", now=t)
+    assert throttle.penalty("10.0.0.1", "anne@x.example", now=10) == 5  # capped
+    assert throttle.penalty("10.0.0.1", "anne@x.example", now=100) == 0  # the window passed
+
+
+def test_a_success_clears_the_user_but_not_the_peer() -> None:
+    throttle = auth.FailureThrottle(delay=1.0)
+    for _ in range(3):
+        throttle.failed("10.0.0.1", "anne@x.example")
+    throttle.succeeded("anne@x.example")
+    assert throttle.penalty("10.0.0.2", "anne@x.example") == 0
+    assert throttle.penalty("10.0.0.1", "carol@x.example") > 0
+
+
+def test_the_failure_throttle_keeps_bounded_memory_and_can_be_off() -> None:
+    throttle = auth.FailureThrottle(delay=1.0, window=10, max_entries=100)
+    for i in range(1000):
+        throttle.failed(f"10.0.{i // 256}.{i % 256}", f"u{i}@x.example", now=i)
+    assert len(throttle._failures) <= 102
+    off = auth.FailureThrottle(delay=0)
+    for _ in range(10):
+        off.failed("10.0.0.1", None)
+    assert off.penalty("10.0.0.1", None) == 0

@@ -27,7 +27,6 @@ import base64
 import binascii
 import logging
 import time
-import uuid
 from typing import Any
 
 from twisted.internet.protocol import ServerFactory
@@ -37,7 +36,7 @@ from cassmail import auth
 from cassmail.config import Pop3Settings
 from cassmail.logs import kv
 from cassmail.model import INBOX, Address, InvalidInput, MessageSummary, mailbox_name, uidl
-from cassmail.store.base import NoSuchMailbox, NoSuchMessage, NoSuchUser, Store, StoreError
+from cassmail.store.base import NoSuchMailbox, NoSuchMessage, Store, StoreError
 from cassmail.twisted_asyncio import deferred
 
 log = logging.getLogger("cassmail.pop3")
@@ -46,7 +45,6 @@ log = logging.getLogger("cassmail.pop3")
 MAILBOX_SEPARATOR = "|"
 #: Bytes of headers TOP collects at most while looking for the blank line that ends them.
 TOP_HEADER_LIMIT = 1024 * 1024
-_DUMMY_HASH = auth.hash_password(uuid.uuid4().hex, auth.HashParams())
 
 
 class LoginFailed(Exception):
@@ -296,12 +294,7 @@ class Pop3Session(pop3.POP3):
         try:
             if delay:
                 await asyncio.sleep(delay)
-            try:
-                stored = await store.get_password_hash(user) if user else _DUMMY_HASH
-            except NoSuchUser:
-                stored = _DUMMY_HASH
-            ok = await auth.verify_async(password, stored) and stored is not _DUMMY_HASH
-            if not ok:
+            if not await auth.check_password(store, user, password):
                 throttle.failed(self._peer, user)
                 raise LoginFailed("[AUTH] Authentication failed")
             throttle.succeeded(user)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ from cassmail.tls import describe
 log = logging.getLogger("cassmail.smtp")
 
 TEMPORARY = "451 4.3.0 Mail system temporarily unavailable, try again later"
-#: Checked when the user does not exist, so a wrong address costs as long as a wrong password.
-_DUMMY_HASH = auth.hash_password(os.urandom(8).hex(), auth.HashParams())
 
 
 @dataclass
@@ -87,6 +84,7 @@ class DeliveryHandler:
         self.role = role
         self.node_name = node_name
         self.domains = LocalDomains(store, settings.domain_cache_seconds)
+        self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
         #: Sessions open on this listener in this worker (limited by settings.max_connections).
         self.sessions = 0
 
@@ -112,23 +110,24 @@ class DeliveryHandler:
         session: Session = server.session
         timer = Timer()
         try:
-            user = Address.parse(login.decode("utf-8")).key
+            user: str | None = Address.parse(login.decode("utf-8")).key
             secret = password.decode("utf-8")
         except (UnicodeDecodeError, InvalidInput):
             user, secret = None, ""
+        peer = _peer(session)
+        delay = self.throttle.penalty(peer, user)
+        if delay:
+            await asyncio.sleep(delay)
         try:
-            stored = await self.store.get_password_hash(user) if user else _DUMMY_HASH
-        except NoSuchUser:
-            stored = _DUMMY_HASH
+            ok = await auth.check_password(self.store, user, secret)
         except StoreError as exc:
-            log.warning(kv("auth", listener=self.role.name, peer=_peer(session), user=user, result="tempfail", error=exc))
+            log.warning(kv("auth", listener=self.role.name, peer=peer, user=user, result="tempfail", error=exc))
             return AuthResult(success=False, handled=False, message="454 4.7.0 Temporary authentication failure")
-        ok = user is not None and stored is not _DUMMY_HASH and await auth.verify_async(secret, stored)
-        if user is None or stored is _DUMMY_HASH:
-            await auth.verify_async(secret or "x", _DUMMY_HASH)
-        log.info(kv("auth", listener=self.role.name, peer=_peer(session), user=user, result="ok" if ok else "fail", ms=timer.ms))
+        log.info(kv("auth", listener=self.role.name, peer=peer, user=user, result="ok" if ok else "fail", ms=timer.ms))
         if ok:
+            self.throttle.succeeded(user)
             return AuthResult(success=True, auth_data=user)
+        self.throttle.failed(peer, user)
         failures = getattr(session, "auth_failures", 0) + 1
         session.auth_failures = failures  # type: ignore[attr-defined]
         if failures >= self.settings.max_auth_failures:
