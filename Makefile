@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install test-tools cassandra cassandra-down cassandra-status test bench clean
+.PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench clean
 
 # Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
 TEST_TOOLS := swaks openssl getmail
@@ -18,6 +18,11 @@ $(BIN)/cassmail: pyproject.toml
 	touch $@
 
 install: $(BIN)/cassmail
+
+# The mail server on the embedded mbox store under ./var/mail: SMTP 127.0.0.1:2525, submission :2587,
+# POP3 :1110. Loopback only and no certificate, so logins in clear text are allowed here.
+run: install
+	$(BIN)/cassmail -o submission.allow_plaintext_auth=true -o pop3.allow_plaintext_auth=true serve
 
 # A local Apache Cassandra 5.0 node on 127.0.0.1:9042 (jars fetched once from Maven Central), schema applied.
 cassandra: install

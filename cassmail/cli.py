@@ -95,6 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("address")
     m.set_defaults(run=cmd_mailbox_list)
 
+    store = sub.add_parser("store", help="maintenance of the configured store").add_subparsers(metavar="ACTION")
+    s = store.add_parser("compact", help="mbox store: reclaim the space of deleted mail and merge small extents now")
+    s.add_argument("--user", help="only this user's mailboxes")
+    s.add_argument("--mailbox", help="only this mailbox (with --user)")
+    s.add_argument("--budget", type=int, metavar="BYTES", help="write at most this much per mailbox (default: no limit)")
+    s.add_argument("--no-defrag", action="store_true", help="reclaim space only, move no data to merge extents")
+    s.set_defaults(run=cmd_store_compact)
+
     cass = sub.add_parser("cassandra", help="a local Apache Cassandra for development and tests").add_subparsers(
         metavar="ACTION"
     )
@@ -153,9 +161,8 @@ def cmd_serve(settings: config.Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_schema_apply(settings: config.Settings, args: argparse.Namespace) -> int:
-    if settings.store.backend != "cassandra":
-        print(f"store.backend is {settings.store.backend}: no schema to apply")
-        return 0
+    """Applies [store.cassandra]'s schema whatever store.backend says: preparing a cluster
+    before switching a node to it is the usual order."""
     from cassmail.store import cassandra_schema
 
     done = cassandra_schema.apply(settings.store.cassandra)
@@ -296,6 +303,27 @@ def cmd_mailbox_list(settings: config.Settings, args: argparse.Namespace) -> int
     return 0
 
 
+def cmd_store_compact(settings: config.Settings, args: argparse.Namespace) -> int:
+    if settings.store.backend != "mbox":
+        print(f"store.backend is {settings.store.backend}: nothing to compact")
+        return 0
+    if args.mailbox and not args.user:
+        raise CommandError("--mailbox needs --user")
+
+    async def compact(store: Store) -> Any:
+        run = getattr(store, "compact", None)
+        if run is None:
+            raise CommandError(f"the {settings.store.backend} store cannot compact")
+        return await run(args.user, args.mailbox, args.budget, not args.no_defrag)
+
+    rows = _with_store(settings, compact)
+    print(f"{'USER':<30} {'MAILBOX':<20} {'RECLAIMED':>10} {'WRITTEN':>9} {'MOVED':>10} {'EXTENTS':>11} {'LEFT':>8} {'SECONDS':>7}")
+    for user, mailbox, r in rows:
+        extents = "-" if r.extents_before is None else f"{r.extents_before}->{r.extents_after}"
+        print(f"{user:<30} {mailbox:<20} {r.reclaimed:>10} {r.written:>9} {r.moved:>10} {extents:>11} {r.left:>8} {r.seconds:>7.3f}")
+    return 0
+
+
 # --------------------------------------------------------------------------- local Cassandra
 
 
@@ -327,7 +355,10 @@ def cmd_cassandra_up(settings: config.Settings, args: argparse.Namespace) -> int
         raise CommandError(str(exc)) from None
     print(f"Cassandra up on {', '.join(cluster.contact_points())} port {settings.store.cassandra.port} "
           f"in {time.monotonic() - started:.0f} s")
-    return cmd_schema_apply(settings, args)
+    cmd_schema_apply(settings, args)
+    if settings.store.backend != "cassandra":
+        print("to use it: export CASSMAIL_STORE_BACKEND=cassandra (or set store.backend in your config)")
+    return 0
 
 
 def cmd_cassandra_down(settings: config.Settings, args: argparse.Namespace) -> int:

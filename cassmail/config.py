@@ -140,7 +140,7 @@ class MboxSettings:
     compact_on_delete: bool = True
     #: Bytes one deletion may write while compacting (pads, defragmentation moves, a rewritten
     #: tail); what is left waits for the next deletion or `cassmail store compact`.
-    compact_budget: int = 8 * 1024 * 1024
+    compact_budget: int = 32 * 1024 * 1024
     #: Seconds one deletion may spend defragmenting after its collapses.
     compact_seconds: float = 0.5
     #: "auto": collapse ranges where the file system can (ext4, XFS), else rewrite the tail;
@@ -149,9 +149,9 @@ class MboxSettings:
     #: Move data to merge small extents around collapse points (ext4 only).
     defrag: bool = True
     #: Largest run of extents moved at once, in bytes (a multiple of 4096).
-    defrag_window: int = 2 * 1024 * 1024
+    defrag_window: int = 1024 * 1024
     #: A run is moved only when it holds at least this many extents (moving removes all but one).
-    defrag_min_extents: int = 4
+    defrag_min_extents: int = 8
     #: Also take `<mbox>.lock` dot-locks, for mbox tools that do not use fcntl locks.
     dotlock: bool = True
     #: Seconds to wait for a mailbox lock before answering "try again later".
@@ -188,7 +188,8 @@ class WheelFSSettings:
 
 @dataclass
 class StoreSettings:
-    backend: str = "cassandra"
+    #: The embedded default needs nothing but a directory; "cassandra" for a cluster.
+    backend: str = "mbox"
     #: Largest message accepted, in bytes (SMTP SIZE, IMAP APPEND limit).
     max_message_size: int = 64 * 1024 * 1024
     cassandra: CassandraSettings = field(default_factory=CassandraSettings)

@@ -40,7 +40,11 @@ def make_store(settings: Settings) -> Store:
         from cassmail.store.cassandra import CassandraStore
 
         return CassandraStore(settings.store.cassandra, max_message_size=settings.store.max_message_size)
-    raise ConfigError(f"store.backend: {backend!r} is not available yet in this version of cassmail (use \"cassandra\")")
+    if backend == "mbox":
+        from cassmail.store.mbox import MboxStore
+
+        return MboxStore(settings.store.mbox, max_message_size=settings.store.max_message_size)
+    raise ConfigError(f"store.backend: {backend!r} is not available yet in this version of cassmail (use mbox or cassandra)")
 
 
 #: Every listener a node can run, by its settings section.
@@ -174,16 +178,22 @@ async def run_worker(settings: Settings) -> int:
 
         ports += pop3.start(settings, store, reactor)
     log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
+
+    def sessions() -> int:
+        return sum(handler.sessions for _, handler in servers) + sum(factory.sessions for _, factory in ports)
+
     try:
         await stop.wait()
     finally:
-        for port in ports:
+        for port, _ in ports:
             await port.stopListening().asFuture(loop)
-        for server in servers:
+        for server, _ in servers:
             server.close()
-        try:
-            await asyncio.wait_for(asyncio.gather(*(s.wait_closed() for s in servers)), STOP_GRACE)
-        except asyncio.TimeoutError:
-            log.warning(kv("stop", result="sessions-cut", grace=STOP_GRACE))
+        # Sessions in progress may finish (a DATA being stored, a POP3 QUIT committing) for a while.
+        deadline = loop.time() + STOP_GRACE
+        while sessions() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if sessions():
+            log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
         await store.close()
     return 0

@@ -35,7 +35,7 @@ TEST_STORAGE_PORT = 17000
 FAST_HASH = HashParams(log2_n=10, r=8, p=1)
 
 #: Every backend the shared Store contract suite runs against.
-BACKENDS = ["cassandra"]
+BACKENDS = ["cassandra", "mbox"]
 
 
 def unavailable(reason: str) -> None:
@@ -124,6 +124,12 @@ def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
     settings.store.max_message_size = 128 * 1024 * 1024
     if name == "cassandra":
         settings.store.cassandra = request.getfixturevalue("cassandra_settings")
+    elif name == "mbox":
+        from cassmail.config import MboxSettings
+        from cassmail.store.mbox import MboxStore
+
+        path = request.getfixturevalue("tmp_path_factory").mktemp("mbox-store")
+        store = MboxStore(MboxSettings(path=str(path)), max_message_size=128 * 1024 * 1024)
     else:  # pragma: no cover - a backend listed without a factory
         raise AssertionError(f"no settings for backend {name}")
     return settings

@@ -27,6 +27,7 @@ CASSMAIL = str(Path(sys.executable).parent / "cassmail")
 def run(cassandra_settings: CassandraSettings):
     env = {
         **os.environ,
+        "CASSMAIL_STORE_BACKEND": "cassandra",
         "CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS": ",".join(cassandra_settings.contact_points),
         "CASSMAIL_STORE_CASSANDRA_PORT": str(cassandra_settings.port),
         "CASSMAIL_STORE_CASSANDRA_KEYSPACE": cassandra_settings.keyspace,

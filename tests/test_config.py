@@ -18,7 +18,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_need_no_file() -> None:
     settings = config.load(env={})
-    assert settings.store.backend == "cassandra"
+    assert settings.store.backend == "mbox" and settings.store.mbox.path == "./var/mail"
     assert settings.store.cassandra.contact_points == ["127.0.0.1"]
     assert settings.smtp.listen == "127.0.0.1:2525" and settings.submission.listen == "127.0.0.1:2587"
     assert settings.pop3.listen == "127.0.0.1:1110" and settings.imap.listen == "127.0.0.1:1143"

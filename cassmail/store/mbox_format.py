@@ -69,9 +69,12 @@ Buffer = bytes | mmap
 # --------------------------------------------------------------------------- quoting
 
 
-def quote(raw: bytes | memoryview) -> bytes:
-    """mboxrd-quote a message: one more `>` before every line that reads `>*From `."""
-    return _TO_QUOTE.sub(rb">\1", raw)
+def quote(raw: bytes | memoryview) -> bytes | memoryview:
+    """mboxrd-quote a message: one more `>` before every line that reads `>*From `. A message
+    with no such line (nearly all) is returned as it is, not copied."""
+    if _TO_QUOTE.search(raw) is None:
+        return raw
+    return _TO_QUOTE.sub(rb">\1", bytes(raw))
 
 
 def unquote(stored: bytes) -> bytes:
@@ -183,6 +186,14 @@ def from_line(raw: bytes | memoryview, when_us: int) -> bytes:
 def meta_line(message_id: uuid.UUID, when_us: int, raw_len: int, stored_len: int) -> bytes:
     fields = b"%s %s %d %d %d" % (FORMAT_VERSION, message_id.hex.encode(), when_us, raw_len, stored_len)
     return META_TAG + fields + b" %08x\n" % zlib.crc32(fields)
+
+
+def record_head(
+    first_line: bytes, message_id: uuid.UUID, when_us: int, raw_len: int, stored_len: int,
+    flags: frozenset[str], capacity: int,
+) -> bytes:
+    """Everything of a record before the stored message: From_ line, X-Cassmail line, flag slot."""
+    return first_line + meta_line(message_id, when_us, raw_len, stored_len) + encode_slot(flags, False, capacity)
 
 
 def trailer_length(raw: bytes | memoryview) -> int:

@@ -44,24 +44,17 @@ def crash_point(label: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def crash_in_write() -> bool:
-    """True when the next crash point is due: the caller writes only part of its data, then dies.
-
-    Simulates a process killed in the middle of a large write (the kernel may stop a write to a
-    regular file between pages when a fatal signal arrives).
-    """
-    return _crash_countdown is not None and _crash_countdown <= 1
-
-
-# --------------------------------------------------------------------------- plain I/O
-
-
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    """Write all of `data` at `offset` (pwrite may write less than asked)."""
+    """Write all of `data` at `offset` (pwrite may write less than asked).
+
+    Every write is also a crash point of its own, where the process dies after writing only
+    the first half: a process killed in the middle of a large write (the kernel may stop a
+    write to a regular file between pages when a fatal signal arrives).
+    """
     view = memoryview(data).cast("B")
-    if crash_in_write() and len(view) > 1:
+    if _crash_countdown is not None and _crash_countdown <= 1 and len(view) > 1:
         os.pwrite(fd, view[: len(view) // 2], offset)
-        crash_point("torn write")
+    crash_point("torn write")
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
@@ -249,8 +242,6 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _libc.fallocate.restype = ctypes.c_int
 
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_COLLAPSE_RANGE = 0x08
 
 
@@ -365,20 +356,20 @@ def move_to_fresh_blocks(fd: int, directory: str | os.PathLike[str], offset: int
         got = len(fiemap(donor, offset, length, sync=False))
         if got > 1:
             return got
-        buf = bytearray(struct.pack(_MOVE_EXT, 0, donor, offset // bs, offset // bs, length // bs, 0))
-        fcntl.ioctl(fd, EXT4_IOC_MOVE_EXT, buf, True)
+        # The kernel refuses (EBUSY) to swap blocks under page-cache folios it cannot release
+        # (large folios on recent kernels): write the range back and drop it from the cache first.
+        os.fdatasync(fd)
+        for attempt in range(3):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            buf = bytearray(struct.pack(_MOVE_EXT, 0, donor, offset // bs, offset // bs, length // bs, 0))
+            try:
+                fcntl.ioctl(fd, EXT4_IOC_MOVE_EXT, buf, True)
+                return got
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or attempt == 2:
+                    raise
+                moved = struct.unpack(_MOVE_EXT, buf)[5]
+                offset, length = offset + moved * bs, length - moved * bs
         return got
     finally:
         os.close(donor)
-
-
-def remove_stale_donors(directory: str | os.PathLike[str]) -> None:
-    """Donor files are unlinked as soon as they are opened; this only catches a crash in between."""
-    for leftover in Path(directory).glob(".defrag.*"):
-        try:
-            pid = int(leftover.name.split(".")[2])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            leftover.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError):
-            continue

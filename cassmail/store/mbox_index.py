@@ -102,10 +102,10 @@ from cassmail.store.mbox_format import (
     from_line,
     keyword_capacity,
     keywords_text,
-    meta_line,
     pad,
     parse_meta,
     quote,
+    record_head,
     scan,
     slot_length,
     trailer_length,
@@ -187,8 +187,8 @@ class Segment:
         flags = payload[_SEG.size + 2 : _SEG.size + 2 + n].decode()
         raw_id, *rest = fields
         return cls(
-            rest[0], rest[1], uuid.UUID(bytes=raw_id) if raw_id != ZERO_ID else None, *rest[2:10],
-            frozenset(flags.split()) if flags else frozenset(), rest[10], bool(rest[11]),
+            rest[0], rest[1], uuid.UUID(bytes=raw_id) if raw_id != ZERO_ID else None, *rest[2:9],
+            frozenset(flags.split()) if flags else frozenset(), rest[9], bool(rest[10]),
         )
 
     def summary(self) -> MessageSummary:
@@ -659,15 +659,15 @@ class MailboxFile:
         message_id: uuid.UUID,
         when_us: int,
         raw_len: int,
-        stored_parts: Iterable[bytes],
+        stored_parts: Iterable[bytes | memoryview],
         stored_len: int,
         trail: int,
         flags: frozenset[str],
         capacity: int,
         uid: int,
     ) -> None:
-        meta = meta_line(message_id, when_us, raw_len, stored_len)
-        head = first_line + meta + encode_slot(flags, False, capacity)
+        head = record_head(first_line, message_id, when_us, raw_len, stored_len, flags, capacity)
+        meta_len = len(head) - len(first_line) - slot_length(capacity)
         off = self.end
         mbox_fs.crash_point("append.before")
         mbox_fs.pwrite_all(self.fd, head, off)
@@ -680,7 +680,7 @@ class MailboxFile:
         self._sync_files()
         mbox_fs.crash_point("append.synced")
         seg = Segment(
-            off, pos + trail - off, message_id, len(first_line), len(first_line), len(meta), capacity, stored_len,
+            off, pos + trail - off, message_id, len(first_line), len(first_line), meta_len, capacity, stored_len,
             raw_len, when_us, flags, uid,
         )
         self._commit([(ENTRY, seg.encode())])
@@ -767,17 +767,18 @@ class MailboxFile:
             if not changes:
                 return
             in_place = [(s, f) for s, f in changes if s.capacity >= len(keywords_text(f))]
-            for seg, new in changes:
-                if seg.capacity < len(keywords_text(new)):
-                    self._relocate(seg, new)
-            if not in_place:
-                return
-            mbox_fs.crash_point("flags.before")
-            for seg, new in in_place:
-                mbox_fs.pwrite_all(self.fd, encode_slot(new, False, seg.capacity), seg.slot_off)
-            mbox_fs.crash_point("flags.written")
-            self._sync_files()
-            self._commit([(FLAGS, _encode_id_flags(in_place))])
+            moved = [(s, f) for s, f in changes if s.capacity < len(keywords_text(f))]
+            for seg, new in moved:
+                self._relocate(seg, new)
+            if in_place:
+                mbox_fs.crash_point("flags.before")
+                for seg, new in in_place:
+                    mbox_fs.pwrite_all(self.fd, encode_slot(new, False, seg.capacity), seg.slot_off)
+                mbox_fs.crash_point("flags.written")
+                self._sync_files()
+                self._commit([(FLAGS, _encode_id_flags(in_place))])
+            if moved and self.settings.compact_on_delete:  # reclaim the old copies as a deletion would
+                self._compact(self.settings.compact_budget, self.settings.compact_seconds, defrag_all=False)
 
     def _relocate(self, seg: Segment, flags: frozenset[str]) -> None:
         """Move a message to the end with a larger flag slot (its keywords outgrew the old one)."""
@@ -872,20 +873,21 @@ class MailboxFile:
 
     def _compact(self, budget: int | None, seconds: float | None, defrag_all: bool) -> CompactReport:
         started = time.monotonic()
-        deadline = started + seconds if seconds else None
         report = CompactReport()
         spent = 0
         if self._collapse:
             runs, spent = self._plan_collapse(budget)
+            points: list[int] = []
             if runs:
                 points = self._run_plan(Plan(self._next_seq(), self.end, runs))
                 report.runs = len(runs)
                 report.collapses = sum(1 for r in runs if r.kind == RUN_COLLAPSE and r.removed)
                 report.reclaimed = sum(r.removed for r in runs)
                 report.written = sum(len(r.head) for r in runs)
-                if self._defrag:
-                    remaining = None if budget is None else max(budget - spent, 0)
-                    report.moved = self._defrag_points(points, remaining, deadline)
+            deadline = time.monotonic() + seconds if seconds else None  # the time limit is defragmentation's
+            if points and self._defrag:
+                remaining = None if budget is None else max(budget - spent, 0)
+                report.moved = self._defrag_points(points, remaining, deadline)
             if self._defrag and defrag_all:
                 remaining = None if budget is None else max(budget - spent - report.moved, 0)
                 report.moved += self._defrag_everywhere(remaining, deadline)
@@ -1059,6 +1061,7 @@ class MailboxFile:
             os.close(fd)
         removed = self.end - a - new_tail
         self._commit([(COMPACT_BEGIN, Plan(self._next_seq(), self.end, [Run(RUN_REWRITE, a, 0, removed)], side).encode())])
+        mbox_fs.crash_point("compact.begun")
         pending = self._pending
         assert pending is not None
         self._finish_rewrite(pending)
@@ -1086,6 +1089,7 @@ class MailboxFile:
             os.close(fd)
         os.ftruncate(self.fd, new_size)
         self._sync_files()
+        mbox_fs.crash_point("compact.synced")
         return self._end_rewrite(plan)
 
     def _end_rewrite(self, plan: Plan) -> bool:
@@ -1135,7 +1139,7 @@ class MailboxFile:
         """The run of whole extents around `point`, at most `defrag_window` bytes, if it has at least
         `defrag_min_extents` of them (moving it then removes that many fragments less one)."""
         w = self.settings.defrag_window
-        limit = (self.end // self._bs) * self._bs
+        limit = -(-self.end // self._bs) * self._bs  # the last, partial block moves too
         lo_q = max(0, point - w)
         extents = [e for e in mbox_fs.fiemap(self.fd, lo_q, min(limit, point + w) - lo_q) if e.logical + e.length <= limit]
         if len(extents) < self.settings.defrag_min_extents:
@@ -1164,7 +1168,7 @@ class MailboxFile:
     def _defrag_everywhere(self, budget: int | None, deadline: float | None) -> int:
         """Walk the whole extent map and move every window of small extents worth moving."""
         w = self.settings.defrag_window
-        limit = (self.end // self._bs) * self._bs
+        limit = -(-self.end // self._bs) * self._bs  # the last, partial block moves too
         extents = [e for e in mbox_fs.fiemap(self.fd, 0, limit) if e.logical + e.length <= limit]
         moved = 0
         i = 0
@@ -1186,6 +1190,8 @@ class MailboxFile:
         try:
             got = mbox_fs.move_to_fresh_blocks(self.fd, self.index_path.parent, lo, hi - lo, self._bs)
         except OSError as exc:
+            if exc.errno == errno.EBUSY:  # pages in use right now: skip this window, not defragmentation
+                return 0
             log.info("defragmentation off for %s: %s", self.mbox_path, exc)
             self._defrag = False
             return 0
@@ -1241,7 +1247,7 @@ def _segment(rec: object, offset: int) -> Segment:
 def _unique_id(message_id: uuid.UUID, taken: Callable[[uuid.UUID], bool]) -> uuid.UUID:
     """The id, or the next one up in its node bits, that is not taken (identical foreign records)."""
     while taken(message_id):
-        message_id = uuid.UUID(int=message_id.int ^ 1 if message_id.int & 1 == 0 else message_id.int + 1)
+        message_id = uuid.UUID(int=message_id.int + 1)
     return message_id
 
 

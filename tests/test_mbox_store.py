@@ -1,0 +1,670 @@
+"""The mbox store's own promises, beyond the shared Store contract.
+
+The format (mboxrd, byte-exact, readable by Python's `mailbox.mbox`), the index
+(rebuilt from the mbox alone), compaction at deletion time (space reclaimed, contents
+and flags kept, cost independent of where the mail sits), crash safety (a writer
+killed with SIGKILL at every step of delivery, flag update, deletion and compaction
+loses nothing acknowledged and shows nothing deleted), and locking across processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import mailbox
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cassmail.config import MboxSettings
+from cassmail.model import INBOX
+from cassmail.store.base import NoSuchMessage, StoreUnavailable, Target
+from cassmail.store.mbox import MboxStore, decode_name, encode_name
+from cassmail.store.mbox_format import PAD_MIN, Unquoter, pad, quote, unquote
+
+REPO = Path(__file__).resolve().parent.parent
+USER = "anne@example.org"
+
+def body_for(n: int, size: int | None = None) -> bytes:
+    """A reproducible message: headers, some From_ lines to quote, and `size`-ish bytes of text."""
+    rnd = random.Random(n)
+    size = size if size is not None else rnd.randint(300, 11_000)
+    lines = [b"From: sender%d@example.net\r\n" % n, b"Subject: message %d\r\n" % n, b"\r\n"]
+    if n % 3 == 0:
+        lines += [b"From the start of a line\r\n", b">From already quoted\n", b">>From twice\n"]
+    while sum(map(len, lines)) < size:
+        lines.append(hashlib.sha256(b"%d-%d" % (n, len(lines))).hexdigest().encode() + b"\r\n")
+    body = b"".join(lines)[:size]
+    return body if n % 4 else body.rstrip(b"\r\n")  # some without a final newline
+
+
+async def open_store(path: Path, **kw: Any) -> MboxStore:
+    """An open store; settings starting with "_" are the crash worker's own and are left out."""
+    store = MboxStore(MboxSettings(path=str(path), **{k: v for k, v in kw.items() if not k.startswith("_")}))
+    await store.open()
+    return store
+
+
+async def store_with_user(path: Path, **kw: Any) -> MboxStore:
+    """An open store with the test user and its default mailboxes."""
+    store = await open_store(path, **kw)
+    await store.add_domain("example.org")
+    await store.create_user(USER, "$scrypt$x")
+    return store
+
+
+@pytest.fixture
+async def mstore(tmp_path: Path) -> AsyncIterator[MboxStore]:
+    store = await store_with_user(tmp_path / "data")
+    yield store
+    await store.close()
+
+
+async def listing(store: MboxStore, mailbox_name: str = INBOX) -> list:
+    return [s async for s in store.list_messages(USER, mailbox_name)]
+
+
+def python_mbox_view(path: Path) -> list[tuple[bytes, str]]:
+    """What Python's mailbox module reads: (message as delivered, its mbox flags) per message,
+    our X-Cassmail headers stripped and the mboxrd quoting undone."""
+    out = []
+    box = mailbox.mbox(str(path), create=False)
+    try:
+        for key in box.keys():
+            data = box.get_bytes(key)
+            msg = box[key]
+            lines = data.split(b"\n")
+            while lines and lines[0].startswith((b"X-Cassmail-Pad:", b" ")):
+                lines.pop(0)
+            assert lines[0].startswith(b"X-Cassmail: ")
+            assert lines[1].startswith(b"Status: ") and lines[2].startswith(b"X-Status: ")
+            assert lines[3].startswith(b"X-Keywords: ")
+            out.append((unquote(b"\n".join(lines[4:])), msg.get_flags()))
+    finally:
+        box.close()
+    return out
+
+
+def same_message(seen: bytes, body: bytes) -> bool:
+    """mailbox.mbox keeps the newline we add after a message that lacks one."""
+    return seen == body or (not body.endswith(b"\n") and seen == body + b"\n")
+
+
+# ----------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"From x\n",
+        b"From ",
+        b">From \n>>From a\nFrom b\n From c\nFromd\n",
+        b"a\nFrom b\r\nFrom \r\n\n>From",
+        b"no newline at all",
+        b"\n\n\nFrom \n",
+    ],
+)
+def test_mboxrd_quoting_round_trips_byte_exact(raw: bytes) -> None:
+    stored = bytes(quote(raw))
+    assert b"\nFrom " not in b"\n" + stored  # no line of the stored message can start a record
+    assert unquote(stored) == raw
+
+
+def test_streamed_unquoting_gives_the_same_bytes_however_the_stream_is_cut() -> None:
+    rnd = random.Random(7)
+    for trial in range(300):
+        raw = b"".join(rnd.choice([b"From ", b">", b">>From x", b"\n", b"a", b"F", b"Fro", b"\r\n"]) for _ in range(60))
+        stored = bytes(quote(raw))
+        unquoter = Unquoter()
+        out = []
+        pos = 0
+        while pos < len(stored):
+            step = rnd.randint(1, 9)
+            out.append(unquoter.feed(stored[pos : pos + step]))
+            pos += step
+        out.append(unquoter.finish())
+        assert b"".join(out) == raw, trial
+
+
+def test_pads_have_exactly_the_asked_length_and_read_as_one_header() -> None:
+    for length in list(range(PAD_MIN, 400)) + [4096, 8191, 12_345]:
+        text = pad(length)
+        assert len(text) == length
+        lines = text.split(b"\n")[:-1]
+        assert lines[0].startswith(b"X-Cassmail-Pad:") and all(l.startswith(b" ") and l.strip() for l in lines[1:])
+        assert all(len(l) <= 80 for l in lines)
+    with pytest.raises(ValueError):
+        pad(PAD_MIN - 1)
+
+
+def test_mailbox_names_map_to_file_names_reversibly() -> None:
+    for name in ["INBOX", "Work/2026", "Entwürfe/日本", ".hidden", "100%/a", "a%2Fb", "..", "x/.y"]:
+        encoded = encode_name(name)
+        assert "/" not in encoded and not encoded.startswith(".")
+        assert decode_name(encoded) == name
+
+
+async def test_unicode_and_hierarchical_names_are_directories_on_disk(mstore: MboxStore) -> None:
+    await mstore.create_mailbox(USER, "Entwürfe/日本")
+    mbox, index = mstore.mailbox_paths(USER, "Entwürfe/日本")
+    assert mbox.parent.name == "Entwürfe%2F日本" and mbox.exists() and index.exists()
+
+
+# ----------------------------------------------------------------------------- bodies and mbox tools
+
+
+async def test_messages_come_back_byte_exact_and_python_mailbox_reads_the_file(mstore: MboxStore) -> None:
+    bodies = [body_for(n) for n in range(40)] + [b"", b"From the very start\n", b"x", b">From\n"]
+    ids = [(await mstore.deliver(b, [Target(USER)]))[0] for b in bodies]
+    await mstore.store_flags(USER, INBOX, ids[:5], ["\\Seen", "\\Flagged", "$Work"], "add")
+    for message_id, body in zip(ids, bodies):
+        assert await mstore.read_message(USER, INBOX, message_id) == body
+    view = python_mbox_view(mstore.mailbox_paths(USER, INBOX)[0])
+    assert len(view) == len(bodies)
+    for (seen, flags), body in zip(view, bodies):
+        assert same_message(seen, body)
+    assert all("R" in flags and "F" in flags for _, flags in view[:5])
+    assert all("R" not in flags for _, flags in view[5:])
+
+
+async def test_byte_ranges_of_a_quoted_message_are_exact(mstore: MboxStore) -> None:
+    body = b"".join(b"From line %d\n>From %d\nplain %d\n" % (i, i, i) for i in range(40_000))
+    [message_id] = await mstore.deliver(body, [Target(USER)])
+    for start, end in [(0, 1), (5, 6), (1000, 300_000), (len(body) - 3, len(body)), (77_777, 77_777)]:
+        got = b"".join([c async for c in mstore.read_chunks(USER, INBOX, message_id, start, end)])
+        assert got == body[start:end]
+
+
+async def test_a_message_another_tool_appends_is_adopted(mstore: MboxStore) -> None:
+    [ours] = await mstore.deliver(body_for(1), [Target(USER)])
+    path = mstore.mailbox_paths(USER, INBOX)[0]
+    box = mailbox.mbox(str(path))
+    box.lock()
+    box.add(b"From: other@tool.example\nSubject: appended by mailbox.mbox\n\nhello\n")
+    box.flush()
+    box.unlock()
+    box.close()
+    items = await listing(mstore)
+    assert len(items) == 2 and ours in {s.id for s in items}
+    [foreign] = [s for s in items if s.id != ours]  # dated by its From_ line (whole seconds)
+    assert await mstore.read_message(USER, INBOX, foreign.id) == (
+        b"From: other@tool.example\nSubject: appended by mailbox.mbox\n\nhello\n"
+    )
+    # Its flags can change (it is moved into a record of ours), and it can be deleted.
+    await mstore.store_flags(USER, INBOX, [foreign.id], ["\\Seen", "$tool"], "add")
+    assert (await mstore.get_summaries(USER, INBOX, [foreign.id]))[foreign.id].flags == {"\\Seen", "$tool"}
+    await mstore.delete_messages(USER, INBOX, [foreign.id])
+    assert [s.id for s in await listing(mstore)] == [ours]
+
+
+# ----------------------------------------------------------------------------- the index
+
+
+async def deliver_some(store: MboxStore, count: int) -> dict[uuid.UUID, bytes]:
+    bodies = {}
+    for n in range(count):
+        body = body_for(n)
+        [message_id] = await store.deliver(body, [Target(USER)])
+        bodies[message_id] = body
+    return bodies
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt-header", "corrupt-middle", "garbage-instead"])
+async def test_the_index_is_rebuilt_from_the_mbox_alone(tmp_path: Path, damage: str) -> None:
+    store = await store_with_user(tmp_path / "data", compact_on_delete=False)
+    bodies = await deliver_some(store, 30)
+    ids = list(bodies)
+    await store.store_flags(USER, INBOX, ids[:10], ["\\Seen", "$A"], "add")
+    await store.store_flags(USER, INBOX, ids[5:8], ["\\Answered", "\\Draft", "\\Deleted"], "add")
+    await store.assign_uids(USER, INBOX, ids)
+    await store.delete_messages(USER, INBOX, ids[20:25])  # marked, not compacted
+    before = await listing(store)
+    validity = (await store.mailbox_info(USER, INBOX)).uidvalidity
+    await store.close()
+
+    index = store.mailbox_paths(USER, INBOX)[1]
+    data = bytearray(index.read_bytes())
+    if damage == "missing":
+        index.unlink()
+    elif damage == "corrupt-header":
+        data[3] ^= 0xFF
+        index.write_bytes(bytes(data))
+    elif damage == "corrupt-middle":
+        data[len(data) // 2] ^= 0xFF
+        index.write_bytes(bytes(data))
+    else:
+        index.write_bytes(os.urandom(len(data)))
+
+    store = await open_store(tmp_path / "data")
+    after = await listing(store)
+    assert [(s.id, s.size, s.flags, s.internal_date) for s in after] == [
+        (s.id, s.size, s.flags, s.internal_date) for s in before
+    ]
+    for summary in after:
+        assert await store.read_message(USER, INBOX, summary.id) == bodies[summary.id]
+    # UIDs could not be kept: a new UIDVALIDITY says so, and UIDs start again.
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity != validity
+    assert all(s.uid is None for s in after) and await store.uid_next(USER, INBOX) == 1
+    await store.close()
+
+
+async def test_a_torn_last_index_record_is_cut_off_without_a_rebuild(tmp_path: Path) -> None:
+    store = await store_with_user(tmp_path / "data")
+    bodies = await deliver_some(store, 5)
+    validity = (await store.mailbox_info(USER, INBOX)).uidvalidity
+    await store.close()
+    index = store.mailbox_paths(USER, INBOX)[1]
+    with open(index, "ab") as fh:
+        fh.write(b"\x00\x00\x01\x00garbage")  # a record header promising more than is there
+    store = await open_store(tmp_path / "data")
+    assert [s.id for s in await listing(store)] == list(bodies)
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity == validity
+    await store.close()
+
+
+# ----------------------------------------------------------------------------- compaction
+
+
+@pytest.mark.parametrize("method", ["auto", "rewrite"])
+async def test_compaction_reclaims_space_and_keeps_contents_and_flags(tmp_path: Path, method: str) -> None:
+    store = await store_with_user(tmp_path / "data", method=method, compact_budget=1 << 30, defrag_window=256 * 1024,
+                             defrag_min_extents=2)
+    bodies = await deliver_some(store, 300)
+    ids = list(bodies)
+    await store.store_flags(USER, INBOX, ids[::4], ["\\Seen", "$Keep"], "add")
+    await store.store_flags(USER, INBOX, ids[1::9], ["\\Flagged"], "add")
+    await store.assign_uids(USER, INBOX, ids)
+    before = {s.id: s for s in await listing(store)}
+    path = store.mailbox_paths(USER, INBOX)[0]
+    size_before = path.stat().st_size
+    rnd = random.Random(3)
+    victims = rnd.sample(ids, 150)
+    for k in range(0, 150, 10):
+        await store.delete_messages(USER, INBOX, victims[k : k + 10])
+    live = [i for i in ids if i not in set(victims)]
+    deleted_bytes = sum(len(bodies[v]) for v in victims)
+    assert path.stat().st_size < size_before - deleted_bytes * 0.6  # most of the space is back at once
+    after = await listing(store)
+    assert [s.id for s in after] == live
+    for s in after:
+        assert (s.flags, s.uid, s.internal_date) == (before[s.id].flags, before[s.id].uid, before[s.id].internal_date)
+        assert await store.read_message(USER, INBOX, s.id) == bodies[s.id]
+    view = python_mbox_view(path)
+    assert len(view) == len(live)
+    assert all(same_message(seen, bodies[i]) for (seen, _), i in zip(view, live))
+    # and a rebuild from the compacted file finds the same messages and flags
+    await store.close()
+    store.mailbox_paths(USER, INBOX)[1].unlink()
+    store = await open_store(tmp_path / "data", method=method)
+    assert [(s.id, s.flags) for s in await listing(store)] == [(s.id, s.flags) for s in after]
+    await store.close()
+
+
+async def test_deleting_the_oldest_message_writes_a_few_kilobytes_however_large_the_mailbox(tmp_path: Path) -> None:
+    store = await store_with_user(tmp_path / "data", defrag=False)
+    big = b"x" * 200_000 + b"\n"
+    first = (await store.deliver(body_for(1, 9000), [Target(USER)]))[0]
+    for _ in range(100):  # 20 MB behind the first message: the "deletion distance"
+        await store.deliver(big, [Target(USER)])
+    path, _ = store.mailbox_paths(USER, INBOX)
+    size = path.stat().st_size
+    [(_, _, report)] = await store.compact(USER, INBOX)  # nothing to do yet
+    assert report.reclaimed == 0
+    mf = store.mailbox_file(USER, INBOX)
+    report = await asyncio.to_thread(mf.delete, [first])
+    assert report is not None and report.collapses == 1
+    assert report.written < 3 * 4096 + 200  # a pad and a From_ line, not the 20 MB behind
+    assert size - path.stat().st_size == report.reclaimed >= 4096
+    assert len(await listing(store)) == 100
+    await store.close()
+
+
+async def test_keywords_outgrowing_their_slot_move_the_message_and_keep_it_whole(mstore: MboxStore) -> None:
+    bodies = await deliver_some(mstore, 3)
+    middle = list(bodies)[1]
+    many = [f"$keyword{i:03d}" for i in range(60)]
+    await mstore.store_flags(USER, INBOX, [middle], many, "add")
+    [summary] = (await mstore.get_summaries(USER, INBOX, [middle])).values()
+    assert summary.flags == set(many)
+    assert [s.id for s in await listing(mstore)] == list(bodies)
+    assert await mstore.read_message(USER, INBOX, middle) == bodies[middle]
+    view = python_mbox_view(mstore.mailbox_paths(USER, INBOX)[0])
+    assert len(view) == 3  # the old copy is gone, not shown twice
+
+
+# ----------------------------------------------------------------------------- locking across processes
+
+WORKER = r"""
+import asyncio, json, os, sys
+sys.path.insert(0, os.environ["REPO"])
+from cassmail.config import MboxSettings
+from cassmail.store.mbox import MboxStore
+from cassmail.store.base import Target
+from tests.test_mbox_store import body_for, USER
+
+def say(kind, **fields):
+    print(json.dumps({"kind": kind, **fields}), flush=True)
+
+async def main(root, script, settings):
+    if "_checkpoint_min" in settings:  # checkpoint the index often, to crash in the middle of one too
+        import cassmail.store.mbox_index
+        cassmail.store.mbox_index.CHECKPOINT_MIN = settings.pop("_checkpoint_min")
+    store = MboxStore(MboxSettings(path=root, **settings))
+    await store.open()
+    for op in script:
+        say("begin", op=op)
+        if op["do"] == "deliver":
+            [message_id] = await store.deliver(body_for(op["n"]), [Target(USER)])
+            say("ack", op=op, id=str(message_id))
+            continue
+        if op["do"] == "flags":
+            await store.store_flags(USER, "INBOX", [__import__("uuid").UUID(i) for i in op["ids"]], op["flags"], op["mode"])
+        elif op["do"] == "delete":
+            await store.delete_messages(USER, "INBOX", [__import__("uuid").UUID(i) for i in op["ids"]])
+        elif op["do"] == "compact":
+            await store.compact(USER, "INBOX")
+        elif op["do"] == "loop":
+            n = op["n"]
+            while True:
+                n += 1
+                say("begin", op={"do": "deliver", "n": n})
+                [message_id] = await store.deliver(body_for(n), [Target(USER)])
+                say("ack", op={"do": "deliver", "n": n}, id=str(message_id))
+                if n % 3 == 0:
+                    live = [s.id async for s in store.list_messages(USER, "INBOX")]
+                    doomed = [str(i) for i in live[: len(live) // 3]]
+                    say("begin", op={"do": "delete", "ids": doomed})
+                    await store.delete_messages(USER, "INBOX", [__import__("uuid").UUID(i) for i in doomed])
+                    say("ack", op={"do": "delete", "ids": doomed})
+        say("ack", op=op)
+    await store.close()
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])))
+"""
+
+
+def run_worker(root: Path, script: list[dict[str, Any]], settings: dict[str, Any], crash_at: int | None = None,
+               kill_after: float | None = None) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the worker; (exit code, its begin/ack events, the crash point it died at or "")."""
+    env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
+    env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+    if crash_at is not None:
+        env["CASSMAIL_MBOX_CRASH_AT"] = str(crash_at)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(root), json.dumps(script), json.dumps(settings)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    if kill_after is not None:
+        time.sleep(kill_after)
+        proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"worker failed ({proc.returncode}): {err.decode()[-3000:]}")
+    events = []
+    for line in out.decode().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by the kill
+    crashed = [line for line in err.decode().splitlines() if line.startswith("cassmail: crash point ")]
+    return proc.returncode, events, crashed[-1].removeprefix("cassmail: crash point ") if crashed else ""
+
+
+class Model:
+    """What the mailbox must hold: every acknowledged operation applied; the one in flight when
+    the writer died may have happened or not (but wholly: a deletion is one index record)."""
+
+    def __init__(self, messages: dict[uuid.UUID, tuple[bytes, frozenset[str]]]) -> None:
+        self.messages = dict(messages)
+        self.in_flight: dict[str, Any] | None = None
+
+    def replay(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            op = event["op"]
+            if event["kind"] == "begin":
+                self.in_flight = op
+                continue
+            self.in_flight = None
+            if op["do"] == "deliver":
+                self.messages[uuid.UUID(event["id"])] = (body_for(op["n"]), frozenset())
+            elif op["do"] == "flags":
+                self.apply_flags(self.messages, op)
+            elif op["do"] == "delete":
+                for i in op["ids"]:
+                    self.messages.pop(uuid.UUID(i), None)
+
+    @staticmethod
+    def apply_flags(messages: dict[uuid.UUID, tuple[bytes, frozenset[str]]], op: dict[str, Any]) -> None:
+        for i in op["ids"]:
+            key = uuid.UUID(i)
+            if key in messages:
+                body, flags = messages[key]
+                new = set(op["flags"])
+                messages[key] = (body, frozenset(new if op["mode"] == "set" else flags | new if op["mode"] == "add" else flags - new))
+
+    async def check(self, store: MboxStore) -> None:
+        found = {s.id: s for s in await listing(store)}
+        expected = dict(self.messages)
+        op = self.in_flight or {}
+        if op.get("do") == "deliver":
+            extra = set(found) - set(expected)
+            assert len(extra) <= 1, "at most the delivery in flight may have landed"
+            for i in extra:
+                expected[i] = (body_for(op["n"]), frozenset())
+        if op.get("do") == "delete":
+            doomed = {uuid.UUID(i) for i in op["ids"]} & set(expected)
+            gone = doomed - set(found)
+            assert gone in (set(), doomed), "a deletion applies wholly or not at all"
+            for i in gone:
+                expected.pop(i)
+        assert set(found) == set(expected), (set(found) ^ set(expected), op)
+        flagged_alternative = dict(expected)
+        if op.get("do") == "flags":
+            self.apply_flags(flagged_alternative, op)
+        for message_id, summary in found.items():
+            body, flags = expected[message_id]
+            assert summary.flags in (flags, flagged_alternative[message_id][1]), (message_id, summary.flags, flags)
+            assert await store.read_message(USER, INBOX, message_id) == body
+
+
+async def base_state(root: Path, settings: dict[str, Any]) -> dict[uuid.UUID, tuple[bytes, frozenset[str]]]:
+    store = await store_with_user(root, **settings)
+    messages = {}
+    for n in range(1000, 1024):
+        body = body_for(n)
+        [message_id] = await store.deliver(body, [Target(USER)])
+        messages[message_id] = (body, frozenset())
+    await store.close()
+    return messages
+
+
+async def verify_everywhere(root: Path, model: Model, settings: dict[str, Any]) -> None:
+    """The model holds after recovery, after a full compaction, for Python's mailbox module, and
+    after a rebuild of the index from the mbox alone."""
+    store = await open_store(root, **settings)
+    await model.check(store)
+    await store.compact(USER, INBOX)
+    await model.check(store)
+    # Python's mailbox module sees the same messages (in file order, which is delivery order,
+    # not necessarily id order when several processes deliver at once).
+    view = python_mbox_view(store.mailbox_paths(USER, INBOX)[0])
+    bodies = [await store.read_message(USER, INBOX, s.id) for s in await listing(store)]
+    assert sorted(seen for seen, _ in view) == sorted(b if b.endswith(b"\n") else b + b"\n" for b in bodies)
+    await store.close()
+    store.mailbox_paths(USER, INBOX)[1].unlink()
+    store = await open_store(root, **settings)
+    await model.check(store)
+    await store.close()
+
+
+CRASH_SETTINGS: dict[str, dict[str, Any]] = {
+    "collapse": {"method": "auto", "defrag_window": 1024 * 1024, "defrag_min_extents": 2, "compact_budget": 1 << 30,
+                 "_checkpoint_min": 0},
+    "rewrite": {"method": "rewrite", "compact_budget": 1 << 30},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["collapse", "rewrite"])
+async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path: Path, method: str) -> None:
+    settings = CRASH_SETTINGS[method]
+    base = tmp_path / "base"
+    messages = await base_state(base, settings)
+    ids = [str(i) for i in messages]
+    script = [
+        {"do": "deliver", "n": 1},
+        {"do": "flags", "ids": ids[0:6], "flags": ["\\Seen", "$A"], "mode": "add"},
+        {"do": "delete", "ids": ids[2:9]},  # a run of neighbours: one collapse with a pad
+        {"do": "deliver", "n": 2},
+        {"do": "flags", "ids": ids[10:11], "flags": [f"$k{i:03d}" for i in range(40)], "mode": "add"},  # moves it
+        {"do": "delete", "ids": ids[12:13] + ids[15:16] + ids[22:24]},
+        {"do": "flags", "ids": ids[0:3], "flags": ["\\Seen"], "mode": "remove"},
+        {"do": "compact"},
+    ]
+    crash_at = 1
+    labels: list[str] = []
+    while True:
+        root = tmp_path / f"run{crash_at}"
+        shutil.copytree(base, root)
+        code, events, label = run_worker(root, script, settings, crash_at=crash_at)
+        model = Model(messages)
+        model.replay(events)
+        await verify_everywhere(root, model, settings)
+        shutil.rmtree(root)
+        if code == 0:
+            break
+        labels.append(label)
+        crash_at += 1
+        assert crash_at < 400, "the script never finished"
+    # Every kind of step was interrupted: appends (also torn in the middle), index records, flag
+    # slots, deletion marks, checkpoints and, per method, collapses and pads or the tail rewrite.
+    wanted = {"torn write", "append.written", "append.synced", "index.appended", "flags.written", "delete.marked",
+              "compact.begun", "compact.synced"}
+    wanted |= (
+        {"compact.collapsed", "compact.absorbed", "defrag.moved", "checkpoint.before", "checkpoint.renamed"}
+        if method == "collapse"
+        else {"rewrite.copied"}
+    )
+    assert wanted <= set(labels), wanted - set(labels)
+    print(f"{len(labels)} crash points: " + ", ".join(sorted(set(labels))))
+
+
+@pytest.mark.slow
+async def test_a_compactor_killed_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    settings = CRASH_SETTINGS["collapse"]
+    root = tmp_path / "data"
+    model = Model(await base_state(root, settings))
+    rnd = random.Random(11)
+    for round_ in range(8):
+        code, events, _ = run_worker(root, [{"do": "loop", "n": 2000 + 1000 * round_}], settings,
+                                     kill_after=rnd.uniform(0.6, 1.5))
+        assert code == -signal.SIGKILL
+        model.replay(events)
+        store = await open_store(root, **settings)
+        await model.check(store)
+        # settle the operation in flight so the next round starts from a known state
+        model.messages = {s.id: (await store.read_message(USER, INBOX, s.id), s.flags) for s in await listing(store)}
+        model.in_flight = None
+        await store.close()
+    await verify_everywhere(root, model, settings)
+
+
+async def test_deliveries_and_deletions_from_several_processes_interleave_safely(tmp_path: Path) -> None:
+    settings = CRASH_SETTINGS["collapse"]
+    root = tmp_path / "data"
+    messages = await base_state(root, settings)
+    scripts = [
+        [{"do": "deliver", "n": 100 * w + n} for n in range(25)] for w in range(3)
+    ]
+    ids = [str(i) for i in messages]
+    scripts.append([{"do": "delete", "ids": [i]} for i in ids[:20]] + [{"do": "compact"}])
+    env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
+    env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, str(root), json.dumps(s), json.dumps(settings)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for s in scripts
+    ]
+    model = Model(messages)
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        model.replay([json.loads(line) for line in out.decode().splitlines()])
+    assert len(model.messages) == 24 - 20 + 75
+    await verify_everywhere(root, model, settings)
+
+
+async def test_a_writer_waits_for_another_tools_fcntl_lock_and_gives_up_in_time(tmp_path: Path) -> None:
+    store = await store_with_user(tmp_path / "data", lock_timeout=0.5)
+    path = store.mailbox_paths(USER, INBOX)[0]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX); "
+         "print('locked', flush=True); time.sleep(float(sys.argv[2]))", str(path), "1.5"],
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+    with pytest.raises(StoreUnavailable):
+        await store.deliver(b"blocked\n", [Target(USER)])
+    holder.wait()
+    [message_id] = await store.deliver(b"after\n", [Target(USER)])
+    assert await store.read_message(USER, INBOX, message_id) == b"after\n"
+    await store.close()
+
+
+async def test_a_stale_dotlock_of_a_dead_process_is_broken(mstore: MboxStore) -> None:
+    path = mstore.mailbox_paths(USER, INBOX)[0]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    Path(str(path) + ".lock").write_text(f"{dead.pid}\n")
+    [message_id] = await mstore.deliver(b"through\n", [Target(USER)])
+    assert await mstore.read_message(USER, INBOX, message_id) == b"through\n"
+    assert not Path(str(path) + ".lock").exists()
+
+
+async def test_a_long_download_survives_a_compaction_between_its_chunks(mstore: MboxStore) -> None:
+    first = await deliver_some(mstore, 10)
+    body = os.urandom(3 * 1024 * 1024)
+    [big] = await mstore.deliver(body, [Target(USER)])
+    stream = mstore.read_chunks(USER, INBOX, big)
+    got = [await stream.__anext__()]
+    await mstore.delete_messages(USER, INBOX, list(first))  # collapses ranges before the message
+    got += [c async for c in stream]
+    assert b"".join(got) == body
+    with pytest.raises(NoSuchMessage):
+        await mstore.read_message(USER, INBOX, next(iter(first)))
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_store_compact_runs_from_the_command_line(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+
+    async def prepare() -> None:
+        store = await store_with_user(root, compact_on_delete=False)
+        bodies = await deliver_some(store, 40)
+        await store.delete_messages(USER, INBOX, list(bodies)[:20])
+        await store.close()
+
+    asyncio.run(prepare())
+    size = MboxStore(MboxSettings(path=str(root))).mailbox_paths(USER, INBOX)[0].stat().st_size
+    env = {**os.environ, "CASSMAIL_STORE_BACKEND": "mbox", "CASSMAIL_STORE_MBOX_PATH": str(root)}
+    result = subprocess.run([sys.executable, "-m", "cassmail.cli", "store", "compact"], capture_output=True, env=env,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    out = result.stdout.decode()
+    assert USER in out and "INBOX" in out
+    after = MboxStore(MboxSettings(path=str(root))).mailbox_paths(USER, INBOX)[0].stat().st_size
+    assert after < size
