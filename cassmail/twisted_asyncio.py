@@ -66,6 +66,9 @@ def listen(reactor: Any, settings: ListenerSettings, factory: Any) -> Any:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        # Accepted sockets inherit it: a reply's last small write must not wait for the
+        # client's delayed ACK (Twisted does not set it; asyncio does for the SMTP side).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(1024)
         sock.setblocking(False)

@@ -340,3 +340,17 @@ def test_a_store_that_times_out_gives_sys_temp_and_the_session_goes_on(backend_s
     assert "Traceback" not in node.log_text()
 
 
+
+
+async def test_sigterm_lets_a_pop3_session_finish_its_quit(backend_settings, tmp_path, store: Store, users) -> None:
+    await store.deliver(b"Subject: bye\r\n\r\nx\r\n", [Target(users["bob"])])
+    node = Node(node_settings(backend_settings), tmp_path, pop3={"allow_plaintext_auth": True}).start()
+    client = poplib.POP3("127.0.0.1", node.port("pop3"), timeout=30)
+    client.user(users["bob"])
+    client.pass_("bob")
+    client.dele(1)
+    node.process.send_signal(15)  # SIGTERM while the session is open
+    await asyncio.sleep(0.5)
+    assert client.quit().startswith(b"+OK Bye, 1 message(s) removed")
+    assert node.process.wait(30) == 0
+    assert await inbox(store, users["bob"]) == []

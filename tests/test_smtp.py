@@ -408,7 +408,7 @@ async def flaky(backend_settings: Settings, store: Store) -> AsyncIterator[tuple
     settings.smtp = dataclasses.replace(settings.smtp, listen="127.0.0.1:0", domain_cache_seconds=0)
     settings.submission = dataclasses.replace(settings.submission, enabled=False)
     wrapped = FailingStore(store)
-    servers = await smtp_front.start(settings, wrapped)  # type: ignore[arg-type]
+    servers = [server for server, _ in await smtp_front.start(settings, wrapped)]  # type: ignore[arg-type]
     raw = await asyncio.to_thread(Raw, servers[0].sockets[0].getsockname()[1])
 
     async def cmd(line: str) -> str:

@@ -15,9 +15,10 @@ from cassmail.store.base import Store
 from cassmail.twisted_asyncio import listen, tls_options
 
 
-def start(settings: Settings, store: Store, reactor: Any) -> list[Any]:
-    """The listening ports of the enabled POP3 listener (none when disabled)."""
+def start(settings: Settings, store: Store, reactor: Any) -> list[tuple[Any, Pop3Factory]]:
+    """(listening port, factory) of the enabled POP3 listener (none when disabled); the
+    factory counts the sessions in progress (`sessions`)."""
     if not settings.pop3.enabled:
         return []
     factory = Pop3Factory(store, settings.pop3, tls_options(settings.pop3))
-    return [listen(reactor, settings.pop3, factory)]
+    return [(listen(reactor, settings.pop3, factory), factory)]

@@ -298,6 +298,8 @@ class Pop3Session(pop3.POP3):
                 throttle.failed(self._peer, user)
                 raise LoginFailed("[AUTH] Authentication failed")
             throttle.succeeded(user)
+            if self._opened_at is None:  # the client went away meanwhile: no need to list anything
+                return
             try:
                 messages = [s async for s in store.list_messages(user, mailbox, self.factory.settings.page_size)]
             except NoSuchMailbox:

@@ -16,7 +16,9 @@ from cassmail.store.base import Store
 from cassmail.tls import server_context
 
 
-def _factory(settings: Settings, listener: SmtpSettings, role: Role, store: Store) -> Callable[[], asyncio.Protocol]:
+def _factory(
+    settings: Settings, listener: SmtpSettings, role: Role, store: Store
+) -> tuple[Callable[[], asyncio.Protocol], DeliveryHandler]:
     handler = DeliveryHandler(store, listener, role, settings.node.name)
     tls = server_context(listener)
     engine = CassmailLMTP if role.lmtp else CassmailSMTP
@@ -44,7 +46,7 @@ def _factory(settings: Settings, listener: SmtpSettings, role: Role, store: Stor
             protocol._auth_methods.clear()
         return protocol
 
-    return make
+    return make, handler
 
 
 def _unused_authenticator(*args: object) -> None:  # pragma: no cover - replaced by the engine's async check
@@ -54,22 +56,25 @@ def _unused_authenticator(*args: object) -> None:  # pragma: no cover - replaced
 LISTENERS: tuple[tuple[str, Role], ...] = (("smtp", MX), ("submission", SUBMISSION), ("lmtp", LMTP_ROLE))
 
 
-async def start(settings: Settings, store: Store, sockets: dict[str, socket.socket] | None = None) -> list[asyncio.Server]:
-    """Start every enabled SMTP-family listener; `sockets` are pre-bound ones (from the supervisor)."""
+async def start(
+    settings: Settings, store: Store, sockets: dict[str, socket.socket] | None = None
+) -> list[tuple[asyncio.Server, DeliveryHandler]]:
+    """Start every enabled SMTP-family listener; `sockets` are pre-bound ones. Each server comes
+    with its handler, which counts the sessions in progress (`sessions`)."""
     loop = asyncio.get_running_loop()
     servers = []
     for name, role in LISTENERS:
         listener: SmtpSettings = getattr(settings, name)
         if not listener.enabled:
             continue
-        factory = _factory(settings, listener, role, store)
+        factory, handler = _factory(settings, listener, role, store)
         ssl = server_context(listener) if listener.implicit_tls else None
         if sockets and name in sockets:
             server = await loop.create_server(factory, sock=sockets[name], ssl=ssl)
         else:
             host, port = host_port(listener.listen)
             server = await loop.create_server(factory, host, port, ssl=ssl, reuse_port=True, backlog=1024)
-        servers.append(server)
+        servers.append((server, handler))
     return servers
 
 
