@@ -321,25 +321,31 @@ async def test_getmail6_fetches_200_messages_byte_exact(backend_settings, tmp_pa
     assert await inbox(store, users["carol"]) == []  # delete = true: removed by QUIT
 
 
-def test_a_store_that_times_out_gives_sys_temp_and_the_session_goes_on(backend_settings, tmp_path, users) -> None:
-    if backend_settings.store.backend != "cassandra":
-        pytest.skip("a request timeout is a Cassandra setting")
+async def test_a_cassandra_that_times_out_gives_sys_temp_and_the_session_goes_on(request, tmp_path) -> None:
     import dataclasses
+    import uuid
 
-    settings = node_settings(backend_settings)
+    from cassmail.server import make_store
+    from tests.conftest import FAST_HASH, backend_settings_for, hash_password
+
+    settings = node_settings(backend_settings_for("cassandra", request))
+    store = make_store(settings)
+    await store.open()
+    domain = f"t{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    await store.create_user(f"anne@{domain}", hash_password("anne", FAST_HASH))
+    await store.close()
     settings.store.cassandra = dataclasses.replace(settings.store.cassandra, request_timeout=0.000001)
     node = Node(settings, tmp_path, pop3={"allow_plaintext_auth": True}).start()
     try:
         raw = RawPop(node.port("pop3"))
-        raw.cmd(f"USER {users['anne']}")
+        raw.cmd(f"USER anne@{domain}")
         assert raw.cmd("PASS anne").startswith(b"-ERR [SYS/TEMP] Mail store unavailable")
         assert raw.cmd("NOOP").startswith(b"+OK")
         assert raw.cmd("QUIT").startswith(b"+OK")
     finally:
         assert node.stop() == 0
     assert "Traceback" not in node.log_text()
-
-
 
 
 async def test_sigterm_lets_a_pop3_session_finish_its_quit(backend_settings, tmp_path, store: Store, users) -> None:
