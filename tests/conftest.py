@@ -126,10 +126,9 @@ def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
         settings.store.cassandra = request.getfixturevalue("cassandra_settings")
     elif name == "mbox":
         from cassmail.config import MboxSettings
-        from cassmail.store.mbox import MboxStore
 
         path = request.getfixturevalue("tmp_path_factory").mktemp("mbox-store")
-        store = MboxStore(MboxSettings(path=str(path)), max_message_size=128 * 1024 * 1024)
+        settings.store.mbox = MboxSettings(path=str(path))
     else:  # pragma: no cover - a backend listed without a factory
         raise AssertionError(f"no settings for backend {name}")
     return settings
