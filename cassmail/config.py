@@ -290,6 +290,29 @@ class Pop3Settings(ListenerSettings):
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
 
 
+@dataclass
+class ImapSettings(ListenerSettings):
+    #: RFC 3501 5.4: the autologout timer is at least 30 minutes.
+    timeout: float = 1800.0
+    #: Longest command line in bytes, literals excluded; longer ones get BAD and the session goes on.
+    max_line_length: int = 65536
+    #: Largest literal other than an APPEND's message (names, passwords, search strings).
+    max_string_literal: int = 8192
+    #: Seconds between two looks at the store for changes made elsewhere, while a session IDLEs.
+    #: One look per selected mailbox and worker process, whatever the number of sessions on it.
+    idle_poll: float = 2.0
+    #: Message summaries read from the store per request when a session selects a mailbox.
+    page_size: int = 1000
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        _check(self.timeout >= 1800, f"{prefix}.timeout", "must be at least 1800 seconds (RFC 3501)")
+        _check(1024 <= self.max_line_length <= 1 << 24, f"{prefix}.max_line_length", "must be 1024..16777216 bytes")
+        _check(256 <= self.max_string_literal <= 1 << 20, f"{prefix}.max_string_literal", "must be 256..1048576")
+        _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
+        _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
+
+
 def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings) -> Any:
     return field(default_factory=lambda: kind(enabled=enabled, listen=f"127.0.0.1:{port}"))
 
@@ -303,7 +326,7 @@ class Settings:
     submission: SmtpSettings = _listener(2587, kind=SmtpSettings)
     lmtp: SmtpSettings = _listener(2424, enabled=False, kind=SmtpSettings)
     pop3: Pop3Settings = _listener(1110, kind=Pop3Settings)
-    imap: ListenerSettings = _listener(1143)
+    imap: ImapSettings = _listener(1143, kind=ImapSettings)
 
 
 def host_port(text: str, key: str = "listen") -> tuple[str, int]:

@@ -48,7 +48,7 @@ def make_store(settings: Settings) -> Store:
 
 
 #: Every listener a node can run, by its settings section.
-LISTENERS = ("smtp", "submission", "lmtp", "pop3")
+LISTENERS = ("smtp", "submission", "lmtp", "pop3", "imap")
 
 
 def enabled_listeners(settings: Settings) -> dict[str, tuple[str, int]]:
@@ -161,7 +161,7 @@ async def run_worker(settings: Settings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     reactor = None
-    if settings.pop3.enabled:
+    if settings.pop3.enabled or settings.imap.enabled:
         # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
         reactor = twisted_asyncio.install(loop)
     store = make_store(settings)
@@ -174,9 +174,10 @@ async def run_worker(settings: Settings) -> int:
     servers = await smtp.start(settings, store)
     ports: list = []
     if reactor is not None:
-        from cassmail import pop3
+        from cassmail import imap, pop3
 
         ports += pop3.start(settings, store, reactor)
+        ports += imap.start(settings, store, reactor)
     log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
 
     def sessions() -> int:

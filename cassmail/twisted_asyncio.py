@@ -79,3 +79,22 @@ def listen(reactor: Any, settings: ListenerSettings, factory: Any) -> Any:
         return reactor.adoptStreamPort(sock.fileno(), family, factory)
     finally:
         sock.close()  # Twisted holds its own duplicate of the descriptor
+
+
+class WriteGate:
+    """A push producer that tells the sending coroutine when the transport's buffer is full."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+        self.stopped = False
+
+    def pauseProducing(self) -> None:
+        self.open.clear()
+
+    def resumeProducing(self) -> None:
+        self.open.set()
+
+    def stopProducing(self) -> None:
+        self.stopped = True
+        self.open.set()

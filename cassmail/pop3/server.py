@@ -37,7 +37,7 @@ from cassmail.config import Pop3Settings
 from cassmail.logs import kv
 from cassmail.model import INBOX, Address, InvalidInput, MessageSummary, mailbox_name, uidl
 from cassmail.store.base import NoSuchMailbox, NoSuchMessage, Store, StoreError
-from cassmail.twisted_asyncio import deferred
+from cassmail.twisted_asyncio import WriteGate, deferred
 
 log = logging.getLogger("cassmail.pop3")
 
@@ -85,25 +85,6 @@ class Maildrop:
         if ids:
             await self.store.delete_messages(self.user, self.mailbox, ids)
         return len(ids)
-
-
-class _WriteGate:
-    """A push producer that tells the sending coroutine when the transport's buffer is full."""
-
-    def __init__(self) -> None:
-        self.open = asyncio.Event()
-        self.open.set()
-        self.stopped = False
-
-    def pauseProducing(self) -> None:
-        self.open.clear()
-
-    def resumeProducing(self) -> None:
-        self.open.set()
-
-    def stopProducing(self) -> None:
-        self.stopped = True
-        self.open.set()
 
 
 class Pop3Session(pop3.POP3):
@@ -404,7 +385,7 @@ class Pop3Session(pop3.POP3):
             log.warning(kv("retr", listener="pop3", peer=self._peer, user=box.user, error=exc))
             self.failResponse(b"[SYS/TEMP] Mail store unavailable, try again later")
             return
-        gate = _WriteGate()
+        gate = WriteGate()
         self.transport.registerProducer(gate, True)
         try:
             self.successResponse(f"{summary.size} octets" if top_lines is None else "Top of message follows")

@@ -214,6 +214,11 @@ class Store(abc.ABC):
     async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
         """Raises NoSuchMailbox."""
 
+    @abc.abstractmethod
+    async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
+        """IMAP SUBSCRIBE / UNSUBSCRIBE of an existing mailbox (MailboxInfo.subscribed).
+        Raises NoSuchMailbox."""
+
     # ----------------------------------------------------------------- messages
     @abc.abstractmethod
     async def deliver(

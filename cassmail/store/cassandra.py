@@ -228,6 +228,7 @@ class CassandraStore(Store):
             "UPDATE users SET next_uidvalidity = ? WHERE user = ? IF next_uidvalidity = ?",
             "l",
         ),
+        "mbox_subscribe": ("UPDATE users SET subscribed = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?", "l"),
         "mbox_delete_if": ("DELETE FROM users WHERE user = ? AND mailbox = ? IF mailbox_id = ?", "l"),
         "mbox_reassign": (
             "UPDATE users SET mailbox_id = ?, uidvalidity = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
@@ -491,6 +492,13 @@ class CassandraStore(Store):
         key = address_key(user)
         name = mailbox_name(name)
         return _info(name, await self._resolve(key, name))
+
+    async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
+        key, name = address_key(user), mailbox_name(name)
+        row = await self._resolve(key, name, serial=True)
+        applied, _ = await self._conditional(self._ps["mbox_subscribe"].bind((subscribed, key, name, row.mailbox_id)))
+        if not applied:
+            raise NoSuchMailbox(key, name)
 
     async def _reserve_uidvalidity(self, key: str, count: int, batch: BatchStatement) -> tuple[BatchStatement, int]:
         """Add to a conditional batch the bump of the user's next UIDVALIDITY; return the first value."""

@@ -419,6 +419,25 @@ class MboxStore(Store):
         key, name = address_key(user), mailbox_name(name)
         return await self._call(lambda: self._info(key, self._existing_user(key), name))
 
+    async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
+        key, name = address_key(user), mailbox_name(name)
+
+        def update() -> None:
+            user_dir = self._existing_user(key)
+            with self._user_lock(key):
+                self._finish_rename(user_dir)
+                box = self._mailbox_dir(user_dir, name)
+                if not box.exists():
+                    raise NoSuchMailbox(key, name)
+                try:
+                    meta = mbox_fs.read_json(box / "meta.json")
+                except FileNotFoundError:
+                    meta = {}
+                meta["subscribed"] = subscribed
+                mbox_fs.write_json(box / "meta.json", meta, self.settings.fsync)
+
+        await self._call(update)
+
     async def create_mailbox(self, user: str, name: str, special_use: str | None = None) -> MailboxInfo:
         key, name = address_key(user), mailbox_name(name)
 

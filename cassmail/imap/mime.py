@@ -1,0 +1,279 @@
+"""The MIME structure of a stored message, over its raw bytes, for FETCH.
+
+IMAP hands out parts byte-exact (BODY[1.2], BODY[2.MIME]) and describes them
+(BODYSTRUCTURE, ENVELOPE), so the parser here records where every entity's
+header and body lie in the original bytes instead of re-encoding anything.
+Header values are read with the standard library's `email` package (quoting,
+RFC 2231 parameters, folded lines). Malformed MIME never raises: a multipart
+without a boundary or without any delimiter line is described as a single
+part, the way mail clients show it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from email import utils as email_utils
+from email.message import Message
+from email.parser import BytesHeaderParser
+from email.policy import compat32
+from typing import Any
+
+from cassmail.imap.wire import NIL
+
+#: Nesting deeper than this (multipart in message/rfc822 in multipart ...) is shown as opaque data.
+MAX_DEPTH = 32
+
+_LINE_END = re.compile(rb"\r?\n")
+_BLANK_LINE = re.compile(rb"\n(\r?\n)")
+_header_parser = BytesHeaderParser(policy=compat32)
+
+
+@dataclass
+class Entity:
+    """One MIME entity: raw[start:body] is its header block, raw[body:end] its body."""
+
+    raw: bytes
+    start: int
+    body: int
+    end: int
+    headers: Message
+    parts: list[Entity] = field(default_factory=list)
+    message: Entity | None = None  # the encapsulated message of a message/rfc822 part
+
+    @property
+    def content_type(self) -> tuple[str, str]:
+        maintype, _, subtype = _content_type(self.headers).partition("/")
+        return maintype, subtype
+
+    def header_bytes(self) -> bytes:
+        return self.raw[self.start : self.body]
+
+    def body_bytes(self) -> bytes:
+        return self.raw[self.body : self.end]
+
+
+def _content_type(headers: Message) -> str:
+    value = headers.get("content-type")
+    if value is None:
+        return headers.get_default_type()
+    ctype = str(value).split(";", 1)[0].strip().lower()
+    if ctype.count("/") != 1 or not all(ctype.split("/")):
+        return "text/plain"  # RFC 2045 5.2: an invalid Content-Type means text/plain
+    return ctype
+
+
+def parse(raw: bytes) -> Entity:
+    """The entity tree of a whole message."""
+    return _entity(raw, 0, len(raw), "text/plain", 0)
+
+
+def _entity(raw: bytes, start: int, end: int, default_type: str, depth: int) -> Entity:
+    header_end, body = _header_end(raw, start, end)
+    headers = _header_parser.parsebytes(raw[start:header_end] + b"\r\n")
+    if default_type != "text/plain" and headers.get("content-type") is None:
+        headers.set_default_type(default_type)
+    entity = Entity(raw, start, body, end, headers)
+    if depth >= MAX_DEPTH:
+        return entity
+    maintype, subtype = entity.content_type
+    if maintype == "multipart":
+        boundary = headers.get_param("boundary", header="content-type")
+        if isinstance(boundary, tuple):
+            boundary = email_utils.collapse_rfc2231_value(boundary)
+        if boundary:
+            child_type = "message/rfc822" if subtype == "digest" else "text/plain"
+            entity.parts = [
+                _entity(raw, s, e, child_type, depth + 1) for s, e in _split(raw, body, end, boundary.encode("utf-8", "surrogateescape"))
+            ]
+    elif (maintype, subtype) == ("message", "rfc822") and _encoding(headers) in ("7bit", "8bit", "binary"):
+        entity.message = _entity(raw, body, end, "text/plain", depth + 1)
+    return entity
+
+
+def _header_end(raw: bytes, start: int, end: int) -> tuple[int, int]:
+    """Where the header fields end and where the body starts (after the blank line)."""
+    for blank in (b"\r\n", b"\n"):
+        if raw.startswith(blank, start, end):
+            return start, start + len(blank)  # no header fields at all
+    m = _BLANK_LINE.search(raw, start, end)
+    if m is None:
+        return end, end  # all header, no body
+    return m.start(1), m.end()
+
+
+def _split(raw: bytes, start: int, end: int, boundary: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each body part between the delimiter lines of `boundary` (RFC 2046 5.1.1)."""
+    delimiter = re.compile(rb"(?:\A|(?<=\n))--" + re.escape(boundary) + rb"(--)?[ \t]*(?:\r?\n|\Z)")
+    parts: list[tuple[int, int]] = []
+    part_start: int | None = None
+    pos = start
+    while True:
+        m = delimiter.search(raw, pos, end)
+        if m is None:
+            break
+        if part_start is not None:
+            # the line end before a delimiter belongs to the delimiter
+            stop = m.start()
+            if raw[stop - 2 : stop] == b"\r\n" and stop - 2 >= part_start:
+                stop -= 2
+            elif raw[stop - 1 : stop] == b"\n" and stop - 1 >= part_start:
+                stop -= 1
+            parts.append((part_start, stop))
+        if m.group(1):  # the close delimiter: what follows is the epilogue
+            part_start = None
+            break
+        part_start = m.end()
+        pos = m.end()
+    if part_start is not None:  # no close delimiter: the last part runs to the end
+        parts.append((part_start, end))
+    return parts
+
+
+def _encoding(headers: Message) -> str:
+    return str(headers.get("content-transfer-encoding", "7bit")).strip().lower() or "7bit"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class NoSuchPart(LookupError):
+    """A section number the message does not have: the FETCH item is sent empty."""
+
+
+def subpart(entity: Entity, path: tuple[int, ...]) -> Entity:
+    """The entity a section number names (RFC 3501 6.4.5): 1-based, through message/rfc822."""
+    for number in path:
+        if entity.message is not None:
+            entity = entity.message
+        if entity.parts:
+            if not 1 <= number <= len(entity.parts):
+                raise NoSuchPart(number)
+            entity = entity.parts[number - 1]
+        elif number != 1:
+            raise NoSuchPart(number)
+    return entity
+
+
+def header_fields(header: bytes, names: list[str], negate: bool) -> bytes:
+    """HEADER.FIELDS / HEADER.FIELDS.NOT: the matching fields exactly as stored, then a blank line."""
+    wanted = {n.lower() for n in names}
+    out: list[bytes] = []
+    keep = False
+    for line in header.splitlines(keepends=True):
+        if line in (b"\r\n", b"\n"):
+            break
+        if line[:1] in (b" ", b"\t"):
+            if keep:
+                out.append(line)
+            continue
+        name = line.split(b":", 1)[0].strip().decode("ascii", "replace").lower()
+        keep = (name in wanted) != negate
+        if keep:
+            out.append(line)
+    data = b"".join(out)
+    if data and not data.endswith(b"\n"):
+        data += b"\r\n"
+    return data + b"\r\n"
+
+
+# --------------------------------------------------------------------------- ENVELOPE and BODYSTRUCTURE
+
+
+def _value(headers: Message, name: str) -> bytes | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    text = " ".join(str(value).split("\r\n")).replace("\n", " ").strip()
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _addresses(headers: Message, name: str) -> Any:
+    values = headers.get_all(name)
+    if not values:
+        return None
+    out = []
+    for display, addr in email_utils.getaddresses([str(v) for v in values]):
+        if not addr and not display:
+            continue
+        mailbox, _, host = addr.rpartition("@") if "@" in addr else (addr, "", "")
+        out.append([display or None, None, mailbox or None, host or None])
+    return out or None
+
+
+def envelope(headers: Message) -> list[Any]:
+    """ENVELOPE (RFC 3501 7.4.2): strings as in the header, encoded words left encoded."""
+    sender_from = _addresses(headers, "from")
+    return [
+        _value(headers, "date"),
+        _value(headers, "subject"),
+        sender_from,
+        _addresses(headers, "sender") or sender_from,
+        _addresses(headers, "reply-to") or sender_from,
+        _addresses(headers, "to"),
+        _addresses(headers, "cc"),
+        _addresses(headers, "bcc"),
+        _value(headers, "in-reply-to"),
+        _value(headers, "message-id"),
+    ]
+
+
+def _params(headers: Message, name: str) -> Any:
+    if headers.get(name) is None:
+        return None
+    try:
+        params = headers.get_params(header=name) or []
+    except Exception:  # noqa: BLE001 - the email package raises many things on broken headers
+        return None
+    out: list[Any] = []
+    for key, value in params[1:]:
+        if isinstance(value, tuple):
+            value = email_utils.collapse_rfc2231_value(value)
+        out += [key, email_utils.unquote(str(value))]
+    return out or None
+
+
+def _disposition(headers: Message) -> Any:
+    value = headers.get("content-disposition")
+    if value is None:
+        return None
+    kind = str(value).split(";", 1)[0].strip()
+    return [kind, _params(headers, "content-disposition")] if kind else None
+
+
+def _lines(data: bytes) -> int:
+    return len(_LINE_END.findall(data)) + (1 if data and not data.endswith(b"\n") else 0)
+
+
+def bodystructure(entity: Entity, extended: bool = True) -> list[Any]:
+    """BODYSTRUCTURE (or BODY without `extended`) of an entity, as a value for wire.encode."""
+    headers = entity.headers
+    maintype, subtype = entity.content_type
+    if entity.parts:
+        out: list[Any] = [bodystructure(p, extended) for p in entity.parts]
+        out.append(subtype)
+        if extended:
+            out += [_params(headers, "content-type"), _disposition(headers),
+                    _value(headers, "content-language"), _value(headers, "content-location")]
+        return out
+    if maintype == "multipart":  # no boundary or no delimiter: shown as what it is, a text
+        maintype, subtype = "text", "plain"
+    params = _params(headers, "content-type")
+    if params is None and maintype == "text":
+        params = ["charset", "us-ascii"]
+    body = entity.body_bytes()
+    out = [
+        maintype, subtype, params, _value(headers, "content-id"), _value(headers, "content-description"),
+        _value(headers, "content-transfer-encoding") or "7BIT", len(body),
+    ]
+    if entity.message is not None:
+        out += [envelope(entity.message.headers), bodystructure(entity.message, extended), _lines(body)]
+    elif maintype == "text":
+        out.append(_lines(body))
+    if extended:
+        out += [_value(headers, "content-md5"), _disposition(headers),
+                _value(headers, "content-language"), _value(headers, "content-location")]
+    return out
+
+
+__all__ = ["NIL", "Entity", "NoSuchPart", "bodystructure", "envelope", "header_fields", "parse", "subpart"]

@@ -1,0 +1,151 @@
+"""A session's view of its selected mailbox: sequence numbers, UIDs, flags, and what changed.
+
+RFC 3501 lets a session's message numbers change only when the server says so
+(EXISTS, EXPUNGE), so each session keeps its own view and brings it up to date
+from a listing of the store at the moments it may tell the client. Messages the
+store lists without a UID get theirs here, in one `assign_uids` call: the store
+guarantees they land above every UID handed out before, so new messages always
+go at the end of the view and numbers never shift under the client.
+"""
+
+from __future__ import annotations
+
+import bisect
+import uuid
+from dataclasses import dataclass, field
+
+from cassmail.model import MessageSummary
+from cassmail.store.base import Store
+
+
+#: A mailbox's summaries, and the UIDs that the read that made it has just handed out.
+Listing = tuple[list[MessageSummary], dict[uuid.UUID, int]]
+
+
+async def read_listing(store: Store, user: str, name: str, page_size: int) -> Listing:
+    """Every summary of a mailbox, with UIDs given to those that had none (one conditional
+    write for all of them, whatever their number)."""
+    summaries = [s async for s in store.list_messages(user, name, page_size)]
+    unnumbered = [s.id for s in summaries if s.uid is None]
+    assigned = await store.assign_uids(user, name, unnumbered) if unnumbered else {}
+    return summaries, assigned
+
+
+@dataclass
+class Changes:
+    """What a refresh found, in the order it must be told: expunged sequence numbers
+    (descending, RFC 3501 7.4.1), then flag changes (uid list), then the new EXISTS/RECENT."""
+
+    expunged: list[int] = field(default_factory=list)
+    flags: list[int] = field(default_factory=list)
+    exists: int | None = None
+    recent: int | None = None
+
+
+class MailboxView:
+    """UIDs in ascending order (sequence number = index + 1) and the summary of each."""
+
+    def __init__(self, store: Store, user: str, name: str, uidvalidity: int, readonly: bool, page_size: int) -> None:
+        self.store, self.user, self.name = store, user, name
+        self.uidvalidity, self.readonly, self.page_size = uidvalidity, readonly, page_size
+        self.uids: list[int] = []
+        self.messages: dict[int, MessageSummary] = {}
+        self.recent: set[int] = set()
+        self.uid_next = 1
+
+    # ------------------------------------------------------------------ numbers
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def seq(self, uid: int) -> int:
+        return bisect.bisect_left(self.uids, uid) + 1
+
+    def by_seq(self, ranges: list[tuple[int, int]]) -> list[int]:
+        """UIDs of the messages whose sequence numbers fall in the ranges, ascending, once each."""
+        picked: set[int] = set()
+        for lo, hi in ranges:
+            picked.update(self.uids[max(lo, 1) - 1 : min(hi, len(self.uids))])
+        return sorted(picked)
+
+    def by_uid(self, ranges: list[tuple[int, int]]) -> list[int]:
+        picked: set[int] = set()
+        for lo, hi in ranges:
+            picked.update(self.uids[bisect.bisect_left(self.uids, lo) : bisect.bisect_right(self.uids, hi)])
+        return sorted(picked)
+
+    def largest(self, uid: bool) -> int:
+        """What `*` stands for: the largest UID or sequence number (RFC 3501 6.4.8)."""
+        if not self.uids:
+            return 0 if not uid else max(self.uid_next - 1, 0)
+        return self.uids[-1] if uid else len(self.uids)
+
+    def first_unseen(self) -> int | None:
+        for n, uid in enumerate(self.uids, 1):
+            if "\\Seen" not in self.messages[uid].flags:
+                return n
+        return None
+
+    def flags(self, uid: int) -> set[str]:
+        flags = set(self.messages[uid].flags)
+        if uid in self.recent:
+            flags.add("\\Recent")
+        return flags
+
+    def set_flags(self, uid: int, flags: frozenset[str]) -> None:
+        old = self.messages[uid]
+        self.messages[uid] = MessageSummary(old.id, old.size, flags, old.internal_date, old.uid)
+
+    def remove(self, uids: list[int]) -> list[int]:
+        """Take messages out of the view; their sequence numbers, descending, as EXPUNGE wants them."""
+        seqs = sorted((self.seq(u) for u in uids if u in self.messages), reverse=True)
+        gone = set(uids)
+        self.uids = [u for u in self.uids if u not in gone]
+        for u in gone:
+            self.messages.pop(u, None)
+            self.recent.discard(u)
+        return seqs
+
+    # ------------------------------------------------------------------ the store
+
+    async def load(self) -> Changes:
+        """Read the mailbox and give UIDs to what has none; the first load of a SELECT."""
+        return await self.refresh(expunge=True)
+
+    async def refresh(self, expunge: bool, listing: Listing | None = None) -> Changes:
+        """Bring the view up to date, from `listing` when one is given (see `read_listing`).
+        Without `expunge` messages gone from the store stay in the view until a later refresh
+        may announce them."""
+        if listing is None:
+            listing = await read_listing(self.store, self.user, self.name, self.page_size)
+        summaries, assigned = listing
+        current: dict[int, MessageSummary] = {}
+        for s in summaries:
+            uid = s.uid if s.uid is not None else assigned.get(s.id)
+            if uid is not None:
+                current[uid] = MessageSummary(s.id, s.size, s.flags, s.internal_date, uid)
+        changes = Changes()
+        before = (len(self.uids), len(self.recent))
+        if expunge:
+            gone = [u for u in self.uids if u not in current]
+            changes.expunged = self.remove(gone)
+        for uid in self.uids:
+            now = current.get(uid)
+            if now is not None and now.flags != self.messages[uid].flags:
+                self.messages[uid] = now
+                changes.flags.append(uid)
+        # Only UIDs above the newest one shown can join without renumbering; one below it (handed
+        # out elsewhere, listed late) waits for the next SELECT.
+        newest = self.uids[-1] if self.uids else 0
+        fresh = sorted(u for u in current if u > newest)
+        for uid in fresh:
+            self.uids.append(uid)
+            self.messages[uid] = current[uid]
+        self.recent.update(u for u in assigned.values() if u in self.messages)
+        if current:
+            self.uid_next = max(self.uid_next, max(current) + 1)
+        if assigned:
+            self.uid_next = max(self.uid_next, max(assigned.values()) + 1)
+        if (len(self.uids), len(self.recent)) != before or changes.expunged:
+            changes.exists, changes.recent = len(self.uids), len(self.recent)
+        return changes

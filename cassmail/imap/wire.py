@@ -1,0 +1,192 @@
+"""IMAP's data formats (RFC 3501 section 4 and 9): strings, lists, sequence sets, dates, names.
+
+Pure functions, no I/O: what the session writes and parses, kept apart so it is tested alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from twisted.mail import imap4  # noqa: F401 - registers the "imap4-utf-7" codec
+
+from cassmail.model import InvalidInput
+
+#: A sequence set is refused when it has more ranges than this (a client sending 100,000
+#: single numbers is answered BAD instead of being walked).
+MAX_SET_RANGES = 10_000
+#: Numbers in sequence sets are 32-bit (RFC 3501 nz-number).
+MAX_NUMBER = 0xFFFFFFFF
+
+_SAFE_QUOTED = re.compile(rb'[\x20-\x7e]*\Z')
+_ATOM_SPECIALS = re.compile(rb'[(){ %*"\\\]\x00-\x1f\x7f-\xff]')
+
+
+class ParseError(InvalidInput):
+    """Syntax the client got wrong: answered BAD."""
+
+
+class Nil:
+    """NIL in a response."""
+
+
+NIL = Nil()
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
+
+
+def string(value: str | bytes | None) -> bytes:
+    """An nstring: NIL, a quoted string when that can carry it, else a literal."""
+    if value is None:
+        return b"NIL"
+    data = _bytes(value)
+    if len(data) < 1024 and _SAFE_QUOTED.match(data):
+        return b'"' + data.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"'
+    return b"{%d}\r\n" % len(data) + data
+
+
+def astring(value: str | bytes) -> bytes:
+    """An atom when the value is one, else a string (mailbox names in LIST, STATUS)."""
+    data = _bytes(value)
+    if data and not _ATOM_SPECIALS.search(data) and data.upper() != b"NIL":
+        return data
+    return string(data)
+
+
+def encode(value: Any) -> bytes:
+    """A response value: lists become parenthesised lists, None is NIL, ints are numbers."""
+    if value is None or value is NIL:
+        return b"NIL"
+    if isinstance(value, bool):
+        raise TypeError("no booleans in IMAP")
+    if isinstance(value, int):
+        return b"%d" % value
+    if isinstance(value, Atom):
+        return value.data
+    if isinstance(value, (list, tuple)):
+        return b"(" + b" ".join(encode(v) for v in value) + b")"
+    return string(value)
+
+
+class Atom:
+    """A value written as it is (flags, keywords like BODYSTRUCTURE)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: str | bytes) -> None:
+        self.data = _bytes(data)
+
+    def __repr__(self) -> str:
+        return f"Atom({self.data!r})"
+
+
+def flag_list(flags: Iterable[str]) -> bytes:
+    return b"(" + b" ".join(f.encode("ascii") for f in sorted(flags)) + b")"
+
+
+# --------------------------------------------------------------------------- sequence sets
+
+
+def parse_set(text: bytes) -> list[tuple[int | None, int | None]]:
+    """`1,3:5,7:*` as ranges; None stands for `*`. Raises ParseError."""
+    ranges: list[tuple[int | None, int | None]] = []
+    if not text:
+        raise ParseError("empty sequence set")
+    parts = text.split(b",")
+    if len(parts) > MAX_SET_RANGES:
+        raise ParseError(f"sequence set with more than {MAX_SET_RANGES} ranges")
+    for part in parts:
+        ends = part.split(b":")
+        if len(ends) > 2:
+            raise ParseError(f"bad sequence range {part.decode('ascii', 'replace')!r}")
+        nums = [_set_number(e) for e in ends]
+        ranges.append((nums[0], nums[-1]))
+    return ranges
+
+
+def _set_number(text: bytes) -> int | None:
+    if text == b"*":
+        return None
+    if not text.isdigit() or text.startswith(b"0"):
+        raise ParseError(f"bad message number {text.decode('ascii', 'replace')!r}")
+    value = int(text)
+    if value > MAX_NUMBER:
+        raise ParseError("message number out of range")
+    return value
+
+
+def resolve_set(ranges: list[tuple[int | None, int | None]], largest: int) -> list[tuple[int, int]]:
+    """Ranges as (low, high) with `*` replaced by the largest number in use (RFC 3501 6.4.8)."""
+    out = []
+    for lo, hi in ranges:
+        a = largest if lo is None else lo
+        b = largest if hi is None else hi
+        out.append((min(a, b), max(a, b)))
+    return out
+
+
+# --------------------------------------------------------------------------- dates
+
+_MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
+_DATE_TIME = re.compile(
+    rb'\A"?\s?(\d{1,2})-([A-Za-z]{3})-(\d{4}) (\d\d):(\d\d):(\d\d) ([+-])(\d\d)(\d\d)"?\Z'
+)
+_DATE = re.compile(rb'\A"?(\d{1,2})-([A-Za-z]{3})-(\d{4})"?\Z')
+
+
+def format_datetime(moment: datetime) -> bytes:
+    """INTERNALDATE: "17-Jul-1996 02:44:25 -0700" (in UTC here)."""
+    moment = moment.astimezone(timezone.utc)
+    return b'"%02d-%s-%04d %02d:%02d:%02d +0000"' % (
+        moment.day, _MONTHS[moment.month - 1].capitalize().encode(), moment.year,
+        moment.hour, moment.minute, moment.second,
+    )
+
+
+def parse_datetime(text: bytes) -> datetime:
+    """An APPEND date-time. Raises ParseError."""
+    m = _DATE_TIME.match(text)
+    if not m:
+        raise ParseError("bad date-time")
+    day, mon, year, hh, mm, ss, sign, zh, zm = m.groups()
+    try:
+        month = _MONTHS.index(mon.decode().lower()) + 1
+        offset = timedelta(hours=int(zh), minutes=int(zm)) * (1 if sign == b"+" else -1)
+        return datetime(int(year), month, int(day), int(hh), int(mm), int(ss), tzinfo=timezone(offset))
+    except ValueError as exc:
+        raise ParseError(f"bad date-time: {exc}") from None
+
+
+def parse_date(text: bytes) -> datetime:
+    """A SEARCH date ("1-Feb-1994"), as midnight UTC. Raises ParseError."""
+    m = _DATE.match(text)
+    if not m:
+        raise ParseError("bad date")
+    day, mon, year = m.groups()
+    try:
+        return datetime(int(year), _MONTHS.index(mon.decode().lower()) + 1, int(day), tzinfo=timezone.utc)
+    except ValueError as exc:
+        raise ParseError(f"bad date: {exc}") from None
+
+
+# --------------------------------------------------------------------------- mailbox names
+
+
+def decode_mailbox(name: bytes) -> str:
+    """A mailbox name from the wire (modified UTF-7, RFC 3501 5.1.3). Raises ParseError."""
+    try:
+        text = name.decode("imap4-utf-7")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ParseError(f"mailbox name is not valid modified UTF-7: {exc}") from None
+    if text.encode("imap4-utf-7") != name and text.upper() != "INBOX":
+        # the same name can be spelt only one way (RFC 3501: no needless shifts, no 8-bit)
+        raise ParseError("mailbox name is not in canonical modified UTF-7")
+    return text
+
+
+def encode_mailbox(name: str) -> bytes:
+    return name.encode("imap4-utf-7")
