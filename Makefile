@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench clean
 
 # Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
-TEST_TOOLS := swaks openssl getmail
+TEST_TOOLS := swaks openssl getmail mbsync
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # A virtualenv with cassmail (editable) and its test tools; redone when pyproject.toml changes.
@@ -37,7 +37,7 @@ cassandra-status: install
 # The whole suite against a real Cassandra (its own node on 127.0.0.1:19042, started and stopped by the
 # tests; or CASSMAIL_TEST_CASSANDRA=host:port). pytest's "no tests collected" (exit 5) is a failure.
 test-tools:
-	@missing=""; for t in $(TEST_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$(echo $$t | sed s/^getmail$$/getmail6/)"; done; \
+	@missing=""; for t in $(TEST_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$(echo $$t | sed -e s/^getmail$$/getmail6/ -e s/^mbsync$$/isync/)"; done; \
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; fi
 

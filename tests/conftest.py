@@ -182,7 +182,8 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def node(backend_settings: Settings, tls_files: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A running `cassmail serve`: MX with STARTTLS and a 5-recipient limit, submission with
-    STARTTLS, LMTP in clear text, POP3 with STLS (plaintext login only after it)."""
+    STARTTLS, LMTP in clear text, POP3 with STLS and IMAP with STARTTLS (plaintext login only after
+    them)."""
     running = Node(
         node_settings(backend_settings),
         tmp_path_factory.mktemp("node"),
@@ -190,6 +191,7 @@ def node(backend_settings: Settings, tls_files: dict[str, str], tmp_path_factory
         submission={**tls_files},
         lmtp={"enabled": True},
         pop3={**tls_files, "auth_failure_delay": 0.5},
+        imap={**tls_files, "auth_failure_delay": 0.5, "idle_poll": 0.5},
     ).start()
     yield running
     assert running.stop() == 0

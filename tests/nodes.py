@@ -62,7 +62,7 @@ class Node:
         for name in ("smtp", "submission", "lmtp", "pop3", "imap"):
             listener = dataclasses.replace(getattr(settings, name))
             listener.listen = f"127.0.0.1:{free_port()}"
-            listener.enabled = name in ("smtp", "submission", "lmtp", "pop3")
+            listener.enabled = name in ("smtp", "submission", "lmtp", "pop3", "imap")
             for key, value in listeners.get(name, {}).items():
                 setattr(listener, key, value)
             setattr(self.settings, name, listener)

@@ -112,7 +112,7 @@ class ImapSession(imap4.IMAP4Server):
         self.timeOut = int(self.settings.timeout)
         self.POSTAUTH_TIMEOUT = int(self.settings.timeout)
         self._literalStringLimit = self.settings.max_string_literal
-        self.MAX_LENGTH = self.settings.max_line_length + 1024
+        self.MAX_LENGTH = self.settings.max_line_length * 4  # beyond: BYE, the line is never buffered
 
     # ------------------------------------------------------------------ connection
 
@@ -158,7 +158,9 @@ class ImapSession(imap4.IMAP4Server):
         self.resetTimeout()
         if len(line) > self.settings.max_line_length:
             if self.parseState == "command":
-                self.sendBadResponse(None, b"Line too long")
+                tag = line.split(b" ", 1)[0][:64]
+                self.sendBadResponse(tag if _TAG.match(tag) and not _BAD_TAG_CHARS.search(tag) else None,
+                                     b"Line too long")
             else:
                 self._end_continuation(b"Line too long")
             return
@@ -278,7 +280,8 @@ class ImapSession(imap4.IMAP4Server):
         if not nonsync:
             self.sendContinuationRequest(b"Ready for literal data")
         self.setRawMode()
-        return d
+        # what follows the literal on its last line starts with the space before the next argument
+        return d.addCallback(lambda got: (got[0], got[1][1:] if got[1][:1] == b" " else got[1]))
 
     def arg_astring(self, line: bytes, final: bool = False) -> Any:
         line = line.lstrip(b" ")
@@ -888,11 +891,11 @@ class ImapSession(imap4.IMAP4Server):
         if kind == "bodystructure":
             return b"BODYSTRUCTURE " + wire.encode(mime.bodystructure(entity, True))
         if kind == "rfc822header":
-            return b"RFC822.HEADER " + wire.string(entity.header_bytes())
+            return b"RFC822.HEADER " + wire.literal(entity.header_bytes())
         if kind == "rfc822text":
-            return b"RFC822.TEXT " + wire.string(entity.body_bytes())
+            return b"RFC822.TEXT " + wire.literal(entity.body_bytes())
         if kind == "rfc822":
-            return b"RFC822 " + wire.string(entity.raw)
+            return b"RFC822 " + wire.literal(entity.raw)
         # BODY[...] and BODY
         if not part.empty and part.header is None and part.text is None and part.mime is None and not part.part:
             return b"BODY " + wire.encode(mime.bodystructure(entity, False))
@@ -901,7 +904,7 @@ class ImapSession(imap4.IMAP4Server):
         if part.partialBegin is not None:
             data = data[part.partialBegin : part.partialBegin + part.partialLength]
             name += b"<%d>" % part.partialBegin
-        return name + b" " + wire.string(data)
+        return name + b" " + wire.literal(data)
 
     async def _stream_body(self, summary: Any, part: Any, gate: WriteGate) -> None:
         """BODY[] / BODY[]<a.b> / RFC822: straight from the store to the socket, a piece at a time."""

@@ -49,6 +49,11 @@ def string(value: str | bytes | None) -> bytes:
     return b"{%d}\r\n" % len(data) + data
 
 
+def literal(value: bytes) -> bytes:
+    """Message data: always a literal, whatever its bytes (what clients expect for BODY[...])."""
+    return b"{%d}\r\n" % len(value) + value
+
+
 def astring(value: str | bytes) -> bytes:
     """An atom when the value is one, else a string (mailbox names in LIST, STATUS)."""
     data = _bytes(value)

@@ -1,0 +1,584 @@
+"""The IMAP front end as mail clients see it: a real `cassmail serve`, imaplib and mbsync over
+real sockets, every backend in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import email
+import imaplib
+import quopri
+import random
+import re
+import smtplib
+import socket
+import subprocess
+import time
+from datetime import datetime, timezone
+from email import policy
+from email.mime.application import MIMEApplication
+from email.mime.message import MIMEMessage
+from email.mime.multipart import MIMEMultipart
+from email.mime.text import MIMEText
+from pathlib import Path
+
+import pytest
+
+from cassmail.imap import mime, wire
+from cassmail.store.base import Store, Target
+from tests.nodes import CLIENT_TLS, Node, inbox, node_settings
+
+pytestmark = pytest.mark.cassandra
+
+
+def imap(node: Node, user: str | None = None, password: str | None = None) -> imaplib.IMAP4:
+    """An imaplib session, upgraded with STARTTLS and logged in when a user is given."""
+    client = imaplib.IMAP4("127.0.0.1", node.port("imap"), timeout=30)
+    if user is not None:
+        client.starttls(ssl_context=CLIENT_TLS)
+        client.login(user, password or user.split("@")[0])
+    return client
+
+
+class Raw:
+    """A line-level IMAP client: what imaplib would hide (untagged order, BAD texts)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.file = self.sock.makefile("rb")
+        self.greeting = self.file.readline()
+        self.n = 0
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def cmd(self, text: str | bytes) -> list[bytes]:
+        """Send a tagged command; every line up to and including its tagged answer."""
+        self.n += 1
+        tag = b"t%d" % self.n
+        self.send(tag + b" " + (text.encode() if isinstance(text, str) else text) + b"\r\n")
+        return self.until(tag)
+
+    def until(self, tag: bytes) -> list[bytes]:
+        lines = []
+        while True:
+            line = self.file.readline()
+            assert line, f"connection closed after {lines}"
+            lines.append(line)
+            m = re.search(rb"\{(\d+)\}\r\n\Z", line)
+            if m:
+                lines.append(self.file.read(int(m.group(1))))
+            if line.startswith(tag + b" "):
+                return lines
+
+    def login(self, user: str, password: str) -> None:
+        assert self.cmd(f'LOGIN "{user}" "{password}"')[-1].startswith(b"t%d OK" % self.n)
+
+
+@pytest.fixture(scope="module")
+def plain_node(backend_settings, tmp_path_factory) -> Node:
+    """A node whose IMAP allows LOGIN in clear text (loopback tests of the protocol itself)."""
+    running = Node(
+        node_settings(backend_settings), tmp_path_factory.mktemp("imapnode"),
+        imap={"allow_plaintext_auth": True, "idle_poll": 0.3, "auth_failure_delay": 0.0},
+    ).start()
+    yield running
+    assert running.stop() == 0
+
+
+async def deliver(store: Store, user: str, bodies: list[bytes], mailbox: str = "INBOX") -> None:
+    for body in bodies:
+        await store.deliver(body, [Target(user, mailbox)])
+
+
+def message(i: int, extra: bytes = b"") -> bytes:
+    return (b"From: sender%d@remote.test\r\nTo: anne@example.com\r\nSubject: message %d\r\n"
+            b"Date: Mon, 02 Nov 2026 10:00:00 +0000\r\n\r\nbody of %d\r\n%s" % (i, i, i, extra))
+
+
+# ----------------------------------------------------------------------------- login and TLS
+
+
+def test_login_is_disabled_until_starttls(node: Node, users) -> None:
+    client = imap(node)
+    assert "LOGINDISABLED" in client.capabilities and "STARTTLS" in client.capabilities
+    with pytest.raises(imaplib.IMAP4.error, match="PRIVACYREQUIRED"):
+        client.login(users["anne"], "anne")
+    client.starttls(ssl_context=CLIENT_TLS)
+    assert "AUTH=PLAIN" in client.capabilities and "LOGINDISABLED" not in client.capabilities
+    with pytest.raises(imaplib.IMAP4.error, match="AUTHENTICATIONFAILED"):
+        client.login(users["anne"], "wrong")
+    assert client.login(users["anne"], "anne")[0] == "OK"
+    assert client.logout()[0] == "BYE"
+
+
+def test_authenticate_plain(plain_node: Node, users) -> None:
+    client = imaplib.IMAP4("127.0.0.1", plain_node.port("imap"))
+    typ, _ = client.authenticate("PLAIN", lambda _: f"\0{users['bob']}\0bob".encode())
+    assert typ == "OK"
+    assert client.select("INBOX")[0] == "OK"
+
+
+# ----------------------------------------------------------------------------- SELECT, FETCH, SEARCH
+
+
+async def test_select_reports_the_mailbox_and_fetch_is_byte_exact(plain_node: Node, store: Store, users) -> None:
+    bodies = [message(i) for i in range(5)]
+    bodies.append(b"From: x@y.z\r\nSubject: bare lf\n\nline one\nline two\n")  # stored as sent
+    await deliver(store, users["anne"], bodies)
+    await store.store_flags(users["anne"], "INBOX", [(await _ids(store, users["anne"]))[0]], ["\\Seen"], "add")
+    raw = Raw(plain_node.port("imap"))
+    raw.login(users["anne"], "anne")
+    lines = b"".join(raw.cmd("SELECT INBOX"))
+    assert b"* 6 EXISTS" in lines and b"* 6 RECENT" in lines
+    assert b"[UNSEEN 2]" in lines and b"[UIDNEXT 7]" in lines and b"[UIDVALIDITY " in lines
+    assert b"[READ-WRITE] SELECT completed" in lines
+    client = imap(plain_node)
+    client.login(users["anne"], "anne")
+    client.select("INBOX")
+    for n, body in enumerate(bodies, 1):
+        typ, data = client.fetch(str(n), "(UID RFC822.SIZE BODY.PEEK[])")
+        assert typ == "OK" and data[0][1] == body
+        assert b"UID %d" % n in data[0][0] and b"RFC822.SIZE %d" % len(body) in data[0][0]
+    typ, data = client.fetch("6", "(BODY.PEEK[HEADER] BODY.PEEK[TEXT] BODY.PEEK[]<5.10> BODY.PEEK[HEADER.FIELDS (subject)])")
+    assert data[0][1] == b"From: x@y.z\r\nSubject: bare lf\n\n"
+    assert data[1][1] == b"line one\nline two\n"
+    assert data[2][1] == bodies[5][5:15] and b"BODY[]<5>" in data[2][0]
+    assert data[3][1] == b"Subject: bare lf\n\r\n"
+    # a non-PEEK body fetch sets \Seen, and says so
+    typ, data = client.fetch("2", "(BODY[TEXT])")
+    assert b"\\Seen" in b"".join(d if isinstance(d, bytes) else d[0] for d in data)
+    assert "\\Seen" in (await store.get_summaries(users["anne"], "INBOX", [(await _ids(store, users["anne"]))[1]])).popitem()[1].flags
+    typ, data = client.fetch("1:*", "(FLAGS)")
+    assert len(data) == 6
+    typ, data = client.fetch("1", "INTERNALDATE")
+    assert re.search(rb'INTERNALDATE "\d\d-[A-Z][a-z]{2}-\d{4} \d\d:\d\d:\d\d \+0000"', data[0])
+
+
+async def _ids(store: Store, user: str, mailbox: str = "INBOX") -> list:
+    return [s.id async for s in store.list_messages(user, mailbox)]
+
+
+def corpus() -> list[bytes]:
+    """Messages whose MIME structure the tests check against Python's email package."""
+    out = []
+    inner = MIMEText("inner text\n", "plain", "utf-8")
+    inner["Subject"] = "=?utf-8?q?h=C3=A9llo?="
+    inner["From"] = '"Ann B" <ann@b.example>'
+    mixed = MIMEMultipart("mixed")
+    mixed["Subject"] = "nested"
+    alt = MIMEMultipart("alternative")
+    alt.attach(MIMEText("plain\nline 2\n"))
+    alt.attach(MIMEText("<b>html</b>\n", "html"))
+    mixed.attach(alt)
+    attachment = MIMEApplication(bytes(range(256)) * 10, Name="data.bin")
+    attachment.add_header("Content-Disposition", "attachment", filename="data.bin")
+    mixed.attach(attachment)
+    mixed.attach(MIMEMessage(inner))
+    out.append(mixed.as_bytes(policy=policy.SMTP))
+    eight = MIMEText("caf\u00e9 cr\u00e8me\n", "plain", "utf-8")
+    eight.replace_header("Content-Transfer-Encoding", "8bit")
+    eight.set_payload("caf\u00e9 cr\u00e8me\n".encode())
+    out.append(eight.as_bytes(policy=policy.SMTP))
+    # malformed: a multipart without a boundary, an unterminated multipart, a bad Content-Type
+    out.append(b"Content-Type: multipart/mixed\r\nSubject: no boundary\r\n\r\njust text\r\n")
+    out.append(b'Content-Type: multipart/mixed; boundary="b1"\r\n\r\npreamble\r\n--b1\r\n'
+               b"Content-Type: text/plain\r\n\r\nfirst\r\n--b1\r\n\r\nsecond, never closed\r\n")
+    out.append(b"Content-Type: garbage\r\nSubject: =?bad?q?x?=\r\n\r\nbody\r\n")
+    rng = random.Random(7)
+    for depth in range(1, 4):  # random nesting
+        def build(level: int) -> MIMEMultipart | MIMEText:
+            if level == 0:
+                return MIMEText("leaf %d\n" % rng.randrange(1000))
+            box = MIMEMultipart(rng.choice(["mixed", "related", "alternative"]))
+            for _ in range(rng.randrange(1, 4)):
+                box.attach(build(level - 1))
+            return box
+        out.append(build(depth).as_bytes(policy=policy.SMTP))
+    return out
+
+
+def _leaves(msg: email.message.Message) -> list[tuple[str, bytes]]:
+    if msg.is_multipart():
+        return [leaf for part in msg.get_payload() for leaf in _leaves(part)]
+    return [(msg.get_content_type(), msg.get_payload(decode=True) or b"")]
+
+
+def _structure_leaves(structure: list) -> list[str]:
+    """The content types of the leaves of a parsed BODYSTRUCTURE, through message/rfc822."""
+    if isinstance(structure[0], list):  # multipart: the parts come before the subtype
+        parts = []
+        for item in structure:
+            if not isinstance(item, list):
+                break
+            parts.append(item)
+        return [t for part in parts for t in _structure_leaves(part)]
+    ctype = f"{structure[0].decode().lower()}/{structure[1].decode().lower()}"
+    if ctype == "message/rfc822":
+        return _structure_leaves(structure[8])
+    return [ctype]
+
+
+async def test_bodystructure_and_sections_agree_with_the_email_package(plain_node: Node, store: Store, users) -> None:
+    messages = corpus()
+    await deliver(store, users["bob"], messages)
+    client = imap(plain_node)
+    client.login(users["bob"], "bob")
+    client.select("INBOX")
+    for n, raw_message in enumerate(messages, 1):
+        typ, data = client.fetch(str(n), "(BODYSTRUCTURE)")
+        assert typ == "OK"
+        text = data[0] if isinstance(data[0], bytes) else data[0][0] + data[0][1] + data[1]
+        structure = _parse_list(text[text.index(b"BODYSTRUCTURE ") + 14 :])
+        parsed = email.message_from_bytes(raw_message, policy=policy.compat32)
+        expected = [t for t, _ in _leaves(parsed)]
+        got = _structure_leaves(structure)
+        if parsed.is_multipart() and parsed.defects == []:
+            assert got == expected, (n, got, expected)
+        else:  # malformed MIME: described, never an error
+            assert got and all("/" in t for t in got)
+        # every leaf section, decoded by its Content-Transfer-Encoding, is what the email package decodes
+        entity = mime.parse(raw_message)
+        pairs = list(zip(_leaf_paths(entity), _leaves(parsed)))
+        assert len(pairs) == len(_leaves(parsed))
+        for path, (ctype, payload) in pairs:
+            section = ".".join(map(str, path)) or "1"
+            typ, data = client.fetch(str(n), f"(BODY.PEEK[{section}])")
+            part = data[0][1] if isinstance(data[0], tuple) else b""
+            encoding = str(mime.subpart(entity, path).headers.get("content-transfer-encoding", "")).lower()
+            if "base64" in encoding:
+                part = base64.b64decode(part)
+            elif "quoted-printable" in encoding:
+                part = quopri.decodestring(part)
+            # (the email package drops the last line end of a part that no close delimiter ends)
+            assert part.replace(b"\r\n", b"\n").rstrip(b"\n") == payload.replace(b"\r\n", b"\n").rstrip(b"\n"), (
+                n, section, ctype)
+    # ENVELOPE of the nested message names its encoded subject as sent
+    typ, data = client.fetch("1", "(BODY.PEEK[3.HEADER.FIELDS (SUBJECT)] BODY.PEEK[3.TEXT] BODY.PEEK[1.2.MIME])")
+    assert data[0][1].startswith(b"Subject: =?utf-8?q?h=C3=A9llo?=")
+    assert data[1][1] == b"aW5uZXIgdGV4dAo=\r\n"
+    assert b"Content-Type: text/html" in data[2][1]
+    typ, data = client.fetch("1", "(BODY.PEEK[9])")  # a part that does not exist: empty, not an error
+    assert typ == "OK"
+
+
+def _leaf_paths(entity: mime.Entity, path: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+    """Section numbers of the leaves, in the order the email package walks them."""
+    if entity.message is not None:
+        inner = entity.message
+        return _leaf_paths(inner, path) if inner.parts else [path + (1,)]
+    if entity.parts:
+        return [p for i, part in enumerate(entity.parts, 1) for p in _leaf_paths(part, path + (i,))]
+    return [path]
+
+
+def _parse_list(data: bytes) -> list:
+    """A parenthesised IMAP list (strings, NIL, numbers) as nested Python lists of bytes."""
+    tokens = re.findall(rb'\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+', data)
+    stack: list[list] = [[]]
+    for tok in tokens:
+        if tok == b"(":
+            stack.append([])
+        elif tok == b")":
+            done = stack.pop()
+            stack[-1].append(done)
+            if len(stack) == 1:
+                break
+        else:
+            stack[-1].append(tok.strip(b'"'))
+    return stack[0][0]
+
+
+async def test_search_keys(plain_node: Node, store: Store, users) -> None:
+    user = users["carol"]
+    await deliver(store, user, [message(i, b"needle\r\n" if i % 2 else b"") for i in range(6)])
+    await store.deliver(b"From: boss@work.test\r\nSubject: =?utf-8?q?r=C3=A9union?=\r\n\r\n" + b"x" * 5000 + b"\r\n",
+                        [Target(user)], datetime(2020, 1, 5, tzinfo=timezone.utc))
+    client = imap(plain_node)
+    client.login(user, "carol")
+    client.select("INBOX")
+    client.store("1,3", "+FLAGS", "(\\Flagged custom)")
+
+    def search(*keys: str, uid: bool = False) -> list[int]:
+        typ, data = client.uid("SEARCH", *keys) if uid else client.search(None, *keys)
+        assert typ == "OK", data
+        return [int(n) for n in data[0].split()]
+
+    assert search("ALL") == [1, 2, 3, 4, 5, 6, 7]
+    assert search("FLAGGED") == [1, 3] and search("KEYWORD", "custom") == [1, 3]
+    assert search("UNFLAGGED", "NOT", "7") == [2, 4, 5, 6]
+    assert search("BODY", "needle") == [2, 4, 6]
+    assert search("TEXT", "sender3") == [4]
+    assert search("FROM", "boss") == [7] and search("SUBJECT", "union") == [7]  # the decoded "réunion"
+    assert search("HEADER", "Subject", '"message 2"') == [3]
+    assert search("LARGER", "4000") == [7] and search("SMALLER", "4000") == [1, 2, 3, 4, 5, 6]
+    assert search("BEFORE", "1-Jan-2021") == [7] and search("SINCE", "1-Jan-2021") == [1, 2, 3, 4, 5, 6]
+    assert search("SENTON", "2-Nov-2026") == [1, 2, 3, 4, 5, 6]
+    assert search("OR", "FLAGGED", "FROM", "boss") == [1, 3, 7]
+    assert search("(FLAGGED", "BODY", "needle)") == []
+    assert search("2:4") == [2, 3, 4] and search("UID", "5:*") == [5, 6, 7]
+    assert search("UNSEEN", uid=True) == [1, 2, 3, 4, 5, 6, 7]
+    typ, data = client.search("KOI8-R", "ALL")
+    assert typ == "NO" and data[0].startswith(b"[BADCHARSET")
+
+
+async def test_store_flags_and_expunge_in_descending_order(plain_node: Node, store: Store, users) -> None:
+    user = users["anne"]
+    await deliver(store, user, [message(i) for i in range(5)], "Archive")
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "anne")
+    raw.cmd("SELECT Archive")
+    out = raw.cmd("STORE 2,4 +FLAGS (\\Deleted)")
+    assert out[:2] == [b"* 2 FETCH (FLAGS (\\Deleted \\Recent))\r\n", b"* 4 FETCH (FLAGS (\\Deleted \\Recent))\r\n"]
+    assert raw.cmd("STORE 1 +FLAGS.SILENT (\\Seen)") == [b"t4 OK STORE completed\r\n"]
+    out = raw.cmd("UID STORE 5 FLAGS (\\Answered)")
+    assert out[0] == b"* 5 FETCH (FLAGS (\\Answered \\Recent) UID 5)\r\n"
+    out = raw.cmd("EXPUNGE")
+    assert out[:2] == [b"* 4 EXPUNGE\r\n", b"* 2 EXPUNGE\r\n"]
+    flags = {s.uid: s.flags async for s in store.list_messages(user, "Archive")}
+    assert sorted(flags) == [1, 3, 5] and flags[1] == {"\\Seen"} and flags[5] == {"\\Answered"}
+    # UID EXPUNGE removes only the deleted messages in its set
+    raw.cmd("STORE 1:3 +FLAGS (\\Deleted)")
+    out = raw.cmd("UID EXPUNGE 5")
+    assert out == [b"* 3 EXPUNGE\r\n", b"t8 OK EXPUNGE completed\r\n"]
+    assert [s.uid async for s in store.list_messages(user, "Archive")] == [1, 3]
+    assert raw.cmd("CLOSE")[-1].startswith(b"t9 OK")
+    assert [s.uid async for s in store.list_messages(user, "Archive")] == []
+
+
+async def test_append_copy_and_move_answer_with_uids(plain_node: Node, store: Store, users) -> None:
+    user = users["bob"]
+    client = imap(plain_node)
+    client.login(user, "bob")
+    when = imaplib.Time2Internaldate(datetime(2025, 3, 4, 5, 6, 7, tzinfo=timezone.utc).timestamp())
+    typ, data = client.append("Drafts", "(\\Draft $label)", when, b"Subject: draft\r\n\r\nhello\r\n")
+    assert typ == "OK"
+    validity, uid = re.search(rb"\[APPENDUID (\d+) (\d+)\]", data[0]).groups()
+    [summary] = [s async for s in store.list_messages(user, "Drafts")]
+    assert summary.flags == {"\\Draft", "$label"} and summary.uid == int(uid)
+    assert summary.internal_date == datetime(2025, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+    assert int(validity) == (await store.mailbox_info(user, "Drafts")).uidvalidity
+    assert client.append("Nowhere", None, None, b"x\r\n")[1][0].startswith(b"[TRYCREATE]")
+    await deliver(store, user, [message(i) for i in range(3)], "Junk")
+    client.select("Junk")
+    typ, data = client.copy("1:2", "Archive")
+    assert re.search(rb"\[COPYUID \d+ 1:2 \d+:\d+\]", data[0]), data
+    assert len(await inbox(store, user, "Archive")) == 2
+    typ, data = client._simple_command("MOVE", "3", "Trash")
+    assert typ == "OK"
+    assert any(b"COPYUID" in (r or b"") for r in client.untagged_responses.get("OK", []))
+    assert client.untagged_responses.get("EXPUNGE") == [b"3"]
+    assert await inbox(store, user, "Trash") == [message(2)] and len(await inbox(store, user, "Junk")) == 2
+    assert client.copy("1", "Nowhere")[1][0].startswith(b"[TRYCREATE]")
+
+
+def test_mailbox_management_with_special_use_and_utf7_names(plain_node: Node, users) -> None:
+    client = imap(plain_node)
+    client.login(users["carol"], "carol")
+    typ, data = client.list()
+    special = {re.search(rb'"/" (.+)$', line).group(1): line for line in data}
+    assert b"\\Sent" in special[b"Sent"] and b"\\Trash" in special[b"Trash"] and b"\\Junk" in special[b"Junk"]
+    name = "Caf\u00e9/R\u00e9sum\u00e9s".encode("imap4-utf-7")
+    assert client.create(name)[0] == "OK"
+    assert client.create(name)[1][0].startswith(b"[ALREADYEXISTS]")
+    typ, data = client.list('""', "Caf*")
+    assert typ == "OK" and any(name in line for line in data)
+    assert client.rename(name, b"Projects")[0] == "OK"
+    assert client.status("Projects", "(MESSAGES UIDNEXT UIDVALIDITY UNSEEN RECENT)")[0] == "OK"
+    assert client.unsubscribe("Projects")[0] == "OK"
+    assert not any(b"Projects" in line for line in client.lsub()[1] if line)
+    assert client.subscribe("Projects")[0] == "OK"
+    assert any(b"Projects" in line for line in client.lsub()[1] if line)
+    assert client.delete("Projects")[0] == "OK"
+    assert client.delete("INBOX")[0] == "NO"
+    assert client.select("Projects")[0] == "NO"
+    raw = Raw(plain_node.port("imap"))
+    raw.login(users["carol"], "carol")
+    assert raw.cmd("CREATE &Jjo-bad&")[-1].startswith(b"t2 BAD")  # invalid modified UTF-7
+    assert raw.cmd("CREATE caf\xc3\xa9")[-1].startswith(b"t3 BAD")  # 8-bit instead of modified UTF-7
+
+
+def test_namespace_id_enable_and_unselect(plain_node: Node, users) -> None:
+    raw = Raw(plain_node.port("imap"))
+    raw.login(users["anne"], "anne")
+    assert raw.cmd("NAMESPACE")[0] == b'* NAMESPACE (("" "/")) NIL NIL\r\n'
+    assert raw.cmd('ID ("name" "test")')[0].startswith(b'* ID ("name" "cassmail"')
+    assert raw.cmd("ENABLE CONDSTORE")[0] == b"* ENABLED\r\n"
+    raw.cmd("EXAMINE INBOX")
+    assert raw.cmd("UNSELECT")[-1].endswith(b"OK UNSELECT completed\r\n")
+    assert raw.cmd("FETCH 1 FLAGS")[-1].startswith(b"t%d BAD" % raw.n)  # no mailbox selected any more
+
+
+# ----------------------------------------------------------------------------- IDLE and other sessions
+
+
+async def test_idle_reports_new_mail_expunges_and_flag_changes(plain_node: Node, store: Store, users) -> None:
+    user = users["anne"]
+    await deliver(store, user, [message(1), message(2)], "Sent")
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "anne")
+    raw.cmd("SELECT Sent")
+    other = imap(plain_node)
+    other.login(user, "anne")
+    other.select("Sent")
+    raw.n += 1
+    raw.send(b"t%d IDLE\r\n" % raw.n)
+    assert raw.file.readline().startswith(b"+ ")
+    with smtplib.SMTP("127.0.0.1", plain_node.port("smtp")) as smtp:
+        smtp.sendmail("x@remote.test", [user], message(3))  # goes to INBOX: not this mailbox
+    await deliver(store, user, [message(3)], "Sent")
+    started = time.monotonic()
+    assert raw.file.readline() == b"* 3 EXISTS\r\n"
+    assert time.monotonic() - started < 5
+    raw.file.readline()  # RECENT
+    other.store("1", "+FLAGS", "(\\Flagged)")
+    assert raw.file.readline().startswith(b"* 1 FETCH (FLAGS (\\Flagged")
+    other.store("2", "+FLAGS", "(\\Deleted)")
+    other.expunge()
+    line = raw.file.readline()
+    if line.startswith(b"* 2 FETCH"):  # the flag change, when a look fell between STORE and EXPUNGE
+        line = raw.file.readline()
+    assert line == b"* 2 EXPUNGE\r\n"
+    raw.send(b"DONE\r\n")
+    assert raw.until(b"t%d" % raw.n)[-1] == b"t%d OK IDLE terminated\r\n" % raw.n
+
+
+async def test_two_nodes_assign_each_uid_once(backend_settings, tmp_path: Path, store: Store, users) -> None:
+    user = users["bob"]
+    nodes = [Node(node_settings(backend_settings), tmp_path, imap={"allow_plaintext_auth": True}).start()
+             for _ in range(2)]
+    try:
+        for rnd in range(3):
+            await deliver(store, user, [message(rnd * 100 + i) for i in range(40)], "Archive")
+
+            def select(node: Node) -> dict[bytes, int]:
+                client = imap(node)
+                client.login(user, "bob")
+                client.select("Archive")
+                typ, data = client.fetch("1:*", "(UID BODY.PEEK[HEADER.FIELDS (SUBJECT)])")
+                return {d[1]: int(re.search(rb"UID (\d+)", d[0]).group(1)) for d in data if isinstance(d, tuple)}
+
+            seen = await asyncio.gather(*(asyncio.to_thread(select, n) for n in nodes + nodes))
+            assert all(s == seen[0] for s in seen)  # every session saw the same UID for each message
+            uids = sorted(seen[0].values())
+            assert uids == list(range(1, 40 * (rnd + 1) + 1))  # strictly ascending, none reused or skipped
+    finally:
+        for n in nodes:
+            assert n.stop() == 0
+
+
+# ----------------------------------------------------------------------------- large messages
+
+
+async def test_a_large_message_is_streamed_byte_exact(plain_node: Node, store: Store, users) -> None:
+    body = b"Subject: big\r\n\r\n" + b"".join(b"%08d " % i + bytes(random.Random(i).randbytes(30)).hex().encode() + b"\r\n"
+                                          for i in range(300_000))
+    await deliver(store, users["carol"], [body], "Archive")
+    client = imap(plain_node)
+    client.login(users["carol"], "carol")
+    client.select("Archive")
+    typ, data = client.fetch("1", "(BODY.PEEK[])")
+    assert data[0][1] == body
+    typ, data = client.fetch("1", "(BODY.PEEK[]<10000000.100>)")
+    assert data[0][1] == body[10_000_000:10_000_100]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_gets_bad_or_no_and_the_session_goes_on(plain_node: Node, users) -> None:
+    raw = Raw(plain_node.port("imap"))
+    assert raw.cmd("SELECT INBOX")[-1].split(b" ", 2)[1] == b"BAD"  # not logged in yet
+    assert raw.cmd("FROBNICATE")[-1] == b"t2 BAD Unknown command\r\n"
+    raw.login(users["anne"], "anne")
+    raw.cmd("SELECT INBOX")
+    assert raw.cmd("FETCH 1:* (FLAGS")[-1].split(b" ", 2)[1] == b"BAD"  # unbalanced parenthesis
+    assert raw.cmd("SEARCH (OR SEEN")[-1].split(b" ", 2)[1] == b"BAD"
+    assert raw.cmd("FETCH " + ",".join(str(i) for i in range(1, 20003, 2)) + " FLAGS")[-1].split(b" ", 2)[1] == b"BAD"
+    assert raw.cmd("UID FETCH 1:4294967295 (FLAGS)")[-1].split(b" ", 2)[1] == b"OK"  # huge but valid: no walk
+    assert raw.cmd("FETCH 0 FLAGS")[-1].split(b" ", 2)[1] == b"BAD"
+    assert raw.cmd("STORE 1:* +FLAGS (\\Bogus)")[-1].split(b" ", 2)[1] == b"BAD"
+    raw.n += 1
+    raw.send(b"\xff\xfe garbage \x00\r\n")
+    assert raw.file.readline().startswith(b"* BAD")
+    assert raw.cmd("X" * 70_000)[-1] == b"t%d BAD Line too long\r\n" % raw.n
+    assert raw.cmd("APPEND INBOX {999999999999}")[-1].split(b" ", 2)[1] == b"BAD"
+    assert raw.cmd("APPEND INBOX {200000000}")[-1].split(b" ", 2)[1:] == [b"NO", b"[TOOBIG] Literal too large\r\n"]
+    assert raw.cmd('LOGIN "unterminated')[-1].split(b" ", 2)[1] == b"BAD"
+    assert raw.cmd("SELECT &Jjo")[-1].split(b" ", 2)[1] == b"BAD"  # an unterminated modified UTF-7 shift
+    assert raw.cmd("SELECT &-nothing")[-1].split(b" ", 2)[1:] == [b"NO", b"[NONEXISTENT] No such mailbox\r\n"]
+    assert raw.cmd("NOOP")[-1] == b"t%d OK NOOP completed\r\n" % raw.n
+    # literals: synchronising and non-synchronising (LITERAL+)
+    raw.n = 17
+    raw.send(b"t17 CREATE {7}\r\n")
+    assert raw.file.readline().startswith(b"+ ")
+    raw.send(b"Lit/One\r\n")
+    assert raw.until(b"t17")[-1] == b"t17 OK CREATE completed\r\n"
+    raw.n += 1
+    raw.send(b"t18 STATUS {7+}\r\nLit/One (MESSAGES)\r\n")
+    assert raw.until(b"t18")[-2] == b'* STATUS Lit/One (MESSAGES 0)\r\n'
+    raw.n += 1
+    raw.send(b"t19 CREATE {9000000+}\r\n")  # too large and already on its way: the session ends
+    assert raw.file.readline().startswith(b"* BYE")
+
+
+def test_pipelined_commands_are_answered_in_order(plain_node: Node, users) -> None:
+    raw = Raw(plain_node.port("imap"))
+    raw.login(users["carol"], "carol")
+    raw.send(b"a1 SELECT INBOX\r\na2 FETCH 1:* (UID)\r\na3 NOOP\r\na4 LOGOUT\r\n")
+    tags = []
+    while True:
+        line = raw.file.readline()
+        if not line:
+            break
+        if line[:1] == b"a":
+            tags.append(line.split()[0])
+    assert tags == [b"a1", b"a2", b"a3", b"a4"]
+
+
+# ----------------------------------------------------------------------------- mbsync
+
+
+def _mbsync(tmp_path: Path, node: Node, user: str, password: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "mbsyncrc"
+    local = tmp_path / "Maildir"
+    local.mkdir(exist_ok=True)
+    config.write_text(
+        f"IMAPAccount test\nHost 127.0.0.1\nPort {node.port('imap')}\nUser {user}\nPass {password}\n"
+        "SSLType None\nAuthMechs LOGIN\n\n"
+        "IMAPStore remote\nAccount test\n\n"
+        f"MaildirStore local\nPath {local}/\nInbox {local}/INBOX\n\n"
+        "Channel sync\nFar :remote:\nNear :local:\nPatterns INBOX\nCreate Both\nSync All\nExpunge Both\n"
+        f"SyncState {tmp_path}/state/\n"
+    )
+    (tmp_path / "state").mkdir(exist_ok=True)
+    return subprocess.run(["mbsync", *flags, "-c", str(config), "sync"], capture_output=True, text=True, timeout=300)
+
+
+async def test_mbsync_syncs_500_messages_both_ways_and_then_nothing(plain_node: Node, store: Store, users,
+                                                                     tmp_path: Path) -> None:
+    user = users["carol"]
+    for mailbox in ("INBOX",):
+        ids = await _ids(store, user, mailbox)
+        if ids:
+            await store.delete_messages(user, mailbox, ids)
+    bodies = [message(i, b"x" * (i % 50) + b"\r\n") for i in range(500)]
+    await deliver(store, user, bodies)
+    first = _mbsync(tmp_path, plain_node, user, "carol")
+    assert first.returncode == 0, first.stdout + first.stderr
+    local = tmp_path / "Maildir" / "INBOX"
+    files = list((local / "cur").iterdir()) + list((local / "new").iterdir())
+    # mbsync stores LF line ends and adds its X-TUID header while it syncs
+    fetched = sorted(re.sub(rb"X-TUID: [^\n]*\n", b"", f.read_bytes()) for f in files)
+    assert fetched == sorted(b.replace(b"\r\n", b"\n") for b in bodies)
+    # a message written locally goes up
+    (local / "new" / "1.local:2,").write_bytes(b"Subject: from the laptop\r\n\r\nup\r\n")
+    second = _mbsync(tmp_path, plain_node, user, "carol")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert b"Subject: from the laptop\r\n\r\nup\r\n" in [re.sub(rb"X-TUID: [^\r]*\r\n", b"", m) for m in await inbox(store, user)]
+    # nothing changed: the third run fetches and uploads nothing (its IMAP dialogue, -Dn, shows it)
+    third = _mbsync(tmp_path, plain_node, user, "carol", "-Dn")
+    assert third.returncode == 0, third.stdout + third.stderr
+    sent = [line for line in third.stdout.splitlines() if line.startswith(">>> ")]
+    assert sent and not [line for line in sent if re.search(r"APPEND|BODY\.PEEK\[\]|STORE|EXPUNGE", line)], sent
+    assert any("LOGOUT" in line for line in sent)
