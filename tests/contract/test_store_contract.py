@@ -143,6 +143,20 @@ async def test_mailboxes_are_created_renamed_and_deleted(store: Store, user: str
         await listing(store, user, "Work/2026")
 
 
+async def test_subscriptions_are_kept_per_mailbox_and_survive_a_rename(store: Store, user: str) -> None:
+    await store.create_mailbox(user, "Lists")
+    assert (await store.mailbox_info(user, "Lists")).subscribed
+    await store.set_subscribed(user, "Lists", False)
+    assert not (await store.mailbox_info(user, "Lists")).subscribed
+    assert {m.name: m.subscribed for m in await store.list_mailboxes(user)}["Lists"] is False
+    await store.rename_mailbox(user, "Lists", "Lists2")
+    assert not (await store.mailbox_info(user, "Lists2")).subscribed
+    await store.set_subscribed(user, "Lists2", True)
+    assert (await store.mailbox_info(user, "Lists2")).subscribed
+    with pytest.raises(NoSuchMailbox):
+        await store.set_subscribed(user, "Nowhere", True)
+
+
 async def test_a_recreated_mailbox_gets_a_new_uidvalidity(store: Store, user: str) -> None:
     first = await store.create_mailbox(user, "Tmp")
     await store.delete_mailbox(user, "Tmp")
