@@ -443,7 +443,7 @@ async def test_idle_reports_new_mail_expunges_and_flag_changes(plain_node: Node,
     assert raw.until(b"t%d" % raw.n)[-1] == b"t%d OK IDLE terminated\r\n" % raw.n
 
 
-async def test_two_nodes_assign_each_uid_once(backend_settings, tmp_path: Path, store: Store, users) -> None:
+async def test_two_nodes_assign_each_uid_once_and_idle_hears_the_other_node(backend_settings, tmp_path: Path, store: Store, users) -> None:
     user = users["bob"]
     nodes = [Node(node_settings(backend_settings), tmp_path, imap={"allow_plaintext_auth": True}).start()
              for _ in range(2)]
@@ -462,9 +462,68 @@ async def test_two_nodes_assign_each_uid_once(backend_settings, tmp_path: Path, 
             assert all(s == seen[0] for s in seen)  # every session saw the same UID for each message
             uids = sorted(seen[0].values())
             assert uids == list(range(1, 40 * (rnd + 1) + 1))  # strictly ascending, none reused or skipped
+        # IDLE on one node hears of a MOVE and a COPY made on the other
+        await deliver(store, user, [message(900), message(901)])
+        watcher = Raw(nodes[0].port("imap"))
+        watcher.login(user, "bob")
+        assert b"* 120 EXISTS\r\n" in watcher.cmd("SELECT Archive")
+        watcher.n += 1
+        watcher.send(b"t%d IDLE\r\n" % watcher.n)
+        assert watcher.file.readline().startswith(b"+ ")
+        mover = imaplib.IMAP4("127.0.0.1", nodes[1].port("imap"))
+        mover.login(user, "bob")
+        mover.select("INBOX")
+        typ, data = mover._simple_command("MOVE", "1", "Archive")
+        assert typ == "OK"
+        assert watcher.file.readline() == b"* 121 EXISTS\r\n"
+        watcher.file.readline()  # RECENT
+        typ, data = mover.copy("1", "Archive")
+        copied_uid = int(re.search(rb"COPYUID \d+ \d+ (\d+)", data[0]).group(1))
+        assert watcher.file.readline() == b"* 122 EXISTS\r\n" and copied_uid == 122
+        watcher.file.readline()
+        watcher.send(b"DONE\r\n")
+        out = watcher.until(b"t%d" % watcher.n)
+        assert out[-1].endswith(b"OK IDLE terminated\r\n")
+        fetched = watcher.cmd("UID FETCH 121:122 (BODY.PEEK[HEADER.FIELDS (SUBJECT)])")
+        assert b"Subject: message 900\r\n\r\n" in fetched and b"Subject: message 901\r\n\r\n" in fetched
     finally:
         for n in nodes:
             assert n.stop() == 0
+
+
+async def test_a_message_listed_late_gets_a_uid_above_all_others(plain_node: Node, store: Store, users,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message stamped by a node whose clock is an hour slow sorts first in the store, yet the
+    session sees it as the newest message: UIDs only grow and no sequence number shifts."""
+    from cassmail import model
+
+    user = users["anne"]
+    await deliver(store, user, [message(i) for i in range(3)], "Junk")
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "anne")
+    assert b"* 3 EXISTS\r\n" in raw.cmd("SELECT Junk")
+    slow = model.new_message_id(time.time() - 3600)
+    monkeypatch.setattr(type(store).__module__ + ".new_message_id", lambda *a: slow)
+    await deliver(store, user, [b"Subject: from a slow clock\r\n\r\nlate\r\n"], "Junk")
+    monkeypatch.undo()
+    assert (await _ids(store, user, "Junk"))[0] == slow  # first in the store's order ...
+    out = raw.cmd("NOOP")
+    assert b"* 4 EXISTS\r\n" in out
+    out = b"".join(raw.cmd("FETCH 1:* (UID BODY.PEEK[HEADER.FIELDS (SUBJECT)])"))
+    # ... and last here
+    assert re.search(rb"\* 4 FETCH \(UID 4 BODY\[HEADER.FIELDS \(\w+\)\] \{\d+\}\r\nSubject: from a slow clock", out)
+    assert [s.uid async for s in store.list_messages(user, "Junk")] == [4, 1, 2, 3]
+
+
+def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> None:
+    node = Node(node_settings(backend_settings), tmp_path, imap={**tls_files, "implicit_tls": True}).start()
+    try:
+        client = imaplib.IMAP4_SSL("127.0.0.1", node.port("imap"), ssl_context=CLIENT_TLS, timeout=30)
+        assert "AUTH=PLAIN" in client.capabilities and "STARTTLS" not in client.capabilities
+        assert client.login(users["carol"], "carol")[0] == "OK"
+        client.logout()
+    finally:
+        assert node.stop() == 0
 
 
 # ----------------------------------------------------------------------------- large messages
