@@ -20,9 +20,10 @@ $(BIN)/cassmail: pyproject.toml
 install: $(BIN)/cassmail
 
 # The mail server on the embedded mbox store under ./var/mail: SMTP 127.0.0.1:2525, submission :2587,
-# POP3 :1110. Loopback only and no certificate, so logins in clear text are allowed here.
+# POP3 :1110, IMAP :1143. Loopback only and no certificate, so logins in clear text are allowed here.
 run: install
-	$(BIN)/cassmail -o submission.allow_plaintext_auth=true -o pop3.allow_plaintext_auth=true serve
+	$(BIN)/cassmail -o submission.allow_plaintext_auth=true -o pop3.allow_plaintext_auth=true \
+	  -o imap.allow_plaintext_auth=true serve
 
 # A local Apache Cassandra 5.0 node on 127.0.0.1:9042 (jars fetched once from Maven Central), schema applied.
 cassandra: install
