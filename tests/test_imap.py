@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cassmail.imap import mime, wire
+from cassmail.imap import mime
 from cassmail.store.base import Store, Target
 from tests.nodes import CLIENT_TLS, Node, inbox, node_settings
 

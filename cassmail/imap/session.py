@@ -196,6 +196,8 @@ class ImapSession(imap4.IMAP4Server):
             self.dispatchCommand(tag, cmd, rest)
         except (imap4.IllegalClientResponse, wire.ParseError, InvalidInput) as exc:
             self.sendBadResponse(tag, b"Syntax error: " + _safe(exc))
+        except No as exc:
+            self.sendNegativeResponse(tag, exc.text.encode())
         except (imap4.IllegalOperation, imap4.IllegalMailboxEncoding) as exc:
             self.sendNegativeResponse(tag, _safe(exc))
 
@@ -1112,13 +1114,12 @@ def list_matches(mailboxes: list[MailboxInfo], pattern: str, subscribed_only: bo
     for name in names:
         levels = name.split(HIERARCHY_DELIMITER)
         parents.update(HIERARCHY_DELIMITER.join(levels[:i]) for i in range(1, len(levels)))
-    expr = "".join(".*" if c == "*" else "[^/]*" if c == "%" else re.escape(c) for c in pattern)
-    flags = re.IGNORECASE if pattern[:5].upper() == "INBOX" else 0
-    regex = re.compile(expr + r"\Z", re.DOTALL)
+    expr = "".join(".*" if c == "*" else "[^/]*" if c == "%" else re.escape(c) for c in pattern) + r"\Z"
+    regex = re.compile(expr, re.DOTALL)
+    inbox = re.compile(expr, re.DOTALL | re.IGNORECASE)  # INBOX matches in any case (RFC 3501 5.1)
     out = []
     for name in sorted(set(names) | parents):
-        candidate = name
-        if not regex.match(candidate) and not (flags and name == INBOX and re.compile(expr + r"\Z", re.I).match(name)):
+        if not (inbox if name == INBOX else regex).match(name):
             continue
         box = names.get(name)
         if subscribed_only and (box is None or not box.subscribed):

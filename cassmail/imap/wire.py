@@ -10,7 +10,9 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from twisted.mail import imap4  # noqa: F401 - registers the "imap4-utf-7" codec
+import twisted.mail.imap4  # registers the "imap4-utf-7" codec
+
+assert twisted.mail.imap4  # imported for its side effect only
 
 from cassmail.model import InvalidInput
 
@@ -187,7 +189,7 @@ def decode_mailbox(name: bytes) -> str:
         text = name.decode("imap4-utf-7")
     except (UnicodeDecodeError, ValueError) as exc:
         raise ParseError(f"mailbox name is not valid modified UTF-7: {exc}") from None
-    if text.encode("imap4-utf-7") != name and text.upper() != "INBOX":
+    if text.encode("imap4-utf-7") != name:
         # the same name can be spelt only one way (RFC 3501: no needless shifts, no 8-bit)
         raise ParseError("mailbox name is not in canonical modified UTF-7")
     return text
