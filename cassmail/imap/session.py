@@ -67,8 +67,10 @@ SYSTEM_FLAGS = b"(\\Answered \\Flagged \\Deleted \\Seen \\Draft)"
 _TAG = re.compile(rb"[\x21-\x7e]+\Z")
 _BAD_TAG_CHARS = re.compile(rb'[(){%*"\\+]')
 _LITERAL = re.compile(rb"\{(\d{1,10})(\+?)\}\Z")
-#: Bytes of body read in one piece when a FETCH streams a message.
-STREAM_PIECE = 256 * 1024
+#: Header-only items (ENVELOPE, BODY[HEADER.FIELDS ...]) read this much of a message at a time,
+#: and at most HEADER_LIMIT in all, looking for the blank line that ends the header.
+HEADER_WINDOW = 16 * 1024
+HEADER_LIMIT = 1024 * 1024
 
 
 class No(Exception):
@@ -797,9 +799,12 @@ class ImapSession(imap4.IMAP4Server):
         summary = view.messages[message_uid]
         data = bytearray()
         try:
-            async for chunk in self.store.read_chunks(view.user, view.name, summary.id):
-                data += chunk
-                if b"\n\r\n" in data or b"\n\n" in data or len(data) > 1 << 20:
+            # a window at a time, so a store that reads ahead does not fetch the whole body
+            while len(data) < min(summary.size, HEADER_LIMIT):
+                end = min(summary.size, len(data) + HEADER_WINDOW)
+                async for chunk in self.store.read_chunks(view.user, view.name, summary.id, len(data), end):
+                    data += chunk
+                if b"\n\r\n" in data or b"\n\n" in data:
                     break
         except NoSuchMessage:
             return None
@@ -855,7 +860,12 @@ class ImapSession(imap4.IMAP4Server):
         parsed = [p for p in query if p.type in ("envelope", "bodystructure", "rfc822header", "rfc822text", "rfc822")
                   or (p.type == "body" and p not in streamed)]
         entity = None
-        if parsed:
+        if parsed and all(_header_only(p) for p in parsed):
+            # what mail clients ask for when they list a mailbox: the header is enough
+            entity = await self._headers_only(message_uid)
+            if entity is None:
+                raise NoSuchMessage(view.name, summary.id)
+        elif parsed:
             entity = mime.parse(await self.store.read_message(view.user, view.name, summary.id))
         out: list[bytes] = []
         write = self.transport.write
@@ -1061,6 +1071,13 @@ def _streamable(part: Any) -> bool:
         return True
     return (part.type == "body" and part.empty and not part.part and part.header is None
             and part.text is None and part.mime is None)
+
+
+def _header_only(part: Any) -> bool:
+    """Items answered from the top-level header alone (ENVELOPE, BODY[HEADER...], RFC822.HEADER)."""
+    if part.type in ("envelope", "rfc822header"):
+        return True
+    return part.type == "body" and not part.part and part.header is not None
 
 
 def _section_name(part: Any) -> bytes:
