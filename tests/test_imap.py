@@ -445,7 +445,7 @@ async def test_idle_reports_new_mail_expunges_and_flag_changes(plain_node: Node,
 
 async def test_two_nodes_assign_each_uid_once_and_idle_hears_the_other_node(backend_settings, tmp_path: Path, store: Store, users) -> None:
     user = users["bob"]
-    nodes = [Node(node_settings(backend_settings), tmp_path, imap={"allow_plaintext_auth": True}).start()
+    nodes = [Node(node_settings(backend_settings), tmp_path, imap={"allow_plaintext_auth": True, "idle_poll": 0.3}).start()
              for _ in range(2)]
     try:
         for rnd in range(3):

@@ -170,9 +170,8 @@ class ImapSession(imap4.IMAP4Server):
             getattr(self, "parse_" + self.parseState)(line)
         except Exception as exc:  # noqa: BLE001 - nothing a client sends may escape as a traceback
             log.warning(kv("imap-error", peer=self._peer, error=repr(exc)))
-            tag, self._busy_tag = self._busy_tag, None
             self.parseState = "command"
-            self.sendBadResponse(tag, b"Syntax error")
+            self.sendBadResponse(self._busy_tag, b"Syntax error")  # ends the command: the queue moves on
 
     def _end_continuation(self, message: bytes) -> None:
         tag = self._busy_tag or self._auth_tag or self._idle_tag
