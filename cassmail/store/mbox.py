@@ -407,11 +407,7 @@ class MboxStore(Store):
         return await self._call(listing)
 
     def _info(self, key: str, user_dir: Path, name: str) -> MailboxInfo:
-        box = self._mailbox_dir(user_dir, name)
-        try:
-            meta = mbox_fs.read_json(box / "meta.json")
-        except FileNotFoundError:
-            meta = {}
+        meta = _meta(self._mailbox_dir(user_dir, name))
         uidvalidity = self._with_mailbox(key, name, lambda mf: mf.info())
         return MailboxInfo(name, uidvalidity, meta.get("special_use"), bool(meta.get("subscribed", True)))
 
@@ -419,20 +415,23 @@ class MboxStore(Store):
         key, name = address_key(user), mailbox_name(name)
         return await self._call(lambda: self._info(key, self._existing_user(key), name))
 
+    @contextmanager
+    def _locked_mailbox(self, key: str, name: str) -> Iterator[Path]:
+        """A mailbox's directory, under the user's lock, with any half-done rename finished."""
+        user_dir = self._existing_user(key)
+        with self._user_lock(key):
+            self._finish_rename(user_dir)
+            box = self._mailbox_dir(user_dir, name)
+            if not box.exists():
+                raise NoSuchMailbox(key, name)
+            yield box
+
     async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
         key, name = address_key(user), mailbox_name(name)
 
         def update() -> None:
-            user_dir = self._existing_user(key)
-            with self._user_lock(key):
-                self._finish_rename(user_dir)
-                box = self._mailbox_dir(user_dir, name)
-                if not box.exists():
-                    raise NoSuchMailbox(key, name)
-                try:
-                    meta = mbox_fs.read_json(box / "meta.json")
-                except FileNotFoundError:
-                    meta = {}
+            with self._locked_mailbox(key, name) as box:
+                meta = _meta(box)
                 meta["subscribed"] = subscribed
                 mbox_fs.write_json(box / "meta.json", meta, self.settings.fsync)
 
@@ -490,12 +489,7 @@ class MboxStore(Store):
             raise MailboxNotAllowed("INBOX cannot be deleted")
 
         def delete() -> None:
-            user_dir = self._existing_user(key)
-            with self._user_lock(key):
-                self._finish_rename(user_dir)
-                box = self._mailbox_dir(user_dir, name)
-                if not box.exists():
-                    raise NoSuchMailbox(key, name)
+            with self._locked_mailbox(key, name) as box:
                 self._forget(box)
                 self._discard(box)
 
@@ -720,3 +714,11 @@ def _pid_alive(staging_name: str) -> bool:
 
 
 __all__ = ["MboxStore", "decode_name", "encode_name"]
+
+
+def _meta(box: Path) -> dict[str, Any]:
+    """A mailbox's meta.json (special-use, subscription); empty when it has none."""
+    try:
+        return mbox_fs.read_json(box / "meta.json")
+    except FileNotFoundError:
+        return {}
