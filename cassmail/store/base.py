@@ -14,6 +14,7 @@ POP3/IMAP -ERR/NO) so that nothing acknowledged is ever lost.
 from __future__ import annotations
 
 import abc
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -319,3 +320,19 @@ def body_view(body: Body) -> memoryview:
         raise InvalidInput(f"message body must be bytes, got {type(body).__name__}")
     return memoryview(body).cast("B")
 
+
+
+_ESCAPED = re.compile(r"%(25|2F|2E)")
+
+
+def encode_name(name: str) -> str:
+    """A mailbox name or user key as one file name, reversibly, for the file-based backends:
+    `%` becomes `%25`, `/` (the hierarchy delimiter) `%2F` and a leading `.` `%2E`, so no name
+    is a hidden file, a WheelFS cue or a path; everything else, Unicode included, is kept."""
+    text = name.replace("%", "%25").replace("/", "%2F")
+    return "%2E" + text[1:] if text.startswith(".") else text
+
+
+def decode_name(text: str) -> str:
+    """Inverse of `encode_name`."""
+    return _ESCAPED.sub(lambda m: {"25": "%", "2F": "/", "2E": "."}[m.group(1)], text)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import re
 import shutil
 import threading
 import time
@@ -83,6 +82,8 @@ from cassmail.store.base import (
     body_view,
     check_flag_mode,
     check_targets,
+    decode_name,
+    encode_name,
 )
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, NeedsRecovery, ReadState
 
@@ -92,17 +93,6 @@ T = TypeVar("T")
 OPEN_MAILBOXES = 256
 #: Longest file name most Linux file systems take.
 MAX_FILE_NAME = 255
-_ESCAPED = re.compile(r"%(25|2F|2E)")
-
-
-def encode_name(name: str) -> str:
-    """A mailbox name or user key as one file name, reversibly (see the module docstring)."""
-    text = name.replace("%", "%25").replace("/", "%2F")
-    return "%2E" + text[1:] if text.startswith(".") else text
-
-
-def decode_name(text: str) -> str:
-    return _ESCAPED.sub(lambda m: {"25": "%", "2F": "/", "2E": "."}[m.group(1)], text)
 
 
 class MboxStore(Store):
