@@ -132,9 +132,11 @@ def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
     elif name == "wheelfs":
         from cassmail.config import WheelFSSettings
 
-        # Cues on: on a plain directory each cue is a real directory, the layout WheelFS would see.
+        # Cues on by default: on a plain directory each cue is a real directory, the paths WheelFS
+        # would see. CASSMAIL_TEST_WHEELFS_CUES=0 runs every suite on the cue-less layout (NFS style).
         path = request.getfixturevalue("tmp_path_factory").mktemp("wheelfs-store")
-        settings.store.wheelfs = WheelFSSettings(root=str(path), home_site="test", rep_sites=2, sync_level=2)
+        cues = os.environ.get("CASSMAIL_TEST_WHEELFS_CUES", "1").lower() not in ("0", "false", "no")
+        settings.store.wheelfs = WheelFSSettings(root=str(path), cues=cues, home_site="test", rep_sites=2, sync_level=2)
     else:  # pragma: no cover - a backend listed without a factory
         raise AssertionError(f"no settings for backend {name}")
     return settings

@@ -199,16 +199,21 @@ class WheelFSStore(Store):
     async def _call(self, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None) -> T:
         """Run blocking file work off the event loop, bounded by `timeout`; storage failures
         (an OSError, a timeout, a file that is not what it should be) become StoreUnavailable."""
+
+        def guarded() -> T:
+            try:
+                return fn(*args)
+            except OSError as exc:
+                raise StoreUnavailable(f"wheelfs store: {exc}") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
+                raise StoreUnavailable(f"wheelfs store: unreadable metadata: {exc}") from exc
+
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.settings.timeout)
+            return await asyncio.wait_for(asyncio.to_thread(guarded), self.settings.timeout)
         except TimeoutError as exc:
             if cancel is not None:
                 cancel.set()
             raise StoreUnavailable(f"wheelfs store: no answer from the file system in {self.settings.timeout:g} s") from exc
-        except OSError as exc:
-            raise StoreUnavailable(f"wheelfs store: {exc}") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
-            raise StoreUnavailable(f"wheelfs store: unreadable metadata: {exc}") from exc
 
     def _cache(self, mailbox_id: str) -> _MailboxCache:
         with self._caches_lock:
@@ -669,7 +674,7 @@ class WheelFSStore(Store):
             try:
                 await asyncio.to_thread(self.fs.close, fd, path)
             except OSError:
-                pass  # a read-only descriptor: nothing is lost
+                pass  # closing a descriptor only read from loses nothing
 
     # ================================================================= delivery
 
@@ -721,6 +726,8 @@ class WheelFSStore(Store):
             if self.settings.fsync:
                 for box in {b for b, _ in committed}:
                     self.fs.fsync_dir(os.path.join(box, "msg"))
+            if cancel.is_set():  # the caller answered 451 meanwhile: the sender will send it again
+                raise _Cancelled
         except BaseException as exc:
             self._undo_delivery(written, committed)
             if isinstance(exc, _Cancelled):
