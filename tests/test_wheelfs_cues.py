@@ -64,3 +64,7 @@ def test_the_strong_tree_never_has_eventual_consistency_sync_level_or_max_time()
     assert mail == [".EventualConsistency", ".MaxTime=300", ".Site=X", ".KeepTogether", ".RepSites=2", ".RepLevel=3",
                     ".SyncLevel=2"]
     assert build(store_cues(eventual=True, eventual_consistency=False, keep_together=False)) == [".RepLevel=3"]
+
+
+def test_the_shipped_example_config_documents_the_wheelfs_defaults() -> None:
+    assert config.load(config.example_path(), env={}).store.wheelfs == config.load(env={}).store.wheelfs

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import abc
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
 from cassmail.model import (
@@ -336,3 +337,20 @@ def encode_name(name: str) -> str:
 def decode_name(text: str) -> str:
     """Inverse of `encode_name`."""
     return _ESCAPED.sub(lambda m: {"25": "%", "2F": "/", "2E": "."}[m.group(1)], text)
+
+
+def checked_password_hash(password_hash: str) -> str:
+    """A password hash as a store keeps it: any non-empty string (cassmail.auth checks its form)."""
+    if not isinstance(password_hash, str) or not password_hash:
+        raise InvalidInput("password hash must be a non-empty string")
+    return password_hash
+
+
+def internal_date_micros(when: datetime | None) -> int:
+    """An internal date as microseconds since 1970 (now when None); a date without zone is refused."""
+    if when is None:
+        return int(time.time() * 1_000_000)
+    if when.tzinfo is None:
+        raise InvalidInput("internal date must carry a time zone")
+    delta = when.astimezone(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds

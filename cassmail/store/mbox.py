@@ -42,7 +42,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -82,6 +82,8 @@ from cassmail.store.base import (
     body_view,
     check_flag_mode,
     check_targets,
+    checked_password_hash,
+    internal_date_micros,
     decode_name,
     encode_name,
 )
@@ -222,7 +224,7 @@ class MboxStore(Store):
 
     async def create_user(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        await self._call(self._create_user_sync, key, _checked_hash(password_hash))
+        await self._call(self._create_user_sync, key, checked_password_hash(password_hash))
 
     def _create_user_sync(self, key: str, password_hash: str) -> None:
         domain = key.rpartition("@")[2]
@@ -306,7 +308,7 @@ class MboxStore(Store):
 
     async def set_password_hash(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        password_hash = _checked_hash(password_hash)
+        password_hash = checked_password_hash(password_hash)
 
         def change() -> None:
             with self._user_lock(key):
@@ -547,7 +549,7 @@ class MboxStore(Store):
         if self.max_message_size and view.nbytes > self.max_message_size:
             raise MessageTooLarge(view.nbytes, self.max_message_size)
         targets = check_targets(targets)
-        when_us = _micros(internal_date)
+        when_us = internal_date_micros(internal_date)
         unique: dict[tuple[str, str], Target] = {}
         for t in targets:
             unique.setdefault((t.user, t.mailbox), t)
@@ -661,21 +663,6 @@ class MboxStore(Store):
 
 
 # ===================================================================== helpers
-
-
-def _checked_hash(password_hash: str) -> str:
-    if not isinstance(password_hash, str) or not password_hash:
-        raise InvalidInput("password hash must be a non-empty string")
-    return password_hash
-
-
-def _micros(when: datetime | None) -> int:
-    if when is None:
-        return int(time.time() * 1_000_000)
-    if when.tzinfo is None:
-        raise InvalidInput("internal date must carry a time zone")
-    delta = when.astimezone(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def _pid_alive(staging_name: str) -> bool:

@@ -28,6 +28,7 @@ that keep mail safe on a file system whose replicas may disagree are:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import errno
 import json
 import logging
@@ -38,7 +39,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, TypeVar
 
 from cassmail.config import WheelFSSettings
@@ -77,6 +78,8 @@ from cassmail.store.base import (
     body_view,
     check_flag_mode,
     check_targets,
+    checked_password_hash,
+    internal_date_micros,
     decode_name,
 )
 from cassmail.store.wheelfs_fs import FileSystem
@@ -115,6 +118,7 @@ class _MailboxCache:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead: set[str] = field(default_factory=set)
+    markers: dict[str, tuple[Marker, uuid.UUID, datetime] | None] = field(default_factory=dict)
     flag_records: dict[str, tuple[str, str, str, frozenset[str]]] = field(default_factory=dict)
     next_uid: int = 1
     uid_of: dict[uuid.UUID, int] = field(default_factory=dict)
@@ -123,6 +127,8 @@ class _MailboxCache:
 @dataclass
 class _Message:
     marker: Marker
+    id: uuid.UUID
+    internal_date: datetime
     marker_name: str
     flags: frozenset[str]
 
@@ -287,7 +293,7 @@ class WheelFSStore(Store):
 
     async def create_user(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        await self._call(self._create_user_sync, key, _checked_hash(password_hash))
+        await self._call(self._create_user_sync, key, checked_password_hash(password_hash))
 
     def _create_user_sync(self, key: str, password_hash: str) -> None:
         fs = self.fs
@@ -397,7 +403,7 @@ class WheelFSStore(Store):
 
     async def set_password_hash(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        password_hash = _checked_hash(password_hash)
+        password_hash = checked_password_hash(password_hash)
 
         def change() -> None:
             path = self._account_path(key)
@@ -568,11 +574,15 @@ class WheelFSStore(Store):
                 cache.dead.add(sid)  # tombstones are forever: once seen, a message stays dead here
         live: dict[str, _Message] = {}
         for name in fs.listdir(os.path.join(box, "msg")):
-            marker = parse_marker(name)
-            if marker is None or marker.sid in cache.dead:
+            if name not in cache.markers:  # a name never changes meaning: parse it once
+                marker = parse_marker(name)
+                cache.markers[name] = (marker, marker.id, marker.internal_date) if marker else None
+            parsed = cache.markers[name]
+            if parsed is None or parsed[0].sid in cache.dead:
                 continue
+            marker, message_id, date = parsed
             if marker.sid not in live or len(name) < len(live[marker.sid].marker_name):
-                live[marker.sid] = _Message(marker, name, marker.flags)  # one message per id, however many names
+                live[marker.sid] = _Message(marker, message_id, date, name, marker.flags)  # one per id, however many names
         changes: dict[str, list[tuple[str, str, frozenset[str]]]] = {}
         flags_dir = os.path.join(box, "flags")
         for name in fs.listdir(flags_dir):
@@ -596,31 +606,31 @@ class WheelFSStore(Store):
             live[sid].flags = flags
         return live
 
-    def _scan(self, key: str, name: str) -> tuple[list[MessageSummary], _MailboxCache]:
+    def _scan(self, key: str, name: str) -> tuple[list[MessageSummary], list[str]]:
+        """Summaries in arrival order, and their sids."""
         user_file, mailbox_id, box = self._where(key, name)
         cache = self._cache(mailbox_id)
         live = self._messages(box, cache)
         with cache.lock:
             self._walk_claims(user_file, mailbox_id, cache)
-        out = [
-            MessageSummary(
-                m.marker.id, m.marker.size, m.flags, m.marker.internal_date,
-                cache.uid_of.get(m.marker.id),
-            )
-            for sid, m in sorted(live.items())
-        ]
-        return out, cache
+        ordered = sorted(live.items())
+        out = [MessageSummary(m.id, m.marker.size, m.flags, m.internal_date, cache.uid_of.get(m.id)) for _, m in ordered]
+        return out, [sid for sid, _ in ordered]
 
     async def list_page(self, user: str, mailbox: str, after: uuid.UUID | None = None, limit: int = 500) -> Page:
         if not 1 <= limit <= 10_000:
             raise InvalidInput(f"page limit must be 1..10000, got {limit}")
-        key, name = address_key(user), mailbox_name(mailbox)
-        after_sid = sid_of(after) if after is not None else None
-        summaries, _ = await self._call(self._scan, key, name)
-        if after_sid is not None:
-            summaries = [s for s in summaries if sid_of(s.id) > after_sid]
-        items = summaries[:limit]
-        return Page(items, items[-1].id if len(summaries) > limit else None)
+        summaries, sids = await self._call(self._scan, address_key(user), mailbox_name(mailbox))
+        start = bisect.bisect_right(sids, sid_of(after)) if after is not None else 0
+        items = summaries[start : start + limit]
+        return Page(items, items[-1].id if len(summaries) > start + limit else None)
+
+    async def list_messages(self, user: str, mailbox: str, page_size: int = 500) -> AsyncIterator[MessageSummary]:
+        """Every summary from one scan: a directory is read whole anyway, so pages would only
+        read it again."""
+        summaries, _ = await self._call(self._scan, address_key(user), mailbox_name(mailbox))
+        for summary in summaries:
+            yield summary
 
     async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
         wanted = set(ids)
@@ -685,7 +695,7 @@ class WheelFSStore(Store):
         if self.max_message_size and view.nbytes > self.max_message_size:
             raise MessageTooLarge(view.nbytes, self.max_message_size)
         targets = check_targets(targets)
-        date_us = _micros(internal_date)
+        date_us = internal_date_micros(internal_date)
         unique: dict[tuple[str, str], Target] = {}
         for t in targets:
             unique.setdefault((t.user, t.mailbox), t)
@@ -854,7 +864,7 @@ class WheelFSStore(Store):
         def assign() -> dict[uuid.UUID, int]:
             user_file, mailbox_id, box = self._where(key, name)
             cache = self._cache(mailbox_id)
-            live = {m.marker.id for m in self._messages(box, cache).values()}
+            live = {m.id for m in self._messages(box, cache).values()}
             directory = self.layout.uids(user_file, mailbox_id)
             with cache.lock:
                 self._walk_claims(user_file, mailbox_id, cache)
@@ -884,24 +894,6 @@ class WheelFSStore(Store):
                 return cache.next_uid
 
         return await self._call(next_uid)
-
-
-# ===================================================================== helpers
-
-
-def _checked_hash(password_hash: str) -> str:
-    if not isinstance(password_hash, str) or not password_hash:
-        raise InvalidInput("password hash must be a non-empty string")
-    return password_hash
-
-
-def _micros(when: datetime | None) -> int:
-    if when is None:
-        return int(time.time() * 1_000_000)
-    if when.tzinfo is None:
-        raise InvalidInput("internal date must carry a time zone")
-    delta = when.astimezone(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 __all__ = ["WheelFSStore"]
