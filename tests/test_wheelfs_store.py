@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import multiprocessing
 import os
 import shutil
@@ -292,3 +293,22 @@ async def test_a_delivery_and_an_imap_check_cost_a_small_fraction_of_wheemails_o
     assert sum(delivery.values()) <= 30
     assert sum(check.values()) <= 30
     assert check["read"] <= 6  # no body is read, and flag records already seen are not read again
+
+
+# ----------------------------------------------------------------------------- interrupted renames
+
+
+async def test_a_rename_stopped_by_a_crash_is_finished_by_the_next_listing(faulty, tmp_path: Path) -> None:
+    store, _ = faulty
+    [a] = await store.deliver(BODY, [Target(USER)])
+    [boxes] = [p for p in tmp_path.rglob("boxes") if p.is_dir()]
+    # a node created the new names and died before removing the old ones
+    record = json.loads((boxes / "Drafts").read_text())
+    (boxes / "Old drafts").write_text(json.dumps({**record, "renamed": time.time_ns()}) + "\n")
+    inbox = json.loads((boxes / "INBOX").read_text())
+    (boxes / "Old mail").write_text(json.dumps({**inbox, "renamed": time.time_ns() - 120 * 10**9}) + "\n")
+    names = [m.name for m in await store.list_mailboxes(USER)]
+    assert "Old drafts" in names and "Drafts" not in names and "Old mail" in names and INBOX in names
+    assert await ids_of(store, "Old mail") == [a]  # the mail went with the name
+    assert await ids_of(store, INBOX) == []  # and INBOX is a fresh, empty mailbox
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity != inbox["uidvalidity"]

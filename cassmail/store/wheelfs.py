@@ -446,12 +446,26 @@ class WheelFSStore(Store):
                 records[decode_name(entry)] = self._read_json(os.path.join(boxes_dir, entry))
             except FileNotFoundError:
                 continue  # deleted or renamed meanwhile
-        for name, record in list(records.items()):
-            source = record.get("from")
-            if source in records and records[source]["id"] == record["id"] and source != INBOX:
-                # a rename that stopped after creating the new name: finish it
-                self.fs.unlink(os.path.join(boxes_dir, self._box_file(source)), missing_ok=True)
-                del records[source]
+        by_id: dict[str, list[str]] = {}
+        for name, record in records.items():
+            by_id.setdefault(record["id"], []).append(name)
+        for names in by_id.values():
+            if len(names) < 2:
+                continue
+            # A rename creates the new name before it removes the old: two names of one mailbox
+            # are a rename under way or one a crash stopped. The newest name wins; the others go
+            # (INBOX only by the renamer, which puts a fresh INBOX in its place).
+            newest = max(names, key=lambda n: (records[n].get("renamed", 0), n))
+            for name in names:
+                if name not in (newest, INBOX):
+                    self.fs.unlink(os.path.join(boxes_dir, self._box_file(name)), missing_ok=True)
+                    del records[name]
+            stamp = records[newest].get("renamed", 0)
+            if INBOX in names and newest != INBOX and time.time_ns() - stamp > self.settings.claim_timeout * 1e9:
+                # the renamer of INBOX died before giving it a fresh mailbox: do it for it
+                fresh = self._new_mailbox(user_dir, self._user_file(key), None, int(time.time()))
+                self.fs.replace_file(os.path.join(boxes_dir, INBOX), json.dumps(fresh).encode() + b"\n", self.settings.fsync)
+                records[INBOX] = fresh
         return records
 
     def _box(self, key: str, name: str) -> dict[str, Any]:
@@ -509,8 +523,8 @@ class WheelFSStore(Store):
         await self._call(self._rename_sync, key, old, new)
 
     def _rename_sync(self, key: str, old: str, new: str) -> None:
-        """Each name moves by an exclusive create of the new name (recording where it came from),
-        then removal of the old; a crash in between is finished by the next listing."""
+        """Each name moves by an exclusive create of the new name (stamped with the time of the
+        rename), then removal of the old; a crash in between is finished by the next listing."""
         records = self._boxes(key)
         if old not in records:
             raise NoSuchMailbox(key, old)
@@ -525,7 +539,7 @@ class WheelFSStore(Store):
         done: list[str] = []
         try:
             for source, target in moves:
-                self._write_json(os.path.join(boxes, self._box_file(target)), {**records[source], "from": source}, True)
+                self._write_json(os.path.join(boxes, self._box_file(target)), {**records[source], "renamed": time.time_ns()}, True)
                 done.append(target)
         except FileExistsError:
             for target in done:
