@@ -211,6 +211,9 @@ class WheelFSSettings:
     timeout: float = 30.0
     #: Seconds after which a UID claim file that is still empty counts as abandoned.
     claim_timeout: float = 60.0
+    #: Seconds a deletion record is kept (0 = for ever). A replica apart for longer than this
+    #: could bring a deleted message back, so it must outlast any partition (Cassandra's gc_grace).
+    tombstone_grace: float = 30 * 86400.0
 
     def validate(self, prefix: str) -> None:
         _check(bool(self.root.strip()), f"{prefix}.root", "must name a directory")
@@ -230,6 +233,7 @@ class WheelFSSettings:
         )
         _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
         _check(self.claim_timeout >= 1, f"{prefix}.claim_timeout", "must be >= 1 second")
+        _check(self.tombstone_grace >= 0, f"{prefix}.tombstone_grace", "must be >= 0 seconds (0 = keep for ever)")
 
 
 @dataclass

@@ -312,3 +312,26 @@ async def test_a_rename_stopped_by_a_crash_is_finished_by_the_next_listing(fault
     assert await ids_of(store, "Old mail") == [a]  # the mail went with the name
     assert await ids_of(store, INBOX) == []  # and INBOX is a fresh, empty mailbox
     assert (await store.mailbox_info(USER, INBOX)).uidvalidity != inbox["uidvalidity"]
+
+
+async def test_tombstones_go_after_the_grace_and_never_while_a_replica_still_shows_the_message(tmp_path: Path) -> None:
+    store = await opened(tmp_path, tombstone_grace=1.0)
+    await store.add_domain("wheel.example")
+    await store.create_user(USER, hash_password("pw", FAST_HASH))
+    a, b, c = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(3)]
+    box = mail_dir(tmp_path)
+    marker_b = next(n for n in os.listdir(box / "msg") if n.startswith(sortable_id(b)))
+    await asyncio.sleep(1.2)  # the messages are older than the grace; their deletions are not yet
+    await store.delete_messages(USER, INBOX, [a])
+    assert os.listdir(box / "dead") == [sortable_id(a)]
+    long_ago = time.time() - 10
+    os.utime(box / "dead" / sortable_id(a), (long_ago, long_ago))
+    await (await opened(tmp_path, tombstone_grace=1.0)).delete_messages(USER, INBOX, [b])
+    assert os.listdir(box / "dead") == [sortable_id(b)]  # a's record went, b's is young
+    # b's marker comes back from a replica after its grace: removed again, its tombstone kept
+    (box / "msg" / marker_b).write_bytes(b"")
+    os.utime(box / "dead" / sortable_id(b), (long_ago, long_ago))
+    await (await opened(tmp_path, tombstone_grace=1.0)).delete_messages(USER, INBOX, [c])
+    assert sorted(os.listdir(box / "dead")) == sorted([sortable_id(b), sortable_id(c)])
+    assert os.listdir(box / "msg") == [] and os.listdir(box / "body") == []
+    assert await ids_of(await opened(tmp_path)) == []

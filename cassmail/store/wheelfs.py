@@ -56,8 +56,10 @@ from cassmail.model import (
     address_key,
     flag_set,
     mailbox_name,
+    message_id_time,
     new_message_id,
     normalize_domain,
+    parse_sortable_id,
 )
 from cassmail.store import wheelfs_cues
 from cassmail.store.base import (
@@ -106,6 +108,8 @@ log = logging.getLogger("cassmail.store.wheelfs")
 CACHED_MAILBOXES = 1024
 #: Seconds a reader waits for a UID claim another node is writing before answering "try later".
 CLAIM_WAIT = 2.0
+#: Old tombstones looked at (one stat each) per deletion.
+TOMBSTONES_PER_DELETE = 64
 
 
 class _Cancelled(Exception):
@@ -119,6 +123,7 @@ class _MailboxCache:
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead: set[str] = field(default_factory=set)
     markers: dict[str, tuple[Marker, uuid.UUID, datetime] | None] = field(default_factory=dict)
+    young: dict[str, float] = field(default_factory=dict)  # tombstone -> when it passes the grace
     flag_records: dict[str, tuple[str, str, str, frozenset[str]]] = field(default_factory=dict)
     next_uid: int = 1
     uid_of: dict[uuid.UUID, int] = field(default_factory=dict)
@@ -821,8 +826,39 @@ class WheelFSStore(Store):
                 self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
             for flag_name in flag_names:
                 self.fs.unlink(os.path.join(box, "flags", flag_name), missing_ok=True)
+            if self.settings.tombstone_grace:
+                self._collect_tombstones(box, cache)
 
         await self._call(delete)
+
+    def _collect_tombstones(self, box: str, cache: _MailboxCache) -> None:
+        """Remove tombstones older than `tombstone_grace` (a few per deletion), so a mailbox's
+        deletions do not make every listing longer for ever. A replica that stays apart longer
+        than the grace could bring such a message back: the grace must outlast any partition."""
+        now, grace = time.time(), self.settings.tombstone_grace
+        dead_dir = os.path.join(box, "dead")
+        old = []
+        for name in self.fs.listdir(dead_dir):
+            sid = leading_sid(name)
+            # deleted after it arrived: a message younger than the grace was deleted within it
+            if sid and message_id_time(parse_sortable_id(sid)).timestamp() < now - grace and cache.young.get(name, 0) < now:
+                old.append((name, sid))
+        stale = []
+        for name, sid in old[:TOMBSTONES_PER_DELETE]:
+            deleted = self.fs.stat(os.path.join(dead_dir, name)).st_mtime
+            if deleted < now - grace:
+                stale.append((name, sid))
+            else:
+                cache.young[name] = deleted + grace
+        if not stale:
+            return
+        markers = {leading_sid(n): n for n in self.fs.listdir(os.path.join(box, "msg"))}
+        for name, sid in stale:
+            if sid in markers:  # a replica brought it back: remove it again, keep the tombstone
+                self.fs.unlink(os.path.join(box, "msg", markers[sid]), missing_ok=True)
+                continue
+            self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
+            self.fs.unlink(os.path.join(dead_dir, name), missing_ok=True)
 
     # ================================================================= IMAP UIDs
 
