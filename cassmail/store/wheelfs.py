@@ -167,7 +167,11 @@ class WheelFSStore(Store):
         try:
             fs.write_file(record_path, layout.record(), exclusive=True, fsync=self.settings.fsync)
         except FileExistsError:
-            recorded = json.loads(fs.read_bytes(record_path))
+            data = fs.read_bytes(record_path)
+            if not data.endswith(b"\n"):  # its maker died while writing it: nothing else was made yet
+                fs.replace_file(record_path, layout.record(), self.settings.fsync)
+                data = layout.record()
+            recorded = json.loads(data)
             if (recorded["strong"], recorded["mail"]) != (layout.strong_components, layout.mail_components):
                 self._cues_changed(recorded, record_path)
         for path in (layout.domains, layout.users, layout.mail_root):
@@ -590,9 +594,15 @@ class WheelFSStore(Store):
         for name in fs.listdir(os.path.join(box, "dead")):
             sid = leading_sid(name)
             if sid:
-                cache.dead.add(sid)  # tombstones are forever: once seen, a message stays dead here
+                cache.dead.add(sid)  # once this process has seen a tombstone, the message stays dead here
         live: dict[str, _Message] = {}
-        for name in fs.listdir(os.path.join(box, "msg")):
+        names = fs.listdir(os.path.join(box, "msg"))
+        if len(cache.markers) > 2 * len(names) + 64:  # forget the names of messages long gone
+            listed = set(names)
+            cache.markers = {n: v for n, v in list(cache.markers.items()) if n in listed}  # list(): one GIL step
+            sids = {leading_sid(n) for n in listed}
+            cache.flag_records = {n: v for n, v in list(cache.flag_records.items()) if v[0] in sids}
+        for name in names:
             if name not in cache.markers:  # a name never changes meaning: parse it once
                 marker = parse_marker(name)
                 cache.markers[name] = (marker, marker.id, marker.internal_date) if marker else None
@@ -731,20 +741,22 @@ class WheelFSStore(Store):
         boxes = [(t, self._where(t.user, t.mailbox)[2]) for t in targets]
         written: list[tuple[str, str]] = []  # (mailbox directory, sid) with a body on disk
         committed: list[tuple[str, str]] = []  # ... and a marker
+        synced: set[str] = set()  # directories to fsync before the commit
         try:
             for target, box in boxes:
                 message_id = ids[(target.user, target.mailbox)]
                 sid = sid_of(message_id)
                 self.fs.write_file(os.path.join(box, "body", sid), view, True, self.settings.fsync)
                 written.append((box, sid))
+                synced.add(os.path.join(box, "body"))
                 keywords = frozenset(f for f in target.flags if not f.startswith("\\"))
                 if keywords:
                     record = os.path.join(box, "flags", f"{sid}.{sid_of(new_message_id())}")
                     self.fs.write_file(record, flag_record("add", keywords), True, self.settings.fsync)
+                    synced.add(os.path.join(box, "flags"))
             if self.settings.fsync:
-                for box in {b for b, _ in written}:
-                    self.fs.fsync_dir(os.path.join(box, "body"))
-                    self.fs.fsync_dir(os.path.join(box, "flags"))
+                for directory in sorted(synced):
+                    self.fs.fsync_dir(directory)
             for target, box in boxes:
                 if cancel.is_set():
                     raise _Cancelled
@@ -913,6 +925,8 @@ class WheelFSStore(Store):
 
         def assign() -> dict[uuid.UUID, int]:
             user_file, mailbox_id, box = self._where(key, name)
+            if not wanted:
+                return {}
             cache = self._cache(mailbox_id)
             live = {m.id for m in self._messages(box, cache).values()}
             directory = self.layout.uids(user_file, mailbox_id)
