@@ -193,7 +193,7 @@ class WheelFSSettings:
     eventual_consistency: bool = True
     #: .Site=X: the site that holds the primary copy ("" = no cue, WheelFS places it).
     home_site: str = ""
-    #: .KeepTogether: each user's files on one set of servers.
+    #: .KeepTogether: each user's files on one set of servers (the cues sit above the user directories).
     keep_together: bool = True
     #: .RepSites=N: replicas spread over N sites (0 = no cue).
     rep_sites: int = 0

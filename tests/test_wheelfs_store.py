@@ -91,17 +91,18 @@ async def test_mail_lies_under_the_cue_paths_one_write_once_file_per_message(fau
     store, _ = faulty
     [a] = await store.deliver(BODY, [Target(USER, INBOX, frozenset({"\\Seen", "$Work"}))])
     box = mail_dir(tmp_path)
+    # the paper's Wheemail path: the cues between the shared directory and each user's directory
     relative = box.relative_to(tmp_path).parts
-    assert relative[:7] == (".EventualConsistency", ".Site=here", ".KeepTogether", ".RepSites=2", ".RepLevel=3",
-                            ".SyncLevel=2", "cassmail")
+    assert relative[:10] == ("cassmail", "mail", ".EventualConsistency", ".Site=here", ".KeepTogether", ".RepSites=2",
+                             ".RepLevel=3", ".SyncLevel=2", USER, box.name)
     body = box / "body" / sortable_id(a)
     assert body.read_bytes() == BODY
     [marker] = os.listdir(box / "msg")
     assert marker.startswith(f"{sortable_id(a)}.{len(BODY)}.") and marker.endswith(".S")
     # accounts and UIDs live apart, in a tree without .EventualConsistency
     [account] = list(tmp_path.rglob("account"))
-    assert account.relative_to(tmp_path).parts[:5] == (".Site=here", ".KeepTogether", ".RepSites=2", ".RepLevel=3",
-                                                       "cassmail")
+    assert account.relative_to(tmp_path).parts == ("cassmail", "users", ".Site=here", ".KeepTogether", ".RepSites=2",
+                                                   ".RepLevel=3", USER, "account")
     # a flag change is a new file: the message file is never rewritten
     before = body.stat()
     await store.store_flags(USER, INBOX, [a], ["\\Flagged"], "add")
@@ -119,6 +120,7 @@ async def test_without_cues_the_same_store_is_plain_directories(tmp_path: Path) 
     await store.deliver(BODY, [Target(USER)])
     assert not [p for p in tmp_path.rglob(".*") if p.name.startswith((".Eventual", ".Rep", ".Site"))]
     assert (tmp_path / "cassmail" / "users" / USER / "account").exists()
+    assert (tmp_path / "cassmail" / "mail" / USER).is_dir()
     assert len(await ids_of(store)) == 1
 
 

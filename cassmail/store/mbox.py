@@ -83,9 +83,9 @@ from cassmail.store.base import (
     check_flag_mode,
     check_targets,
     checked_password_hash,
-    internal_date_micros,
     decode_name,
     encode_name,
+    internal_date_micros,
 )
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, NeedsRecovery, ReadState
 

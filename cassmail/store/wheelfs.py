@@ -81,8 +81,8 @@ from cassmail.store.base import (
     check_flag_mode,
     check_targets,
     checked_password_hash,
-    internal_date_micros,
     decode_name,
+    internal_date_micros,
 )
 from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.wheelfs_layout import (
@@ -186,9 +186,8 @@ class WheelFSStore(Store):
         store: refuse to start.
         """
         layout = self.layout
-        old_strong = os.path.join(layout.root, *recorded["strong"], "cassmail")
-        old_mail = os.path.join(layout.root, *recorded["mail"], "cassmail")
-        for old, new in ((old_strong, layout.strong), (old_mail, os.path.dirname(layout.mail_root))):
+        before = Layout(layout.root, recorded["strong"], recorded["mail"])
+        for old, new in ((before.users, layout.users), (before.mail_root, layout.mail_root)):
             try:
                 same = os.path.samestat(self.fs.stat(old), self.fs.stat(new))
             except FileNotFoundError:
@@ -199,9 +198,9 @@ class WheelFSStore(Store):
                     f"store at {layout.root} was made with {'/'.join(recorded['mail']) or 'no cues'}; on this file "
                     "system cues are directories, so the mail would not be found (set the old values back)"
                 )
-        before = wheelfs_cues.resolve(recorded["mail"], creating=True).cues
-        after = wheelfs_cues.resolve(layout.mail_components, creating=True).cues
-        changed = sorted({c.component() for c in before.values()} ^ {c.component() for c in after.values()})
+        old_cues = wheelfs_cues.resolve(recorded["mail"], creating=True).cues
+        new_cues = wheelfs_cues.resolve(layout.mail_components, creating=True).cues
+        changed = sorted({c.component() for c in old_cues.values()} ^ {c.component() for c in new_cues.values()})
         log.warning("wheelfs cues changed (%s); persistent cues apply to directories created from now on", ", ".join(changed))
         self.fs.replace_file(record_path, layout.record(), self.settings.fsync)
 

@@ -1,15 +1,18 @@
 """Where the WheelFS store keeps each thing, and the file names that carry its data.
 
-Two trees under the root, each behind its own cue prefix (see wheelfs_cues)::
+Cues go where the paper's Wheemail put them, between a shared directory and the
+per-user directories (`/wfs/mail/.EventualConsistency/.Site=X/.KeepTogether/
+.RepSites=2/user/Mail/`): each user's directory is created with them, so each
+user's files are kept together while users spread over the servers::
 
     <root>/cassmail-wheelfs.json                      the cue prefixes the store was created with
-    <root>/<strong cues>/cassmail/                    never .EventualConsistency
-        domains/<domain>                              one empty file per local domain
-        users/<user>/account                          address and password hash (JSON)
-        users/<user>/boxes/<mailbox>                  mailbox id, UIDVALIDITY, special-use (JSON)
-        users/<user>/validity/<n>                     UIDVALIDITY values ever handed out
-        users/<user>/uids/<mailbox id>/<uid>          UID claims: the message id (exclusive create)
-    <root>/<mail cues>/cassmail/mail/<user>/<mailbox id>/
+    <root>/cassmail/domains/<strong cues>/<domain>    one empty file per local domain
+    <root>/cassmail/users/<strong cues>/<user>/       never .EventualConsistency:
+        account                                       address and password hash (JSON)
+        boxes/<mailbox>                               mailbox id, UIDVALIDITY, special-use (JSON)
+        validity/<n>                                  UIDVALIDITY values ever handed out
+        uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
+    <root>/cassmail/mail/<mail cues>/<user>/<mailbox id>/
         body/<sid>                                    the message bytes, written once
         msg/<sid>.<size>.<date>.<flags>               empty commit marker: the message is listed
         dead/<sid>                                    tombstone: the message stays deleted
@@ -133,15 +136,15 @@ def file_name(text: str) -> str:
 
 
 class Layout:
-    """Paths of the two trees (strings: the file-system layer takes str paths)."""
+    """Paths of the store (strings: the file-system layer takes str paths)."""
 
     def __init__(self, root: str, strong: list[str], mail: list[str]) -> None:
         self.root = root
         self.strong_components, self.mail_components = strong, mail
-        self.strong = os.path.join(root, *strong, "cassmail")
-        self.mail_root = os.path.join(root, *mail, "cassmail", "mail")
-        self.domains = os.path.join(self.strong, "domains")
-        self.users = os.path.join(self.strong, "users")
+        base = os.path.join(root, "cassmail")
+        self.domains = os.path.join(base, "domains", *strong)
+        self.users = os.path.join(base, "users", *strong)
+        self.mail_root = os.path.join(base, "mail", *mail)
 
     def record(self) -> bytes:
         return json.dumps({"format": 1, "strong": self.strong_components, "mail": self.mail_components}).encode() + b"\n"
