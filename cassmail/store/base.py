@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from cassmail.model import (
+    HIERARCHY_DELIMITER,
+    INBOX,
     InvalidInput,
     MailboxInfo,
     MessageSummary,
@@ -308,6 +310,32 @@ def check_targets(targets: Sequence[Target]) -> list[Target]:
     if not targets:
         raise InvalidInput("deliver needs at least one target")
     return [Target(address_key(t.user), mailbox_name(t.mailbox), flag_set(t.flags)) for t in targets]
+
+
+def prepare_delivery(
+    body: Body, targets: Sequence[Target], max_message_size: int
+) -> tuple[memoryview, list[Target], dict[tuple[str, str], Target]]:
+    """The body as bytes, the canonical targets and the distinct target mailboxes (a mailbox
+    named twice gets one copy), or MessageTooLarge / InvalidInput before anything is written."""
+    view = body_view(body)
+    if max_message_size and view.nbytes > max_message_size:
+        raise MessageTooLarge(view.nbytes, max_message_size)
+    canonical = check_targets(targets)
+    unique: dict[tuple[str, str], Target] = {}
+    for t in canonical:
+        unique.setdefault((t.user, t.mailbox), t)
+    return view, canonical, unique
+
+
+def check_rename(user_key: str, old: str, new: str) -> tuple[str, str]:
+    """Canonical (old, new) of a mailbox rename, or the error every store gives: renaming to
+    itself is MailboxExists; to INBOX or under itself, MailboxNotAllowed."""
+    old, new = mailbox_name(old), mailbox_name(new)
+    if old == new:
+        raise MailboxExists(user_key, new)
+    if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
+        raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+    return old, new
 
 
 def check_flag_mode(mode: str) -> FlagMode:

@@ -70,7 +70,6 @@ from cassmail.store.base import (
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
-    MessageTooLarge,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -79,13 +78,13 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
-    body_view,
     check_flag_mode,
-    check_targets,
+    check_rename,
     checked_password_hash,
     decode_name,
     encode_name,
     internal_date_micros,
+    prepare_delivery,
 )
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, NeedsRecovery, ReadState
 
@@ -428,11 +427,7 @@ class MboxStore(Store):
 
     async def rename_mailbox(self, user: str, old: str, new: str) -> None:
         key = address_key(user)
-        old, new = mailbox_name(old), mailbox_name(new)
-        if old == new:
-            raise MailboxExists(key, new)
-        if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
-            raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+        old, new = check_rename(key, old, new)
 
         def rename() -> None:
             user_dir = self._existing_user(key)
@@ -545,14 +540,8 @@ class MboxStore(Store):
     async def deliver(
         self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
     ) -> list[uuid.UUID]:
-        view = body_view(body)
-        if self.max_message_size and view.nbytes > self.max_message_size:
-            raise MessageTooLarge(view.nbytes, self.max_message_size)
-        targets = check_targets(targets)
+        view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
         when_us = internal_date_micros(internal_date)
-        unique: dict[tuple[str, str], Target] = {}
-        for t in targets:
-            unique.setdefault((t.user, t.mailbox), t)
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
         for user, mailbox in unique:
             await self._call(self._mailbox_file, user, mailbox)

@@ -68,7 +68,6 @@ from cassmail.store.base import (
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
-    MessageTooLarge,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -77,12 +76,12 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
-    body_view,
     check_flag_mode,
-    check_targets,
+    check_rename,
     checked_password_hash,
     decode_name,
     internal_date_micros,
+    prepare_delivery,
 )
 from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.wheelfs_layout import (
@@ -523,11 +522,7 @@ class WheelFSStore(Store):
 
     async def rename_mailbox(self, user: str, old: str, new: str) -> None:
         key = address_key(user)
-        old, new = mailbox_name(old), mailbox_name(new)
-        if old == new:
-            raise MailboxExists(key, new)
-        if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
-            raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+        old, new = check_rename(key, old, new)
         await self._call(self._rename_sync, key, old, new)
 
     def _rename_sync(self, key: str, old: str, new: str) -> None:
@@ -719,14 +714,8 @@ class WheelFSStore(Store):
     async def deliver(
         self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
     ) -> list[uuid.UUID]:
-        view = body_view(body)
-        if self.max_message_size and view.nbytes > self.max_message_size:
-            raise MessageTooLarge(view.nbytes, self.max_message_size)
-        targets = check_targets(targets)
+        view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
         date_us = internal_date_micros(internal_date)
-        unique: dict[tuple[str, str], Target] = {}
-        for t in targets:
-            unique.setdefault((t.user, t.mailbox), t)
         ids = {k: new_message_id() for k in unique}
         cancel = threading.Event()
         await self._call(self._deliver_sync, view, list(unique.values()), ids, date_us, cancel, cancel=cancel)
