@@ -209,7 +209,8 @@ class WheelFSSettings:
     chunk_size: int = 256 * 1024
     #: Seconds one store call may take before it fails as "store unavailable" (SMTP 451).
     timeout: float = 30.0
-    #: Seconds after which a UID claim file that is still empty counts as abandoned.
+    #: Seconds after which a UID claim file that is still empty counts as abandoned (by its
+    #: mtime: must exceed the clock skew between the nodes and the file server).
     claim_timeout: float = 60.0
     #: Seconds a deletion record is kept (0 = for ever). A replica apart for longer than this
     #: could bring a deleted message back, so it must outlast any partition (Cassandra's gc_grace).
