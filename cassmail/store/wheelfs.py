@@ -175,6 +175,14 @@ class WheelFSStore(Store):
                 self._cues_changed(recorded, record_path)
         for path in (layout.domains, layout.users, layout.mail_root):
             fs.makedirs(path)
+        # Left by a node that stopped mid-way: a removed user, or a creation older than any can take.
+        for name in fs.listdir(layout.users):
+            path = os.path.join(layout.users, name)
+            try:
+                if name.startswith(".gone-") or (name.startswith(".new-") and time.time() - fs.stat(path).st_mtime > 3600):
+                    fs.rmtree(path)
+            except FileNotFoundError:
+                continue  # another node cleaned it first
 
     def _cues_changed(self, recorded: dict[str, Any], record_path: str) -> None:
         """Settings name other cues than the store was created with.
