@@ -182,8 +182,59 @@ class MboxSettings:
 
 @dataclass
 class WheelFSSettings:
+    """The WheelFS store (store/wheelfs.py): one file per message on a shared file system."""
+
+    #: Directory of the store: a WheelFS mount (e.g. /wfs/mail) or any shared POSIX file system.
     root: str = "./var/wheelfs"
+    #: Put WheelFS semantic cues in paths; false on NFS, CephFS or a local directory.
     cues: bool = True
+    #: Mail (bodies, listings, flags, tombstones) under .EventualConsistency: reads and writes
+    #: go to a backup when the primary is slow or down. Accounts and UIDs never are.
+    eventual_consistency: bool = True
+    #: .Site=X: the site that holds the primary copy ("" = no cue, WheelFS places it).
+    home_site: str = ""
+    #: .KeepTogether: each user's files on one set of servers (the cues sit above the user directories).
+    keep_together: bool = True
+    #: .RepSites=N: replicas spread over N sites (0 = no cue).
+    rep_sites: int = 0
+    #: .RepLevel=N: replicas of every file (WheelFS allows 1..4; its default is 3).
+    rep_level: int = 3
+    #: .SyncLevel=N: replicas that must accept a mail write before it returns (0 = no cue: all).
+    sync_level: int = 0
+    #: .MaxTime=T: milliseconds a mail read or write may wait for the network (0 = no cue).
+    max_time: int = 0
+    #: fsync bodies and markers before acknowledging; false only for throw-away test data.
+    fsync: bool = True
+    #: Bytes per read when a body is streamed.
+    chunk_size: int = 256 * 1024
+    #: Seconds one store call may take before it fails as "store unavailable" (SMTP 451).
+    timeout: float = 30.0
+    #: Seconds after which a UID claim file that is still empty counts as abandoned (by its
+    #: mtime: must exceed the clock skew between the nodes and the file server).
+    claim_timeout: float = 60.0
+    #: Seconds a deletion record is kept (0 = for ever). A replica apart for longer than this
+    #: could bring a deleted message back, so it must outlast any partition (Cassandra's gc_grace).
+    tombstone_grace: float = 30 * 86400.0
+
+    def validate(self, prefix: str) -> None:
+        _check(bool(self.root.strip()), f"{prefix}.root", "must name a directory")
+        _check(1 <= self.rep_level <= 4, f"{prefix}.rep_level", f"must be 1..4 (WheelFS keeps at most 4), got {self.rep_level}")
+        _check(0 <= self.rep_sites <= self.rep_level, f"{prefix}.rep_sites", "must be 0 (no cue) .. rep_level")
+        _check(0 <= self.sync_level <= self.rep_level, f"{prefix}.sync_level", "must be 0 (no cue) .. rep_level")
+        _check(self.max_time >= 0, f"{prefix}.max_time", "must be >= 0 ms")
+        _check(
+            all(c.isalnum() or c in "-_" for c in self.home_site),
+            f"{prefix}.home_site",
+            f"must be letters, digits, - and _, got {self.home_site!r}",
+        )
+        _check(
+            4096 <= self.chunk_size <= 4 * 1024 * 1024,
+            f"{prefix}.chunk_size",
+            f"must be between 4096 and 4194304 bytes, got {self.chunk_size}",
+        )
+        _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
+        _check(self.claim_timeout >= 1, f"{prefix}.claim_timeout", "must be >= 1 second")
+        _check(self.tombstone_grace >= 0, f"{prefix}.tombstone_grace", "must be >= 0 seconds (0 = keep for ever)")
 
 
 @dataclass

@@ -44,7 +44,11 @@ def make_store(settings: Settings) -> Store:
         from cassmail.store.mbox import MboxStore
 
         return MboxStore(settings.store.mbox, max_message_size=settings.store.max_message_size)
-    raise ConfigError(f"store.backend: {backend!r} is not available yet in this version of cassmail (use mbox or cassandra)")
+    if backend == "wheelfs":
+        from cassmail.store.wheelfs import WheelFSStore
+
+        return WheelFSStore(settings.store.wheelfs, max_message_size=settings.store.max_message_size)
+    raise ConfigError(f"store.backend: {backend!r} is not available in this version of cassmail (use mbox, cassandra or wheelfs)")
 
 
 #: Every listener a node can run, by its settings section.

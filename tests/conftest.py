@@ -35,7 +35,7 @@ TEST_STORAGE_PORT = 17000
 FAST_HASH = HashParams(log2_n=10, r=8, p=1)
 
 #: Every backend the shared Store contract suite runs against.
-BACKENDS = ["cassandra", "mbox"]
+BACKENDS = ["cassandra", "mbox", "wheelfs"]
 
 
 def unavailable(reason: str) -> None:
@@ -129,6 +129,14 @@ def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
 
         path = request.getfixturevalue("tmp_path_factory").mktemp("mbox-store")
         settings.store.mbox = MboxSettings(path=str(path))
+    elif name == "wheelfs":
+        from cassmail.config import WheelFSSettings
+
+        # Cues on by default: on a plain directory each cue is a real directory, the paths WheelFS
+        # would see. CASSMAIL_TEST_WHEELFS_CUES=0 runs every suite on the cue-less layout (NFS style).
+        path = request.getfixturevalue("tmp_path_factory").mktemp("wheelfs-store")
+        cues = os.environ.get("CASSMAIL_TEST_WHEELFS_CUES", "1").lower() not in ("0", "false", "no")
+        settings.store.wheelfs = WheelFSSettings(root=str(path), cues=cues, home_site="test", rep_sites=2, sync_level=2)
     else:  # pragma: no cover - a backend listed without a factory
         raise AssertionError(f"no settings for backend {name}")
     return settings

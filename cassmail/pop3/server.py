@@ -420,7 +420,8 @@ class Pop3Session(pop3.POP3):
             self.transport.loseConnection()
         finally:
             await chunks.aclose()
-            self.transport.unregisterProducer()
+            if self._opened_at is not None:  # once the connection is lost, TLS has no producer to drop
+                self.transport.unregisterProducer()
 
     def do_QUIT(self, *args: bytes) -> Any:
         if self.mbox is None:

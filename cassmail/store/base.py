@@ -14,13 +14,17 @@ POP3/IMAP -ERR/NO) so that nothing acknowledged is ever lost.
 from __future__ import annotations
 
 import abc
+import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
 from cassmail.model import (
+    HIERARCHY_DELIMITER,
+    INBOX,
     InvalidInput,
     MailboxInfo,
     MessageSummary,
@@ -313,6 +317,32 @@ def check_targets(targets: Sequence[Target]) -> list[Target]:
     return [Target(address_key(t.user), mailbox_name(t.mailbox), flag_set(t.flags)) for t in targets]
 
 
+def prepare_delivery(
+    body: Body, targets: Sequence[Target], max_message_size: int
+) -> tuple[memoryview, list[Target], dict[tuple[str, str], Target]]:
+    """The body as bytes, the canonical targets and the distinct target mailboxes (a mailbox
+    named twice gets one copy), or MessageTooLarge / InvalidInput before anything is written."""
+    view = body_view(body)
+    if max_message_size and view.nbytes > max_message_size:
+        raise MessageTooLarge(view.nbytes, max_message_size)
+    canonical = check_targets(targets)
+    unique: dict[tuple[str, str], Target] = {}
+    for t in canonical:
+        unique.setdefault((t.user, t.mailbox), t)
+    return view, canonical, unique
+
+
+def check_rename(user_key: str, old: str, new: str) -> tuple[str, str]:
+    """Canonical (old, new) of a mailbox rename, or the error every store gives: renaming to
+    itself is MailboxExists; to INBOX or under itself, MailboxNotAllowed."""
+    old, new = mailbox_name(old), mailbox_name(new)
+    if old == new:
+        raise MailboxExists(user_key, new)
+    if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
+        raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+    return old, new
+
+
 def check_flag_mode(mode: str) -> FlagMode:
     if mode not in ("set", "add", "remove"):
         raise InvalidInput(f"flag mode must be set, add or remove, not {mode!r}")
@@ -324,3 +354,36 @@ def body_view(body: Body) -> memoryview:
         raise InvalidInput(f"message body must be bytes, got {type(body).__name__}")
     return memoryview(body).cast("B")
 
+
+
+_ESCAPED = re.compile(r"%(25|2F|2E)")
+
+
+def encode_name(name: str) -> str:
+    """A mailbox name or user key as one file name, reversibly, for the file-based backends:
+    `%` becomes `%25`, `/` (the hierarchy delimiter) `%2F` and a leading `.` `%2E`, so no name
+    is a hidden file, a WheelFS cue or a path; everything else, Unicode included, is kept."""
+    text = name.replace("%", "%25").replace("/", "%2F")
+    return "%2E" + text[1:] if text.startswith(".") else text
+
+
+def decode_name(text: str) -> str:
+    """Inverse of `encode_name`."""
+    return _ESCAPED.sub(lambda m: {"25": "%", "2F": "/", "2E": "."}[m.group(1)], text)
+
+
+def checked_password_hash(password_hash: str) -> str:
+    """A password hash as a store keeps it: any non-empty string (cassmail.auth checks its form)."""
+    if not isinstance(password_hash, str) or not password_hash:
+        raise InvalidInput("password hash must be a non-empty string")
+    return password_hash
+
+
+def internal_date_micros(when: datetime | None) -> int:
+    """An internal date as microseconds since 1970 (now when None); a date without zone is refused."""
+    if when is None:
+        return int(time.time() * 1_000_000)
+    if when.tzinfo is None:
+        raise InvalidInput("internal date must carry a time zone")
+    delta = when.astimezone(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import re
 import shutil
 import threading
 import time
@@ -43,7 +42,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,7 +70,6 @@ from cassmail.store.base import (
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
-    MessageTooLarge,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -80,9 +78,13 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
-    body_view,
     check_flag_mode,
-    check_targets,
+    check_rename,
+    checked_password_hash,
+    decode_name,
+    encode_name,
+    internal_date_micros,
+    prepare_delivery,
 )
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, NeedsRecovery, ReadState
 
@@ -92,17 +94,6 @@ T = TypeVar("T")
 OPEN_MAILBOXES = 256
 #: Longest file name most Linux file systems take.
 MAX_FILE_NAME = 255
-_ESCAPED = re.compile(r"%(25|2F|2E)")
-
-
-def encode_name(name: str) -> str:
-    """A mailbox name or user key as one file name, reversibly (see the module docstring)."""
-    text = name.replace("%", "%25").replace("/", "%2F")
-    return "%2E" + text[1:] if text.startswith(".") else text
-
-
-def decode_name(text: str) -> str:
-    return _ESCAPED.sub(lambda m: {"25": "%", "2F": "/", "2E": "."}[m.group(1)], text)
 
 
 class MboxStore(Store):
@@ -232,7 +223,7 @@ class MboxStore(Store):
 
     async def create_user(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        await self._call(self._create_user_sync, key, _checked_hash(password_hash))
+        await self._call(self._create_user_sync, key, checked_password_hash(password_hash))
 
     def _create_user_sync(self, key: str, password_hash: str) -> None:
         domain = key.rpartition("@")[2]
@@ -316,7 +307,7 @@ class MboxStore(Store):
 
     async def set_password_hash(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        password_hash = _checked_hash(password_hash)
+        password_hash = checked_password_hash(password_hash)
 
         def change() -> None:
             with self._user_lock(key):
@@ -454,11 +445,7 @@ class MboxStore(Store):
 
     async def rename_mailbox(self, user: str, old: str, new: str) -> None:
         key = address_key(user)
-        old, new = mailbox_name(old), mailbox_name(new)
-        if old == new:
-            raise MailboxExists(key, new)
-        if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
-            raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+        old, new = check_rename(key, old, new)
 
         def rename() -> None:
             user_dir = self._existing_user(key)
@@ -566,14 +553,8 @@ class MboxStore(Store):
     async def deliver(
         self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
     ) -> list[uuid.UUID]:
-        view = body_view(body)
-        if self.max_message_size and view.nbytes > self.max_message_size:
-            raise MessageTooLarge(view.nbytes, self.max_message_size)
-        targets = check_targets(targets)
-        when_us = _micros(internal_date)
-        unique: dict[tuple[str, str], Target] = {}
-        for t in targets:
-            unique.setdefault((t.user, t.mailbox), t)
+        view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
+        when_us = internal_date_micros(internal_date)
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
         for user, mailbox in unique:
             await self._call(self._mailbox_file, user, mailbox)
@@ -684,21 +665,6 @@ class MboxStore(Store):
 
 
 # ===================================================================== helpers
-
-
-def _checked_hash(password_hash: str) -> str:
-    if not isinstance(password_hash, str) or not password_hash:
-        raise InvalidInput("password hash must be a non-empty string")
-    return password_hash
-
-
-def _micros(when: datetime | None) -> int:
-    if when is None:
-        return int(time.time() * 1_000_000)
-    if when.tzinfo is None:
-        raise InvalidInput("internal date must carry a time zone")
-    delta = when.astimezone(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def _pid_alive(staging_name: str) -> bool:

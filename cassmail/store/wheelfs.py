@@ -1,0 +1,971 @@
+"""The WheelFS backend of the Store contract: one file per message on a shared file system.
+
+Built for WheelFS (the wide-area file system whose paths carry semantic cues)
+and, with `cues = false`, for any shared POSIX file system: NFS, CephFS, a
+local directory. Any number of cassmail nodes may share one root; there is no
+lock service and no lock file. The layout is in wheelfs_layout; the rules
+that keep mail safe on a file system whose replicas may disagree are:
+
+- Nothing is ever rewritten in place. A body is written once to its final
+  name and acknowledged only after fsync and close() succeeded; then an
+  empty marker whose name carries size, date and flags commits it to
+  listings. Flag changes and deletions are new files (flag records,
+  tombstones), so replicas merged by union (what WheelFS does with
+  `.EventualConsistency` directories) lose nothing and resurrect nothing: a
+  marker that comes back after its deletion is hidden by its tombstone.
+- Accounts, mailbox lists and UIDs live in a tree without
+  `.EventualConsistency`, where an exclusive create (O_EXCL) succeeds for one
+  node only. That is the compare-and-set: UID n is claimed by creating
+  `uids/<mailbox>/<n>` holding the message id, and a claimer walks the claims
+  in order before it creates the next one, so no UID is given twice and UIDs
+  only grow.
+- Every file-system call goes through one `FileSystem` object
+  (wheelfs_fs), which counts it and is where tests inject faults; every call
+  is bounded by `timeout`, and any failure is a StoreUnavailable (SMTP 451),
+  never an acknowledgement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import errno
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from cassmail.config import WheelFSSettings
+from cassmail.model import (
+    DEFAULT_MAILBOXES,
+    HIERARCHY_DELIMITER,
+    INBOX,
+    InvalidAddress,
+    InvalidInput,
+    InvalidMailboxName,
+    MailboxInfo,
+    MessageSummary,
+    Page,
+    address_key,
+    flag_set,
+    mailbox_name,
+    message_id_time,
+    new_message_id,
+    normalize_domain,
+    parse_sortable_id,
+)
+from cassmail.store import wheelfs_cues
+from cassmail.store.base import (
+    Body,
+    DomainInUse,
+    FlagMode,
+    MailboxExists,
+    MailboxNotAllowed,
+    NoSuchDomain,
+    NoSuchMailbox,
+    NoSuchMessage,
+    NoSuchUser,
+    Store,
+    StoreUnavailable,
+    Target,
+    UserExists,
+    check_flag_mode,
+    check_rename,
+    checked_password_hash,
+    decode_name,
+    internal_date_micros,
+    prepare_delivery,
+)
+from cassmail.store.wheelfs_fs import FileSystem
+from cassmail.store.wheelfs_layout import (
+    LAYOUT_FILE,
+    MAILBOX_PARTS,
+    Layout,
+    Marker,
+    file_name,
+    flag_record,
+    leading_sid,
+    parse_flag_record,
+    parse_flag_record_name,
+    parse_marker,
+    parse_uid_claim,
+    sid_of,
+    uid_claim,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("cassmail.store.wheelfs")
+
+#: Mailboxes whose caches (tombstones seen, flag records read, UID claims walked) a process keeps.
+CACHED_MAILBOXES = 1024
+#: Seconds a reader waits for a UID claim another node is writing before answering "try later".
+CLAIM_WAIT = 2.0
+#: Old tombstones looked at (one stat each) per deletion.
+TOMBSTONES_PER_DELETE = 64
+
+
+class _Cancelled(Exception):
+    """The caller stopped waiting (timeout): a delivery must not commit after its 451."""
+
+
+@dataclass
+class _MailboxCache:
+    """What one process has learnt about one mailbox; all of it is write-once on disk."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dead: set[str] = field(default_factory=set)
+    markers: dict[str, tuple[Marker, uuid.UUID, datetime] | None] = field(default_factory=dict)
+    young: dict[str, float] = field(default_factory=dict)  # tombstone -> when it passes the grace
+    flag_records: dict[str, tuple[str, str, str, frozenset[str]]] = field(default_factory=dict)
+    next_uid: int = 1
+    uid_of: dict[uuid.UUID, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Message:
+    marker: Marker
+    id: uuid.UUID
+    internal_date: datetime
+    marker_name: str
+    flags: frozenset[str]
+
+
+class WheelFSStore(Store):
+    def __init__(self, settings: WheelFSSettings, max_message_size: int = 0, fs: FileSystem | None = None) -> None:
+        self.settings = settings
+        self.max_message_size = max_message_size
+        self.fs = fs or FileSystem()
+        cue_args = dict(
+            eventual_consistency=settings.eventual_consistency, home_site=settings.home_site,
+            keep_together=settings.keep_together, rep_sites=settings.rep_sites, rep_level=settings.rep_level,
+            sync_level=settings.sync_level, max_time=settings.max_time,
+        )
+        strong = wheelfs_cues.build(wheelfs_cues.store_cues(eventual=False, **cue_args)) if settings.cues else []
+        mail = wheelfs_cues.build(wheelfs_cues.store_cues(eventual=True, **cue_args)) if settings.cues else []
+        self.layout = Layout(os.path.abspath(settings.root), strong, mail)
+        self._caches: OrderedDict[str, _MailboxCache] = OrderedDict()
+        self._caches_lock = threading.Lock()
+        self._validity_hint: dict[str, int] = {}
+
+    # ================================================================= lifecycle
+
+    async def open(self) -> None:
+        await self._call(self._open_sync)
+
+    def _open_sync(self) -> None:
+        fs, layout = self.fs, self.layout
+        fs.makedirs(layout.root)
+        record_path = os.path.join(layout.root, LAYOUT_FILE)
+        try:
+            fs.write_file(record_path, layout.record(), exclusive=True, fsync=self.settings.fsync)
+        except FileExistsError:
+            data = fs.read_bytes(record_path)
+            if not data.endswith(b"\n"):  # its maker died while writing it: nothing else was made yet
+                fs.replace_file(record_path, layout.record(), self.settings.fsync)
+                data = layout.record()
+            recorded = json.loads(data)
+            if (recorded["strong"], recorded["mail"]) != (layout.strong_components, layout.mail_components):
+                self._cues_changed(recorded, record_path)
+        for path in (layout.domains, layout.users, layout.mail_root):
+            fs.makedirs(path)
+        # Left by a node that stopped mid-way: a removed user, or a creation older than any can take.
+        for name in fs.listdir(layout.users):
+            path = os.path.join(layout.users, name)
+            try:
+                if name.startswith(".gone-") or (name.startswith(".new-") and time.time() - fs.stat(path).st_mtime > 3600):
+                    fs.rmtree(path)
+            except FileNotFoundError:
+                continue  # another node cleaned it first
+
+    def _cues_changed(self, recorded: dict[str, Any], record_path: str) -> None:
+        """Settings name other cues than the store was created with.
+
+        On WheelFS cue components are not directories, so the old and the new paths
+        reach the same directories, and new persistent cues apply to what is created
+        from now on (logged). On a plain file system they would be another, empty
+        store: refuse to start.
+        """
+        layout = self.layout
+        before = Layout(layout.root, recorded["strong"], recorded["mail"])
+        for old, new in ((before.users, layout.users), (before.mail_root, layout.mail_root)):
+            try:
+                same = os.path.samestat(self.fs.stat(old), self.fs.stat(new))
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise StoreUnavailable(
+                    f"store.wheelfs: the cue settings give {'/'.join(layout.mail_components) or 'no cues'}, but the "
+                    f"store at {layout.root} was made with {'/'.join(recorded['mail']) or 'no cues'}; on this file "
+                    "system cues are directories, so the mail would not be found (set the old values back)"
+                )
+        old_cues = wheelfs_cues.resolve(recorded["mail"], creating=True).cues
+        new_cues = wheelfs_cues.resolve(layout.mail_components, creating=True).cues
+        changed = sorted({c.component() for c in old_cues.values()} ^ {c.component() for c in new_cues.values()})
+        log.warning("wheelfs cues changed (%s); persistent cues apply to directories created from now on", ", ".join(changed))
+        self.fs.replace_file(record_path, layout.record(), self.settings.fsync)
+
+    async def close(self) -> None:
+        with self._caches_lock:
+            self._caches.clear()
+
+    # ================================================================= plumbing
+
+    async def _call(self, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None) -> T:
+        """Run blocking file work off the event loop, bounded by `timeout`; storage failures
+        (an OSError, a timeout, a file that is not what it should be) become StoreUnavailable."""
+
+        def guarded() -> T:
+            try:
+                return fn(*args)
+            except OSError as exc:
+                raise StoreUnavailable(f"wheelfs store: {exc}") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
+                raise StoreUnavailable(f"wheelfs store: unreadable metadata: {exc}") from exc
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(guarded), self.settings.timeout)
+        except TimeoutError as exc:
+            if cancel is not None:
+                cancel.set()
+            raise StoreUnavailable(f"wheelfs store: no answer from the file system in {self.settings.timeout:g} s") from exc
+
+    def _cache(self, mailbox_id: str) -> _MailboxCache:
+        with self._caches_lock:
+            cache = self._caches.get(mailbox_id)
+            if cache is None:
+                cache = self._caches[mailbox_id] = _MailboxCache()
+                while len(self._caches) > CACHED_MAILBOXES:
+                    self._caches.popitem(last=False)
+            else:
+                self._caches.move_to_end(mailbox_id)
+            return cache
+
+    def _read_json(self, path: str) -> dict[str, Any]:
+        return json.loads(self.fs.read_bytes(path))  # type: ignore[no-any-return]
+
+    def _write_json(self, path: str, value: dict[str, Any], exclusive: bool) -> None:
+        self.fs.write_file(path, json.dumps(value).encode() + b"\n", exclusive, self.settings.fsync)
+
+    @staticmethod
+    def _user_file(key: str) -> str:
+        try:
+            return file_name(key)
+        except ValueError:
+            raise InvalidAddress(f"address too long for a file name of the wheelfs store: {key!r}") from None
+
+    @staticmethod
+    def _box_file(name: str) -> str:
+        try:
+            return file_name(name)
+        except ValueError:
+            raise InvalidMailboxName(f"mailbox name too long for a file name of the wheelfs store: {name!r}") from None
+
+    def _account_path(self, key: str) -> str:
+        return os.path.join(self.layout.user(self._user_file(key)), "account")
+
+    def _require_user(self, key: str) -> str:
+        """The user's directory, or NoSuchUser."""
+        user_dir = self.layout.user(self._user_file(key))
+        if not self.fs.exists(os.path.join(user_dir, "account")):
+            raise NoSuchUser(key)
+        return user_dir
+
+    # ================================================================= domains
+
+    async def add_domain(self, domain: str) -> None:
+        domain = normalize_domain(domain)
+        path = os.path.join(self.layout.domains, file_name(domain))
+        await self._call(self.fs.write_file, path, b"", False, self.settings.fsync)
+
+    async def remove_domain(self, domain: str) -> None:
+        domain = normalize_domain(domain)
+
+        def remove() -> None:
+            path = os.path.join(self.layout.domains, file_name(domain))
+            if not self.fs.exists(path):
+                raise NoSuchDomain(domain)
+            users = self._users_sync(domain)
+            if users:
+                raise DomainInUse(domain, len(users))
+            self.fs.unlink(path, missing_ok=True)
+
+        await self._call(remove)
+
+    async def list_domains(self) -> list[str]:
+        def listing() -> list[str]:
+            return sorted(decode_name(n) for n in self.fs.listdir(self.layout.domains) if not n.startswith("."))
+
+        return await self._call(listing)
+
+    # ================================================================= users
+
+    async def create_user(self, user: str, password_hash: str) -> None:
+        key = address_key(user)
+        await self._call(self._create_user_sync, key, checked_password_hash(password_hash))
+
+    def _create_user_sync(self, key: str, password_hash: str) -> None:
+        fs = self.fs
+        domain = key.rpartition("@")[2]
+        user_file = self._user_file(key)
+        final = self.layout.user(user_file)
+        if not fs.exists(os.path.join(self.layout.domains, file_name(domain))):
+            raise NoSuchDomain(domain)
+        if fs.exists(os.path.join(final, "account")):
+            raise UserExists(key)
+        # Built aside and renamed into place: a user exists with all six mailboxes or not at all.
+        staging = self.layout.user(f".new-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        made: list[str] = []
+        try:
+            for sub in ("boxes", "validity", "uids"):
+                fs.makedirs(os.path.join(staging, sub))
+            fs.makedirs(self.layout.user_mail(user_file))
+            base = int(time.time())
+            for i, (name, special) in enumerate(DEFAULT_MAILBOXES.items()):
+                record = self._new_mailbox(staging, user_file, special, base + i)
+                made.append(record["id"])
+                self._write_json(os.path.join(staging, "boxes", self._box_file(name)), record, exclusive=True)
+            self._write_json(
+                os.path.join(staging, "account"),
+                {"user": key, "password_hash": password_hash, "created": int(time.time())},
+                exclusive=True,
+            )
+            self._move_into_place(staging, final, key)
+        except BaseException:
+            fs.rmtree(staging)
+            for mailbox_id in made:
+                fs.rmtree(self.layout.mailbox(user_file, mailbox_id))
+            raise
+        if self.settings.fsync:
+            fs.fsync_dir(self.layout.users)
+
+    def _move_into_place(self, staging: str, final: str, key: str) -> None:
+        for _ in range(2):
+            try:
+                self.fs.rename(staging, final)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
+                    raise
+            if self.fs.exists(os.path.join(final, "account")):
+                raise UserExists(key)
+            self._discard_user_dir(final)  # left by a deletion that did not finish
+        raise UserExists(key)
+
+    def _discard_user_dir(self, path: str) -> None:
+        """Take a user directory out of the namespace in one rename, then remove its files."""
+        grave = self.layout.user(f".gone-{uuid.uuid4().hex[:12]}")
+        try:
+            self.fs.rename(path, grave)
+        except FileNotFoundError:
+            return
+        self.fs.rmtree(grave)
+
+    def _new_mailbox(self, user_dir: str, user_file: str, special_use: str | None, uidvalidity_hint: int) -> dict[str, Any]:
+        """Claim a UIDVALIDITY and make the mailbox's mail directories; returns its record."""
+        uidvalidity = self._claim_uidvalidity(user_dir, uidvalidity_hint)
+        mailbox_id = uuid.uuid4().hex
+        box = self.layout.mailbox(user_file, mailbox_id)
+        self.fs.mkdir(box)
+        for part in MAILBOX_PARTS:
+            self.fs.mkdir(os.path.join(box, part))
+        return {"id": mailbox_id, "uidvalidity": uidvalidity, "special_use": special_use, "subscribed": True}
+
+    def _claim_uidvalidity(self, user_dir: str, hint: int) -> int:
+        """A UIDVALIDITY never handed out in this account: an exclusive create per value."""
+        candidate = max(hint, self._validity_hint.get(user_dir, 0))
+        for _ in range(10_000):
+            try:
+                self.fs.write_file(os.path.join(user_dir, "validity", str(candidate)), b"", True, self.settings.fsync)
+            except FileExistsError:
+                candidate += 1
+                continue
+            self._validity_hint[user_dir] = candidate + 1
+            return candidate
+        raise StoreUnavailable("no free UIDVALIDITY found")  # pragma: no cover - 10,000 mailboxes in one second
+
+    async def delete_user(self, user: str) -> None:
+        key = address_key(user)
+
+        def delete() -> None:
+            user_file = self._user_file(key)
+            user_dir = self.layout.user(user_file)
+            try:
+                self.fs.unlink(os.path.join(user_dir, "account"))
+            except FileNotFoundError:
+                raise NoSuchUser(key) from None
+            self._discard_user_dir(user_dir)
+            self.fs.rmtree(self.layout.user_mail(user_file))
+
+        await self._call(delete)
+
+    async def get_password_hash(self, user: str) -> str:
+        key = address_key(user)
+
+        def read() -> str:
+            try:
+                return str(self._read_json(self._account_path(key))["password_hash"])
+            except FileNotFoundError:
+                raise NoSuchUser(key) from None
+
+        return await self._call(read)
+
+    async def set_password_hash(self, user: str, password_hash: str) -> None:
+        key = address_key(user)
+        password_hash = checked_password_hash(password_hash)
+
+        def change() -> None:
+            path = self._account_path(key)
+            try:
+                account = self._read_json(path)
+            except FileNotFoundError:
+                raise NoSuchUser(key) from None
+            account["password_hash"] = password_hash
+            self.fs.replace_file(path, json.dumps(account).encode() + b"\n", self.settings.fsync)
+
+        await self._call(change)
+
+    async def list_users(self, domain: str | None = None) -> list[str]:
+        wanted = normalize_domain(domain) if domain is not None else None
+        return await self._call(self._users_sync, wanted)
+
+    def _users_sync(self, domain: str | None = None) -> list[str]:
+        keys = []
+        for name in self.fs.listdir(self.layout.users):
+            if name.startswith("."):
+                continue
+            key = decode_name(name)
+            if domain is not None and key.rpartition("@")[2] != domain:
+                continue
+            if self.fs.exists(os.path.join(self.layout.users, name, "account")):
+                keys.append(key)
+        return sorted(keys)
+
+    # ================================================================= mailboxes
+
+    def _boxes(self, key: str) -> dict[str, dict[str, Any]]:
+        """name -> record of every mailbox of a user, with renames a crash left half done repaired."""
+        user_dir = self._require_user(key)
+        boxes_dir = os.path.join(user_dir, "boxes")
+        records: dict[str, dict[str, Any]] = {}
+        for entry in self.fs.listdir(boxes_dir):
+            if entry.startswith("."):
+                continue
+            try:
+                records[decode_name(entry)] = self._read_json(os.path.join(boxes_dir, entry))
+            except FileNotFoundError:
+                continue  # deleted or renamed meanwhile
+        by_id: dict[str, list[str]] = {}
+        for name, record in records.items():
+            by_id.setdefault(record["id"], []).append(name)
+        for names in by_id.values():
+            if len(names) < 2:
+                continue
+            # A rename creates the new name before it removes the old: two names of one mailbox
+            # are a rename under way or one a crash stopped. The newest name wins; the others go
+            # (INBOX only by the renamer, which puts a fresh INBOX in its place).
+            newest = max(names, key=lambda n: (records[n].get("renamed", 0), n))
+            for name in names:
+                if name not in (newest, INBOX):
+                    self.fs.unlink(os.path.join(boxes_dir, self._box_file(name)), missing_ok=True)
+                    del records[name]
+            stamp = records[newest].get("renamed", 0)
+            if INBOX in names and newest != INBOX and time.time_ns() - stamp > self.settings.claim_timeout * 1e9:
+                # the renamer of INBOX died before giving it a fresh mailbox: do it for it
+                fresh = self._new_mailbox(user_dir, self._user_file(key), None, int(time.time()))
+                self.fs.replace_file(os.path.join(boxes_dir, INBOX), json.dumps(fresh).encode() + b"\n", self.settings.fsync)
+                records[INBOX] = fresh
+        return records
+
+    def _box(self, key: str, name: str) -> dict[str, Any]:
+        """One mailbox's record: NoSuchUser or NoSuchMailbox when it is not there."""
+        user_dir = self.layout.user(self._user_file(key))
+        try:
+            return self._read_json(os.path.join(user_dir, "boxes", self._box_file(name)))
+        except FileNotFoundError:
+            self._require_user(key)
+            raise NoSuchMailbox(key, name) from None
+
+    @staticmethod
+    def _info(name: str, record: dict[str, Any]) -> MailboxInfo:
+        return MailboxInfo(name, int(record["uidvalidity"]), record.get("special_use"), bool(record.get("subscribed", True)))
+
+    async def list_mailboxes(self, user: str) -> list[MailboxInfo]:
+        key = address_key(user)
+
+        def listing() -> list[MailboxInfo]:
+            records = self._boxes(key)
+            return [self._info(n, records[n]) for n in sorted(records, key=lambda n: (n != INBOX, n))]
+
+        return await self._call(listing)
+
+    async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
+        key, name = address_key(user), mailbox_name(name)
+        return await self._call(lambda: self._info(name, self._box(key, name)))
+
+    async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
+        key, name = address_key(user), mailbox_name(name)
+
+        def update() -> None:
+            record = self._box(key, name)
+            if bool(record.get("subscribed", True)) == subscribed:
+                return
+            path = os.path.join(self.layout.user(self._user_file(key)), "boxes", self._box_file(name))
+            self.fs.replace_file(path, json.dumps({**record, "subscribed": subscribed}).encode() + b"\n", self.settings.fsync)
+
+        await self._call(update)
+
+    async def create_mailbox(self, user: str, name: str, special_use: str | None = None) -> MailboxInfo:
+        key, name = address_key(user), mailbox_name(name)
+
+        def create() -> MailboxInfo:
+            user_dir = self._require_user(key)
+            user_file = self._user_file(key)
+            path = os.path.join(user_dir, "boxes", self._box_file(name))
+            if self.fs.exists(path):
+                raise MailboxExists(key, name)
+            record = self._new_mailbox(user_dir, user_file, special_use, int(time.time()))
+            try:
+                self._write_json(path, record, exclusive=True)
+            except FileExistsError:
+                self.fs.rmtree(self.layout.mailbox(user_file, record["id"]))
+                raise MailboxExists(key, name) from None
+            return self._info(name, record)
+
+        return await self._call(create)
+
+    async def rename_mailbox(self, user: str, old: str, new: str) -> None:
+        key = address_key(user)
+        old, new = check_rename(key, old, new)
+        await self._call(self._rename_sync, key, old, new)
+
+    def _rename_sync(self, key: str, old: str, new: str) -> None:
+        """Each name moves by an exclusive create of the new name (stamped with the time of the
+        rename), then removal of the old; a crash in between is finished by the next listing."""
+        records = self._boxes(key)
+        if old not in records:
+            raise NoSuchMailbox(key, old)
+        moves = [(old, new)] + [(n, new + n[len(old) :]) for n in sorted(records) if n.startswith(old + HIERARCHY_DELIMITER)]
+        for _, target in moves:
+            if target in records:
+                raise MailboxExists(key, target)
+            self._box_file(target)
+        user_dir = self.layout.user(self._user_file(key))
+        boxes = os.path.join(user_dir, "boxes")
+        fresh_inbox = self._new_mailbox(user_dir, self._user_file(key), None, int(time.time())) if old == INBOX else None
+        done: list[str] = []
+        try:
+            for source, target in moves:
+                self._write_json(os.path.join(boxes, self._box_file(target)), {**records[source], "renamed": time.time_ns()}, True)
+                done.append(target)
+        except FileExistsError:
+            for target in done:
+                self.fs.unlink(os.path.join(boxes, self._box_file(target)), missing_ok=True)
+            if fresh_inbox is not None:
+                self.fs.rmtree(self.layout.mailbox(self._user_file(key), fresh_inbox["id"]))
+            raise MailboxExists(key, moves[len(done)][1]) from None
+        for source, _ in moves:
+            if source == INBOX and fresh_inbox is not None:
+                self.fs.replace_file(os.path.join(boxes, INBOX), json.dumps(fresh_inbox).encode() + b"\n", self.settings.fsync)
+            else:
+                self.fs.unlink(os.path.join(boxes, self._box_file(source)), missing_ok=True)
+
+    async def delete_mailbox(self, user: str, name: str) -> None:
+        key, name = address_key(user), mailbox_name(name)
+        if name == INBOX:
+            raise MailboxNotAllowed("INBOX cannot be deleted")
+
+        def delete() -> None:
+            record = self._box(key, name)
+            user_file = self._user_file(key)
+            try:
+                self.fs.unlink(os.path.join(self.layout.user(user_file), "boxes", self._box_file(name)))
+            except FileNotFoundError:
+                raise NoSuchMailbox(key, name) from None
+            self.fs.rmtree(self.layout.mailbox(user_file, record["id"]))
+            self.fs.rmtree(self.layout.uids(user_file, record["id"]))
+
+        await self._call(delete)
+
+    # ================================================================= reading a mailbox
+
+    def _where(self, key: str, name: str) -> tuple[str, str, str]:
+        """(user file name, mailbox id, mailbox mail directory) or NoSuchUser / NoSuchMailbox."""
+        record = self._box(key, name)
+        user_file = self._user_file(key)
+        return user_file, record["id"], self.layout.mailbox(user_file, record["id"])
+
+    def _messages(self, box: str, cache: _MailboxCache) -> dict[str, _Message]:
+        """Live messages by sid: markers less tombstones, flags from the records, in one pass
+        over three directories (bodies are never read)."""
+        fs = self.fs
+        for name in fs.listdir(os.path.join(box, "dead")):
+            sid = leading_sid(name)
+            if sid:
+                cache.dead.add(sid)  # once this process has seen a tombstone, the message stays dead here
+        live: dict[str, _Message] = {}
+        names = fs.listdir(os.path.join(box, "msg"))
+        if len(cache.markers) > 2 * len(names) + 64:  # forget the names of messages long gone
+            listed = set(names)
+            cache.markers = {n: v for n, v in list(cache.markers.items()) if n in listed}  # list(): one GIL step
+            sids = {leading_sid(n) for n in listed}
+            cache.flag_records = {n: v for n, v in list(cache.flag_records.items()) if v[0] in sids}
+        for name in names:
+            if name not in cache.markers:  # a name never changes meaning: parse it once
+                marker = parse_marker(name)
+                cache.markers[name] = (marker, marker.id, marker.internal_date) if marker else None
+            parsed = cache.markers[name]
+            if parsed is None or parsed[0].sid in cache.dead:
+                continue
+            marker, message_id, date = parsed
+            if marker.sid not in live or len(name) < len(live[marker.sid].marker_name):
+                live[marker.sid] = _Message(marker, message_id, date, name, marker.flags)  # one per id, however many names
+        changes: dict[str, list[tuple[str, str, frozenset[str]]]] = {}
+        flags_dir = os.path.join(box, "flags")
+        for name in fs.listdir(flags_dir):
+            parsed = parse_flag_record_name(name)
+            if parsed is None or parsed[0] not in live:
+                continue
+            record = cache.flag_records.get(name)
+            if record is None:
+                try:
+                    content = parse_flag_record(fs.read_bytes(os.path.join(flags_dir, name)))
+                except FileNotFoundError:
+                    continue
+                if content is None:
+                    continue  # still being written: next time
+                record = cache.flag_records[name] = (parsed[0], parsed[1], *content)
+            changes.setdefault(record[0], []).append(record[1:])
+        for sid, records in changes.items():
+            flags = live[sid].flags
+            for _, mode, values in sorted(set(records), key=lambda r: r[0]):
+                flags = values if mode == "set" else flags | values if mode == "add" else flags - values
+            live[sid].flags = flags
+        return live
+
+    def _scan(self, key: str, name: str) -> tuple[list[MessageSummary], list[str]]:
+        """Summaries in arrival order, and their sids."""
+        user_file, mailbox_id, box = self._where(key, name)
+        cache = self._cache(mailbox_id)
+        live = self._messages(box, cache)
+        with cache.lock:
+            self._walk_claims(user_file, mailbox_id, cache)
+        ordered = sorted(live.items())
+        out = [MessageSummary(m.id, m.marker.size, m.flags, m.internal_date, cache.uid_of.get(m.id)) for _, m in ordered]
+        return out, [sid for sid, _ in ordered]
+
+    async def list_page(self, user: str, mailbox: str, after: uuid.UUID | None = None, limit: int = 500) -> Page:
+        if not 1 <= limit <= 10_000:
+            raise InvalidInput(f"page limit must be 1..10000, got {limit}")
+        summaries, sids = await self._call(self._scan, address_key(user), mailbox_name(mailbox))
+        start = bisect.bisect_right(sids, sid_of(after)) if after is not None else 0
+        items = summaries[start : start + limit]
+        return Page(items, items[-1].id if len(summaries) > start + limit else None)
+
+    async def list_messages(self, user: str, mailbox: str, page_size: int = 500) -> AsyncIterator[MessageSummary]:
+        """Every summary from one scan: a directory is read whole anyway, so pages would only
+        read it again."""
+        summaries, _ = await self._call(self._scan, address_key(user), mailbox_name(mailbox))
+        for summary in summaries:
+            yield summary
+
+    async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
+        wanted = set(ids)
+        summaries, _ = await self._call(self._scan, address_key(user), mailbox_name(mailbox))
+        return {s.id: s for s in summaries if s.id in wanted}
+
+    def _open_body(self, key: str, name: str, message_id: uuid.UUID) -> tuple[int, str, int]:
+        """(descriptor, path, size) of a live message's body; NoSuchMessage if deleted or unknown."""
+        _, mailbox_id, box = self._where(key, name)
+        cache = self._cache(mailbox_id)
+        sid = sid_of(message_id)
+        if sid in cache.dead or self.fs.exists(os.path.join(box, "dead", sid)):
+            cache.dead.add(sid)
+            raise NoSuchMessage(name, message_id)
+        path = os.path.join(box, "body", sid)
+        try:
+            fd = self.fs.open_read(path)
+        except FileNotFoundError:
+            if sid not in self._messages(box, cache):
+                raise NoSuchMessage(name, message_id) from None
+            # listed, but not under its own name: a replica merge may have renamed it
+            other = next((n for n in self.fs.listdir(os.path.join(box, "body")) if leading_sid(n) == sid), None)
+            if other is None:
+                raise StoreUnavailable(f"the body of {message_id} is listed but not reachable yet") from None
+            path = os.path.join(box, "body", other)
+            fd = self.fs.open_read(path)
+        try:
+            size = self.fs.stat(path).st_size
+        except BaseException:
+            self.fs.close(fd, path)
+            raise
+        return fd, path, size
+
+    async def read_chunks(
+        self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[bytes]:
+        key, name = address_key(user), mailbox_name(mailbox)
+        fd, path, size = await self._call(self._open_body, key, name, message_id)
+        try:
+            stop = size if end is None else min(end, size)
+            if start < 0 or start > stop:
+                raise InvalidInput(f"invalid byte range {start}..{stop} of a {size}-byte message")
+            pos, chunk_size = start, self.settings.chunk_size
+            while pos < stop:
+                chunk = await self._call(self.fs.pread, fd, path, min(chunk_size, stop - pos), pos)
+                if not chunk:
+                    raise StoreUnavailable(f"the body of {message_id} ended early at byte {pos} of {size}")
+                pos += len(chunk)
+                yield chunk
+        finally:
+            try:
+                await asyncio.to_thread(self.fs.close, fd, path)
+            except OSError:
+                pass  # closing a descriptor only read from loses nothing
+
+    # ================================================================= delivery
+
+    async def deliver(
+        self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
+    ) -> list[uuid.UUID]:
+        view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
+        date_us = internal_date_micros(internal_date)
+        ids = {k: new_message_id() for k in unique}
+        cancel = threading.Event()
+        await self._call(self._deliver_sync, view, list(unique.values()), ids, date_us, cancel, cancel=cancel)
+        return [ids[(t.user, t.mailbox)] for t in targets]
+
+    def _deliver_sync(
+        self, view: memoryview, targets: list[Target], ids: dict[tuple[str, str], uuid.UUID], date_us: int,
+        cancel: threading.Event,
+    ) -> None:
+        # Resolve every target first: an unknown user or mailbox fails before anything is written.
+        boxes = [(t, self._where(t.user, t.mailbox)[2]) for t in targets]
+        written: list[tuple[str, str]] = []  # (mailbox directory, sid) with a body on disk
+        committed: list[tuple[str, str]] = []  # ... and a marker
+        synced: set[str] = set()  # directories to fsync before the commit
+        try:
+            for target, box in boxes:
+                message_id = ids[(target.user, target.mailbox)]
+                sid = sid_of(message_id)
+                self.fs.write_file(os.path.join(box, "body", sid), view, True, self.settings.fsync)
+                written.append((box, sid))
+                synced.add(os.path.join(box, "body"))
+                keywords = frozenset(f for f in target.flags if not f.startswith("\\"))
+                if keywords:
+                    record = os.path.join(box, "flags", f"{sid}.{sid_of(new_message_id())}")
+                    self.fs.write_file(record, flag_record("add", keywords), True, self.settings.fsync)
+                    synced.add(os.path.join(box, "flags"))
+            if self.settings.fsync:
+                for directory in sorted(synced):
+                    self.fs.fsync_dir(directory)
+            for target, box in boxes:
+                if cancel.is_set():
+                    raise _Cancelled
+                sid = sid_of(ids[(target.user, target.mailbox)])
+                marker = Marker(sid, view.nbytes, date_us, target.flags)
+                self.fs.write_file(os.path.join(box, "msg", marker.name()), b"", True, False)
+                committed.append((box, sid))
+            if self.settings.fsync:
+                for box in {b for b, _ in committed}:
+                    self.fs.fsync_dir(os.path.join(box, "msg"))
+            if cancel.is_set():  # the caller answered 451 meanwhile: the sender will send it again
+                raise _Cancelled
+        except BaseException as exc:
+            self._undo_delivery(written, committed)
+            if isinstance(exc, _Cancelled):
+                raise StoreUnavailable("delivery abandoned after a timeout") from None
+            raise
+
+    def _undo_delivery(self, written: list[tuple[str, str]], committed: list[tuple[str, str]]) -> None:
+        """Best effort after a failed delivery: committed copies get a tombstone (so a marker that
+        lingers on some replica stays hidden), bodies go. The sender retries after its 4xx."""
+        try:
+            for box, sid in committed:
+                self.fs.write_file(os.path.join(box, "dead", sid), b"", False, self.settings.fsync)
+            for box, sid in written:
+                self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
+        except OSError:
+            log.warning("could not undo a failed delivery completely; tombstones and bodies may be left over")
+
+    # ================================================================= flags and deletion
+
+    async def store_flags(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
+    ) -> None:
+        mode = check_flag_mode(mode)
+        values = flag_set(flags)
+        wanted = list(ids)
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def change() -> None:
+            _, mailbox_id, box = self._where(key, name)
+            live = self._messages(box, self._cache(mailbox_id))
+            data = flag_record(mode, values)
+            written = False
+            for message_id in wanted:
+                sid = sid_of(message_id)
+                if sid not in live:
+                    continue  # gone: a flag change never brings a message back
+                record = os.path.join(box, "flags", f"{sid}.{sid_of(new_message_id())}")
+                self.fs.write_file(record, data, True, self.settings.fsync)
+                written = True
+            if written and self.settings.fsync:
+                self.fs.fsync_dir(os.path.join(box, "flags"))
+
+        await self._call(change)
+
+    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+        wanted = list(ids)
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def delete() -> None:
+            _, mailbox_id, box = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            live = self._messages(box, cache)
+            doomed = [sid for sid in map(sid_of, wanted) if sid in live]
+            if not doomed:
+                return
+            # Tombstones first and durable: from here on no replica can bring the message back.
+            for sid in doomed:
+                self.fs.write_file(os.path.join(box, "dead", sid), b"", False, False)
+            if self.settings.fsync:
+                self.fs.fsync_dir(os.path.join(box, "dead"))
+            with cache.lock:
+                cache.dead.update(doomed)
+            doomed_set = set(doomed)
+            flag_names = [n for n in self.fs.listdir(os.path.join(box, "flags")) if leading_sid(n) in doomed_set]
+            for sid in doomed:
+                self.fs.unlink(os.path.join(box, "msg", live[sid].marker_name), missing_ok=True)
+                self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
+            for flag_name in flag_names:
+                self.fs.unlink(os.path.join(box, "flags", flag_name), missing_ok=True)
+            if self.settings.tombstone_grace:
+                self._collect_tombstones(box, cache)
+
+        await self._call(delete)
+
+    def _collect_tombstones(self, box: str, cache: _MailboxCache) -> None:
+        """Remove tombstones older than `tombstone_grace` (a few per deletion), so a mailbox's
+        deletions do not make every listing longer for ever. A replica that stays apart longer
+        than the grace could bring such a message back: the grace must outlast any partition."""
+        now, grace = time.time(), self.settings.tombstone_grace
+        dead_dir = os.path.join(box, "dead")
+        old = []
+        for name in self.fs.listdir(dead_dir):
+            sid = leading_sid(name)
+            # deleted after it arrived: a message younger than the grace was deleted within it
+            if sid and message_id_time(parse_sortable_id(sid)).timestamp() < now - grace and cache.young.get(name, 0) < now:
+                old.append((name, sid))
+        stale = []
+        for name, sid in old[:TOMBSTONES_PER_DELETE]:
+            deleted = self.fs.stat(os.path.join(dead_dir, name)).st_mtime
+            if deleted < now - grace:
+                stale.append((name, sid))
+            else:
+                cache.young[name] = deleted + grace
+        if not stale:
+            return
+        markers = {leading_sid(n): n for n in self.fs.listdir(os.path.join(box, "msg"))}
+        for name, sid in stale:
+            if sid in markers:  # a replica brought it back: remove it again, keep the tombstone
+                self.fs.unlink(os.path.join(box, "msg", markers[sid]), missing_ok=True)
+                continue
+            self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
+            self.fs.unlink(os.path.join(dead_dir, name), missing_ok=True)
+
+    # ================================================================= IMAP UIDs
+
+    def _walk_claims(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> None:
+        """Read the UID claims after the last one this process knows, up to the first missing
+        name (claims are made in order and never removed, so that is the end). Caller holds
+        cache.lock."""
+        directory = self.layout.uids(user_file, mailbox_id)
+        waited_since: float | None = None
+        while True:
+            path = os.path.join(directory, str(cache.next_uid))
+            try:
+                claimed = parse_uid_claim(self.fs.read_bytes(path, 64))
+            except FileNotFoundError:
+                return
+            if claimed is False:  # created, content not written yet
+                age = time.time() - self.fs.stat(path).st_mtime
+                if age < self.settings.claim_timeout:
+                    waited_since = waited_since or time.monotonic()
+                    if time.monotonic() - waited_since > CLAIM_WAIT:
+                        raise StoreUnavailable("another node is assigning UIDs in this mailbox; try again")
+                    time.sleep(0.02)
+                    continue
+                claimed = None  # its claimer died before writing: the UID is burnt
+            if isinstance(claimed, uuid.UUID):
+                cache.uid_of.setdefault(claimed, cache.next_uid)
+            cache.next_uid += 1
+            waited_since = None
+
+    def _claim(self, directory: str, uid: int, message_id: uuid.UUID) -> bool:
+        """Try to give `uid` to the message: an exclusive create. False if the name was taken
+        (or if this claim took so long that readers may have counted it as abandoned)."""
+        path = os.path.join(directory, str(uid))
+        started = time.monotonic()
+        try:
+            fd = self.fs.open_write(path, exclusive=True)
+        except FileExistsError:
+            return False
+        try:
+            # Readers count an empty claim older than claim_timeout as abandoned. A claimer that
+            # got here too slowly gives the UID up explicitly instead of racing them.
+            in_time = time.monotonic() - started < self.settings.claim_timeout / 2
+            self.fs.write_all(fd, path, uid_claim(message_id if in_time else None))
+            self.fs.fsync(fd, path)
+        finally:
+            self.fs.close(fd, path)
+        return in_time
+
+    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+        wanted = list(ids)
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def assign() -> dict[uuid.UUID, int]:
+            user_file, mailbox_id, box = self._where(key, name)
+            if not wanted:
+                return {}
+            cache = self._cache(mailbox_id)
+            live = {m.id for m in self._messages(box, cache).values()}
+            directory = self.layout.uids(user_file, mailbox_id)
+            with cache.lock:
+                self._walk_claims(user_file, mailbox_id, cache)
+                for message_id in wanted:
+                    if message_id not in live:
+                        continue
+                    while message_id not in cache.uid_of:
+                        if cache.next_uid == 1:
+                            self.fs.makedirs(directory)
+                        if self._claim(directory, cache.next_uid, message_id):
+                            cache.uid_of[message_id] = cache.next_uid
+                            cache.next_uid += 1
+                        else:
+                            self._walk_claims(user_file, mailbox_id, cache)  # someone else's: read it, go on
+                return {i: cache.uid_of[i] for i in wanted if i in live and i in cache.uid_of}
+
+        return await self._call(assign)
+
+    async def uid_next(self, user: str, mailbox: str) -> int:
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def next_uid() -> int:
+            user_file, mailbox_id, _ = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            with cache.lock:
+                self._walk_claims(user_file, mailbox_id, cache)
+                return cache.next_uid
+
+        return await self._call(next_uid)
+
+
+__all__ = ["WheelFSStore"]

@@ -1,0 +1,172 @@
+"""Where the WheelFS store keeps each thing, and the file names that carry its data.
+
+Cues go where the paper's Wheemail put them, between a shared directory and the
+per-user directories (`/wfs/mail/.EventualConsistency/.Site=X/.KeepTogether/
+.RepSites=2/user/Mail/`): each user's directory is created with them, so each
+user's files are kept together while users spread over the servers::
+
+    <root>/cassmail-wheelfs.json                      the cue prefixes the store was created with
+    <root>/cassmail/domains/<strong cues>/<domain>    one empty file per local domain
+    <root>/cassmail/users/<strong cues>/<user>/       never .EventualConsistency:
+        account                                       address and password hash (JSON)
+        boxes/<mailbox>                               mailbox id, UIDVALIDITY, special-use (JSON)
+        validity/<n>                                  UIDVALIDITY values ever handed out
+        uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
+    <root>/cassmail/mail/<mail cues>/<user>/<mailbox id>/
+        body/<sid>                                    the message bytes, written once
+        msg/<sid>.<size>.<date>.<flags>               empty commit marker: the message is listed
+        dead/<sid>                                    tombstone: the message stays deleted
+        flags/<sid>.<change sid>                      one flag change (JSON), written once
+
+`<sid>` is the message id as a version-6 UUID, so a sorted listing is arrival
+order; `<date>` the internal date in microseconds since 1970 and `<flags>` the
+system flags it was delivered with, one letter each. A marker name carries
+everything a listing needs, so STAT, LIST and SELECT read directories only.
+Names may be found with a suffix (a replica merge may rename an entry): only
+their leading part is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from cassmail.model import parse_sortable_id, sortable_id
+from cassmail.store.base import encode_name
+
+LAYOUT_FILE = "cassmail-wheelfs.json"
+#: Longest file name most file systems take.
+MAX_FILE_NAME = 255
+MAILBOX_PARTS = ("body", "msg", "dead", "flags")
+
+_FLAG_LETTERS = {"\\Answered": "A", "\\Deleted": "T", "\\Draft": "D", "\\Flagged": "F", "\\Seen": "S"}
+_LETTER_FLAGS = {v: k for k, v in _FLAG_LETTERS.items()}
+_SID = r"[0-9a-f]{8}-[0-9a-f]{4}-6[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}"
+_MARKER = re.compile(rf"({_SID})\.(\d+)\.(-?\d+)\.([ADFST]*)")
+_LEADING_SID = re.compile(_SID)
+_FLAG_RECORD = re.compile(rf"({_SID})\.({_SID})")
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    sid: str
+    size: int
+    date_us: int
+    flags: frozenset[str]
+
+    @property
+    def id(self) -> uuid.UUID:
+        return parse_sortable_id(self.sid)
+
+    @property
+    def internal_date(self) -> datetime:
+        return _EPOCH + timedelta(microseconds=self.date_us)
+
+    def name(self) -> str:
+        letters = "".join(sorted(_FLAG_LETTERS[f] for f in self.flags if f in _FLAG_LETTERS))
+        return f"{self.sid}.{self.size}.{self.date_us}.{letters}"
+
+
+def parse_marker(name: str) -> Marker | None:
+    """The marker a listed name spells (its leading part), or None for anything else."""
+    m = _MARKER.match(name)
+    if m is None:
+        return None
+    flags = frozenset(_LETTER_FLAGS[c] for c in m.group(4))
+    return Marker(m.group(1), int(m.group(2)), int(m.group(3)), flags)
+
+
+def leading_sid(name: str) -> str | None:
+    m = _LEADING_SID.match(name)
+    return m.group(0) if m else None
+
+
+def parse_flag_record_name(name: str) -> tuple[str, str] | None:
+    """(message sid, change sid) of a flag change file."""
+    m = _FLAG_RECORD.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def flag_record(mode: str, flags: frozenset[str]) -> bytes:
+    return json.dumps({"mode": mode, "flags": sorted(flags)}).encode() + b"\n"
+
+
+def parse_flag_record(data: bytes) -> tuple[str, frozenset[str]] | None:
+    """(mode, flags), or None while the record is not completely written yet."""
+    if not data.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(data)
+        mode, flags = record["mode"], record["flags"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if mode not in ("set", "add", "remove") or not isinstance(flags, list):
+        return None
+    return mode, frozenset(str(f) for f in flags)
+
+
+def uid_claim(message_id: uuid.UUID | None) -> bytes:
+    """A UID claim's content: the message id, or `-` for a claim given up (the UID is burnt)."""
+    return (message_id.hex if message_id else "-").encode() + b"\n"
+
+
+def parse_uid_claim(data: bytes) -> uuid.UUID | None | bool:
+    """The claimed id; None for a burnt claim; False while it is not completely written."""
+    if data == b"-\n":
+        return None
+    if len(data) != 33 or not data.endswith(b"\n"):
+        return False
+    try:
+        return uuid.UUID(hex=data[:32].decode("ascii"))
+    except ValueError:
+        return False
+
+
+def file_name(text: str) -> str:
+    """encode_name, refusing what no file system would take."""
+    name = encode_name(text)
+    if len(name.encode()) > MAX_FILE_NAME:
+        raise ValueError(name)
+    return name
+
+
+class Layout:
+    """Paths of the store (strings: the file-system layer takes str paths)."""
+
+    def __init__(self, root: str, strong: list[str], mail: list[str]) -> None:
+        self.root = root
+        self.strong_components, self.mail_components = strong, mail
+        base = os.path.join(root, "cassmail")
+        self.domains = os.path.join(base, "domains", *strong)
+        self.users = os.path.join(base, "users", *strong)
+        self.mail_root = os.path.join(base, "mail", *mail)
+
+    def record(self) -> bytes:
+        return json.dumps({"format": 1, "strong": self.strong_components, "mail": self.mail_components}).encode() + b"\n"
+
+    def user(self, user_file: str) -> str:
+        return os.path.join(self.users, user_file)
+
+    def user_mail(self, user_file: str) -> str:
+        return os.path.join(self.mail_root, user_file)
+
+    def mailbox(self, user_file: str, mailbox_id: str) -> str:
+        return os.path.join(self.mail_root, user_file, mailbox_id)
+
+    def uids(self, user_file: str, mailbox_id: str) -> str:
+        return os.path.join(self.users, user_file, "uids", mailbox_id)
+
+
+def sid_of(message_id: uuid.UUID) -> str:
+    return sortable_id(message_id)
+
+
+__all__ = [
+    "LAYOUT_FILE", "MAILBOX_PARTS", "Layout", "Marker", "file_name", "flag_record", "leading_sid", "parse_flag_record",
+    "parse_flag_record_name", "parse_marker", "parse_uid_claim", "sid_of", "uid_claim",
+]

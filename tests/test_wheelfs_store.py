@@ -1,0 +1,339 @@
+"""The WheelFS store's own promises: its layout on disk, what the file system may do to it
+(timeouts, entries missing from listings, deleted files coming back, entries under new
+names), UIDs from two processes, and what a delivery and an IMAP check cost in file-system
+operations. Faults come from a FileSystem subclass: the store's one door to the disk."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from cassmail.auth import hash_password
+from cassmail.config import WheelFSSettings
+from cassmail.model import INBOX, sortable_id
+from cassmail.store.base import NoSuchMessage, StoreUnavailable, Target
+from cassmail.store.wheelfs import WheelFSStore
+from cassmail.store.wheelfs_fs import FileSystem
+from tests.conftest import FAST_HASH
+
+USER = "anne@wheel.example"
+BODY = b"From: a@x.example\r\nSubject: w\r\n\r\nbody\r\n"
+
+
+class FaultyFS(FileSystem):
+    """The real file system, with the faults a wide-area file system shows, switched on by tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: set[str] = set()  # name fragments left out of every listing
+        self.stall: Callable[[str, str], bool] = lambda op, path: False
+        self.stall_seconds = 0.0
+        self.error: Callable[[str, str], bool] = lambda op, path: False
+
+    def before(self, op: str, path: str) -> None:
+        super().before(op, path)
+        if self.stall(op, path):
+            time.sleep(self.stall_seconds)
+        if self.error(op, path):
+            raise OSError(errno.ETIMEDOUT, "injected: the file server did not answer", path)
+
+    def listed(self, path: str, names: list[str]) -> list[str]:
+        return [n for n in names if not any(h in n for h in self.hidden)]
+
+
+def settings_for(root: Path, **changes: object) -> WheelFSSettings:
+    values = dict(root=str(root), home_site="here", rep_sites=2, sync_level=2, timeout=5.0)
+    values.update(changes)
+    return WheelFSSettings(**values)  # type: ignore[arg-type]
+
+
+async def opened(root: Path, fs: FileSystem | None = None, **changes: object) -> WheelFSStore:
+    store = WheelFSStore(settings_for(root, **changes), fs=fs)
+    await store.open()
+    return store
+
+
+@pytest.fixture
+async def faulty(tmp_path: Path) -> AsyncIterator[tuple[WheelFSStore, FaultyFS]]:
+    fs = FaultyFS()
+    store = await opened(tmp_path, fs)
+    await store.add_domain("wheel.example")
+    await store.create_user(USER, hash_password("pw", FAST_HASH))
+    yield store, fs
+    await store.close()
+
+
+async def ids_of(store: WheelFSStore, mailbox: str = INBOX) -> list[uuid.UUID]:
+    return [s.id async for s in store.list_messages(USER, mailbox)]
+
+
+def mail_dir(root: Path) -> Path:
+    [box] = [p for p in root.rglob("*") if p.is_dir() and p.parent.name == "anne@wheel.example"
+             and (p / "msg").is_dir() and any((p / "msg").iterdir())]
+    return box
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+async def test_mail_lies_under_the_cue_paths_one_write_once_file_per_message(faulty, tmp_path: Path) -> None:
+    store, _ = faulty
+    [a] = await store.deliver(BODY, [Target(USER, INBOX, frozenset({"\\Seen", "$Work"}))])
+    box = mail_dir(tmp_path)
+    # the paper's Wheemail path: the cues between the shared directory and each user's directory
+    relative = box.relative_to(tmp_path).parts
+    assert relative[:10] == ("cassmail", "mail", ".EventualConsistency", ".Site=here", ".KeepTogether", ".RepSites=2",
+                             ".RepLevel=3", ".SyncLevel=2", USER, box.name)
+    body = box / "body" / sortable_id(a)
+    assert body.read_bytes() == BODY
+    [marker] = os.listdir(box / "msg")
+    assert marker.startswith(f"{sortable_id(a)}.{len(BODY)}.") and marker.endswith(".S")
+    # accounts and UIDs live apart, in a tree without .EventualConsistency
+    [account] = list(tmp_path.rglob("account"))
+    assert account.relative_to(tmp_path).parts == ("cassmail", "users", ".Site=here", ".KeepTogether", ".RepSites=2",
+                                                   ".RepLevel=3", USER, "account")
+    # a flag change is a new file: the message file is never rewritten
+    before = body.stat()
+    await store.store_flags(USER, INBOX, [a], ["\\Flagged"], "add")
+    after = body.stat()
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+    assert len(os.listdir(box / "flags")) == 2  # the delivered keyword, the change
+    [summary] = [s async for s in store.list_messages(USER, INBOX)]
+    assert summary.flags == {"\\Seen", "$Work", "\\Flagged"}
+
+
+async def test_without_cues_the_same_store_is_plain_directories(tmp_path: Path) -> None:
+    store = await opened(tmp_path, cues=False)
+    await store.add_domain("wheel.example")
+    await store.create_user(USER, hash_password("pw", FAST_HASH))
+    await store.deliver(BODY, [Target(USER)])
+    assert not [p for p in tmp_path.rglob(".*") if p.name.startswith((".Eventual", ".Rep", ".Site"))]
+    assert (tmp_path / "cassmail" / "users" / USER / "account").exists()
+    assert (tmp_path / "cassmail" / "mail" / USER).is_dir()
+    assert len(await ids_of(store)) == 1
+
+
+async def test_other_cue_settings_on_a_plain_directory_are_refused_not_an_empty_store(tmp_path: Path) -> None:
+    store = await opened(tmp_path)
+    await store.close()
+    with pytest.raises(StoreUnavailable, match="store.wheelfs: the cue settings"):
+        await opened(tmp_path, rep_level=2)
+    with pytest.raises(StoreUnavailable, match="store.wheelfs: the cue settings"):
+        await opened(tmp_path, cues=False)
+    await (await opened(tmp_path)).close()  # the settings it was made with still work
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+async def test_a_file_system_that_stops_answering_gives_store_unavailable_and_no_half_message(faulty) -> None:
+    store, fs = faulty
+    store.settings.timeout = 0.3
+    fs.stall_seconds = 1.0
+    fs.stall = lambda op, path: op == "open" and f"{os.sep}msg{os.sep}" in path  # the commit itself hangs
+    with pytest.raises(StoreUnavailable, match="no answer"):
+        await store.deliver(BODY, [Target(USER)])
+    fs.stall = lambda op, path: False
+    await asyncio.sleep(1.2)  # the stalled call returns after the 451: the delivery must undo itself
+    store.settings.timeout = 5.0
+    assert await ids_of(store) == []
+    fs.error = lambda op, path: op == "readdir"
+    with pytest.raises(StoreUnavailable, match="did not answer"):
+        await store.list_page(USER, INBOX)
+    fs.error = lambda op, path: False
+    [a] = await store.deliver(BODY, [Target(USER)])  # the sender's retry
+    assert await ids_of(store) == [a]
+
+
+async def test_a_message_missing_from_a_listing_is_not_lost_and_gets_a_higher_uid(faulty) -> None:
+    store, fs = faulty
+    a, b, c = [(await store.deliver(BODY + b"%d" % i, [Target(USER)]))[0] for i in range(3)]
+    fs.hidden = {sortable_id(b)}  # this replica has not seen b yet
+    assert await ids_of(store) == [a, c]
+    assert await store.assign_uids(USER, INBOX, [a, c]) == {a: 1, c: 2}
+    fs.hidden = set()
+    assert await ids_of(store) == [a, b, c]
+    assert (await store.assign_uids(USER, INBOX, [a, b, c]))[b] == 3  # above every UID handed out
+    assert await store.read_message(USER, INBOX, b) == BODY + b"1"
+
+
+async def test_a_deleted_message_that_a_replica_brings_back_stays_deleted(faulty, tmp_path: Path) -> None:
+    store, _ = faulty
+    a, b = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(2)]
+    await store.assign_uids(USER, INBOX, [a, b])
+    box = mail_dir(tmp_path)
+    marker = next(n for n in os.listdir(box / "msg") if n.startswith(sortable_id(a)))
+    await store.delete_messages(USER, INBOX, [a])
+    # an old replica merges back in: the marker and the body reappear
+    (box / "msg" / marker).write_bytes(b"")
+    (box / "body" / sortable_id(a)).write_bytes(BODY)
+    other_node = await opened(tmp_path)  # no memory of the deletion: only the tombstone
+    for node in (store, other_node):
+        assert await ids_of(node) == [b]
+        with pytest.raises(NoSuchMessage):
+            await node.read_message(USER, INBOX, a)
+        assert await node.assign_uids(USER, INBOX, [a, b]) == {b: 2}
+        await node.store_flags(USER, INBOX, [a], ["\\Seen"], "add")
+        assert await ids_of(node) == [b]
+
+
+async def test_an_entry_duplicated_or_renamed_by_a_merge_is_one_message(faulty, tmp_path: Path) -> None:
+    store, _ = faulty
+    [a] = await store.deliver(BODY, [Target(USER)])
+    box = mail_dir(tmp_path)
+    sid = sortable_id(a)
+    [marker] = os.listdir(box / "msg")
+    shutil.copy(box / "msg" / marker, box / "msg" / f"{marker}#conflict-2")
+    os.rename(box / "body" / sid, box / "body" / f"{sid}#conflict-1")
+    other_node = await opened(tmp_path)
+    [summary] = [s async for s in other_node.list_messages(USER, INBOX)]
+    assert summary.id == a and summary.size == len(BODY)
+    assert await other_node.read_message(USER, INBOX, a) == BODY
+    assert await other_node.assign_uids(USER, INBOX, [a]) == {a: 1}
+    await other_node.delete_messages(USER, INBOX, [a])
+    assert await ids_of(store) == [] and await ids_of(await opened(tmp_path)) == []
+
+
+async def test_no_uid_is_reused_when_a_claimer_dies_or_its_write_fails(faulty, tmp_path: Path) -> None:
+    store, fs = faulty
+    ids = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(4)]
+    assert await store.assign_uids(USER, INBOX, ids[:1]) == {ids[0]: 1}
+    [uids] = [p for p in tmp_path.rglob("uids") if p.is_dir()]
+    [claims] = list(uids.iterdir())
+    # a node created claim 2 and died before writing it: readers wait, then count it as burnt
+    (claims / "2").write_bytes(b"")
+    other_node = await opened(tmp_path, claim_timeout=30.0)
+    with pytest.raises(StoreUnavailable, match="another node is assigning"):
+        await other_node.assign_uids(USER, INBOX, ids[1:2])
+    old = time.time() - 60
+    os.utime(claims / "2", (old, old))
+    assert await other_node.assign_uids(USER, INBOX, ids[1:2]) == {ids[1]: 3}
+    # a claim whose fsync fails: the caller hears "unavailable", and the UID is never given to another
+    fs.error = lambda op, path: op == "fsync" and f"{os.sep}uids{os.sep}" in path
+    with pytest.raises(StoreUnavailable):
+        await store.assign_uids(USER, INBOX, ids[2:3])
+    fs.error = lambda op, path: False
+    assert await other_node.assign_uids(USER, INBOX, ids) == {ids[0]: 1, ids[1]: 3, ids[2]: 4, ids[3]: 5}
+    assert await store.assign_uids(USER, INBOX, ids) == {ids[0]: 1, ids[1]: 3, ids[2]: 4, ids[3]: 5}
+    assert await store.uid_next(USER, INBOX) == 6
+
+
+def _allocate_in_another_process(root: str, rounds: int, barrier: threading.Barrier, out: multiprocessing.Queue) -> None:
+    """One 'node': deliver and assign UIDs in a loop, report what it was told."""
+
+    async def run() -> list[tuple[str, int]]:
+        store = await opened(Path(root))
+        seen: list[tuple[str, int]] = []
+        barrier.wait()
+        for _ in range(rounds):
+            [mine] = await store.deliver(BODY, [Target(USER)])
+            everything = await ids_of(store)
+            for message_id, uid in (await store.assign_uids(USER, INBOX, everything)).items():
+                seen.append((message_id.hex, uid))
+            assert mine in everything
+        return seen
+
+    out.put(asyncio.run(run()))
+
+
+async def test_two_processes_assigning_uids_never_give_one_twice(faulty, tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    workers = [ctx.Process(target=_allocate_in_another_process, args=(str(tmp_path), 25, barrier, out)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    results = [await asyncio.to_thread(out.get, True, 120) for _ in workers]
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    uid_of: dict[str, int] = {}
+    for seen in results:
+        for message_id, uid in seen:
+            assert uid_of.setdefault(message_id, uid) == uid  # both processes were told the same UID
+    assert len(uid_of) == 50
+    assert sorted(uid_of.values()) == list(range(1, 51))  # no UID given twice, none skipped
+    assert await store_uids(faulty[0]) == uid_of
+
+
+async def store_uids(store: WheelFSStore) -> dict[str, int]:
+    return {s.id.hex: s.uid async for s in store.list_messages(USER, INBOX) if s.uid is not None}
+
+
+# ----------------------------------------------------------------------------- cost in file-system operations
+
+
+async def test_a_delivery_and_an_imap_check_cost_a_small_fraction_of_wheemails_operations(faulty) -> None:
+    """The paper counted over 60 file-system operations per SMTP delivery and over 600 for an
+    IMAP check finding no new mail; here, with 200 messages in the mailbox (some flagged)."""
+    store, fs = faulty
+    ids = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(200)]
+    await store.store_flags(USER, INBOX, ids[:20], ["\\Seen"], "add")
+    await store.assign_uids(USER, INBOX, ids)
+    await store.list_page(USER, INBOX)  # this node has read the flag records and claims once
+    with fs.counting() as delivery:
+        assert await store.is_local_domain("wheel.example") and await store.user_exists(USER)
+        [new] = await store.deliver(BODY, [Target(USER)])
+    await store.assign_uids(USER, INBOX, [new])
+    with fs.counting() as check:  # SELECT/NOOP: the mailbox, its summaries, UIDs of new ones, UIDNEXT
+        await store.mailbox_info(USER, INBOX)
+        everything = [s async for s in store.list_messages(USER, INBOX)]
+        await store.assign_uids(USER, INBOX, [s.id for s in everything if s.uid is None])
+        await store.uid_next(USER, INBOX)
+    print(f"\nfile-system operations: delivery {sum(delivery.values())} {dict(delivery)}; "
+          f"IMAP check {sum(check.values())} {dict(check)}")
+    assert sum(delivery.values()) <= 30
+    assert sum(check.values()) <= 30
+    assert check["read"] <= 6  # no body is read, and flag records already seen are not read again
+
+
+# ----------------------------------------------------------------------------- interrupted renames
+
+
+async def test_a_rename_stopped_by_a_crash_is_finished_by_the_next_listing(faulty, tmp_path: Path) -> None:
+    store, _ = faulty
+    [a] = await store.deliver(BODY, [Target(USER)])
+    [boxes] = [p for p in tmp_path.rglob("boxes") if p.is_dir()]
+    # a node created the new names and died before removing the old ones
+    record = json.loads((boxes / "Drafts").read_text())
+    (boxes / "Old drafts").write_text(json.dumps({**record, "renamed": time.time_ns()}) + "\n")
+    inbox = json.loads((boxes / "INBOX").read_text())
+    (boxes / "Old mail").write_text(json.dumps({**inbox, "renamed": time.time_ns() - 120 * 10**9}) + "\n")
+    names = [m.name for m in await store.list_mailboxes(USER)]
+    assert "Old drafts" in names and "Drafts" not in names and "Old mail" in names and INBOX in names
+    assert await ids_of(store, "Old mail") == [a]  # the mail went with the name
+    assert await ids_of(store, INBOX) == []  # and INBOX is a fresh, empty mailbox
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity != inbox["uidvalidity"]
+
+
+async def test_tombstones_go_after_the_grace_and_never_while_a_replica_still_shows_the_message(tmp_path: Path) -> None:
+    store = await opened(tmp_path, tombstone_grace=1.0)
+    await store.add_domain("wheel.example")
+    await store.create_user(USER, hash_password("pw", FAST_HASH))
+    a, b, c = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(3)]
+    box = mail_dir(tmp_path)
+    marker_b = next(n for n in os.listdir(box / "msg") if n.startswith(sortable_id(b)))
+    await asyncio.sleep(1.2)  # the messages are older than the grace; their deletions are not yet
+    await store.delete_messages(USER, INBOX, [a])
+    assert os.listdir(box / "dead") == [sortable_id(a)]
+    long_ago = time.time() - 10
+    os.utime(box / "dead" / sortable_id(a), (long_ago, long_ago))
+    await (await opened(tmp_path, tombstone_grace=1.0)).delete_messages(USER, INBOX, [b])
+    assert os.listdir(box / "dead") == [sortable_id(b)]  # a's record went, b's is young
+    # b's marker comes back from a replica after its grace: removed again, its tombstone kept
+    (box / "msg" / marker_b).write_bytes(b"")
+    os.utime(box / "dead" / sortable_id(b), (long_ago, long_ago))
+    await (await opened(tmp_path, tombstone_grace=1.0)).delete_messages(USER, INBOX, [c])
+    assert sorted(os.listdir(box / "dead")) == sorted([sortable_id(b), sortable_id(c)])
+    assert os.listdir(box / "msg") == [] and os.listdir(box / "body") == []
+    assert await ids_of(await opened(tmp_path)) == []
