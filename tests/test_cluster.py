@@ -112,8 +112,27 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         handle.up_output = started.stdout
         yield handle
     finally:
+        started_pids = _cluster_pids(base)
         down = handle.cli("cluster", "down", timeout=300)
         assert down.returncode == 0, down.stderr
+        assert not [pid for pid in started_pids if _alive(pid)], "cluster down left processes running"
+
+
+def _cluster_pids(base: Path) -> list[int]:
+    """Every process `cluster up` recorded: the front ends and the Cassandra nodes."""
+    pids = []
+    for path, key in ((base / "cluster.json", "frontends"), (base / "cassandra" / "state.json", "nodes")):
+        if path.is_file():
+            pids += [entry["pid"] for entry in json.loads(path.read_text()).get(key, []) if entry.get("pid")]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
 
 
 def run(coro: Any) -> Any:
