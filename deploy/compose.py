@@ -45,7 +45,7 @@ def cassandra_service(i: int) -> dict[str, Any]:
             "CASSANDRA_ENDPOINT_SNITCH": "GossipingPropertyFileSnitch",
             "CASSANDRA_DC": "dc1",
             "CASSANDRA_RACK": "rack1",
-            # Sized for a laptop: a 3-node cluster fits in about 4 GB.
+            # Sized for a laptop; raise both for real mail.
             "MAX_HEAP_SIZE": "${CASSANDRA_HEAP:-768M}",
             "HEAP_NEWSIZE": "${CASSANDRA_HEAP_NEW:-128M}",
         },
