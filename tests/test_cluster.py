@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from cassmail.cluster import active_config, ownership
 from cassmail.config import CassandraSettings, Settings
 from cassmail.store import cassandra_schema
 from cassmail.store.base import Target
@@ -155,6 +156,30 @@ def _users(prefix: str, count: int = 6) -> list[str]:
 
 def _password(user: str) -> str:
     return user.split("@")[0]
+
+
+# ----------------------------------------------------------------------------- the ring and the state file
+
+
+def test_ownership_is_each_nodes_share_of_the_ring_and_of_its_replicas() -> None:
+    assert ownership({"a": [0], "b": [2**62]}, 1) == {"a": 0.75, "b": 0.25}  # (2^62, 0] wraps round to a
+    assert ownership({"a": [-(2**63), 0], "b": [-(2**62), 2**62]}, 1) == {"a": 0.5, "b": 0.5}
+    assert ownership({"a": [0], "b": [2**62]}, 2) == {"a": 1.0, "b": 1.0}
+    assert ownership({"a": [0], "b": [2**62]}, 3) == {"a": 1.0, "b": 1.0}  # no more replicas than nodes
+    three = ownership({"a": [0], "b": [2**62], "c": [2**63 - 1]}, 2)
+    assert sum(three.values()) == pytest.approx(2.0)
+
+
+def test_commands_use_the_cluster_settings_only_while_it_is_up_and_no_config_is_named(tmp_path: Path) -> None:
+    (tmp_path / "cassmail.toml").write_text("[store]\nbackend = \"cassandra\"\n")
+    state = tmp_path / "cluster.json"
+    state.write_text(json.dumps({"up": True}))
+    env = {"CASSMAIL_CLUSTER": str(tmp_path)}
+    assert active_config(env) == str(tmp_path / "cassmail.toml")
+    assert active_config({**env, "CASSMAIL_CONFIG": "/etc/cassmail.toml"}) is None
+    assert active_config({"CASSMAIL_CLUSTER": "off"}) is None
+    state.write_text(json.dumps({"up": False}))
+    assert active_config(env) is None
 
 
 # ----------------------------------------------------------------------------- a healthy cluster
