@@ -118,6 +118,7 @@ class LocalMailCluster:
         self.base = Path(base) if base else base_dir()
         self.launcher = load_launcher()
         self.state: dict[str, Any] = {}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
         if (self.base / STATE).is_file():
             self.state = json.loads((self.base / STATE).read_text())
 
@@ -270,6 +271,7 @@ class LocalMailCluster:
                     [*cmd, "serve"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=env, cwd=str(self.base), start_new_session=True,
                 )
+            self._children[i] = proc
             entry = self._frontend(i)
             entry.update(pid=proc.pid, start=None)
             deadline = time.monotonic() + 5
@@ -316,12 +318,9 @@ class LocalMailCluster:
         return self.frontend_pid(i) is None
 
     def _reap(self) -> None:
-        """Collect front ends this process started (they are its children) so none stays a zombie."""
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
-        except ChildProcessError:
-            pass
+        """Collect front ends this process started (its own children only) so none stays a zombie."""
+        for proc in self._children.values():
+            proc.poll()
 
     def stop_frontend(self, i: int, grace: float = 15) -> None:
         """SIGTERM (sessions in progress may finish), then SIGKILL to the group after `grace` seconds."""
@@ -391,11 +390,14 @@ class LocalMailCluster:
 
     def status(self) -> list[dict[str, Any]]:
         """Per node: Cassandra process and CQL, front-end process and listeners, ring shares."""
+        from cassandra import DriverException
+        from cassandra.cluster import NoHostAvailable
+
         self._require()
         rows = {r["index"]: r for r in self.cassandra().status()}
         try:
             tokens = self.tokens()
-        except Exception as exc:  # the driver raises NoHostAvailable (a plain Exception)
+        except (DriverException, NoHostAvailable, OSError) as exc:
             raise ClusterError(f"cannot read the ring: {exc}") from None
         owned = ownership(tokens, 1)
         effective = ownership(tokens, self.state["rf"])
