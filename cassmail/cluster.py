@@ -147,8 +147,19 @@ class LocalMailCluster:
         return f"127.0.0.{i}"
 
     def cassandra(self) -> Any:
+        """The launcher's cluster, with the token allocator balancing for this cluster's RF.
+
+        A joining node picks its 16 tokens so that the data it will hold a replica of at that
+        RF is even (tokens never move afterwards, so it is decided by the first `up`).
+        """
         s = self.state
-        return self.launcher.LocalCluster(
+        rf = s["rf"]
+
+        class Balanced(self.launcher.LocalCluster):  # type: ignore[name-defined,misc]
+            def node_config(self, i: int) -> dict[str, Any]:
+                return {**super().node_config(i), "allocate_tokens_for_local_replication_factor": rf}
+
+        return Balanced(
             self.base / "cassandra", s["nodes"], cluster_name="cassmail-cluster",
             native_port=s["native_port"], storage_port=s["storage_port"], heap_mb=s["heap_mb"],
         )
@@ -477,10 +488,12 @@ def _print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['node']:>4}  {r['address']:<11}  {r['cassandra']:<9}  {r['frontend']:<8}  {r['tokens']:>6}  "
               f"{pct(r['owns']):>6}  {pct(r['effective']):>9}")
-    shares = [r["owns"] for r in rows if r["owns"]]
-    if len(shares) > 1:
-        print(f"token ownership spread: {100 * min(shares):.1f}% .. {100 * max(shares):.1f}% "
-              f"(largest / smallest = {max(shares) / min(shares):.3f}; even would be {100 / len(rows):.1f}%)")
+    for key, what in (("owns", "token ownership"), ("effective", "effective ownership")):
+        shares = [r[key] for r in rows if r[key]]
+        if len(shares) > 1:
+            print(f"{what} spread: {100 * min(shares):.1f}% .. {100 * max(shares):.1f}% "
+                  f"(largest / smallest = {max(shares) / min(shares):.3f}; even would be "
+                  f"{100 * sum(shares) / len(rows):.1f}%)")
 
 
 def cmd_status(settings: config.Settings, args: Any) -> int:
