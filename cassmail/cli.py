@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        settings = config.load(args.config, overrides=args.set)
+        settings = config.load(args.config or _local_cluster_config(), overrides=args.set)
         return args.run(settings, args) or 0
     except (config.ConfigError, CommandError, StoreError, InvalidInput, OSError) as exc:
         print(f"cassmail: error: {exc}", file=sys.stderr)
@@ -112,7 +112,18 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_cassandra_up)
     cass.add_parser("down", help="stop the nodes `cassandra up` started").set_defaults(run=cmd_cassandra_down)
     cass.add_parser("status", help="state of the local nodes").set_defaults(run=cmd_cassandra_status)
+
+    from cassmail import cluster  # the `cluster` commands live with the local cluster
+
+    cluster.add_commands(sub)
     return p
+
+
+def _local_cluster_config() -> str | None:
+    """While `cassmail cluster up` runs a local cluster, commands given no config reach it."""
+    from cassmail import cluster
+
+    return cluster.active_config()
 
 
 # --------------------------------------------------------------------------- helpers
