@@ -8,14 +8,11 @@ protocol's error. Every outcome keeps the server's own words for the report.
 from __future__ import annotations
 
 import imaplib
-import importlib.util
 import poplib
 import smtplib
 from dataclasses import dataclass, field
 
 SENDER = "load@sender.test"
-#: The IMAP front end is a separate part of cassmail; its tests run once it is installed.
-HAVE_IMAP = importlib.util.find_spec("cassmail.imap") is not None
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import binascii
 import logging
 import re
@@ -251,6 +252,9 @@ class ImapSession(imap4.IMAP4Server):
                 self.sendNegativeResponse(tag, b"[UNAVAILABLE] Mail store unavailable, try again later")
             except StoreError as exc:
                 self.sendNegativeResponse(tag, _safe(exc))
+            except ConnectionError as exc:  # the connection is gone or had to be closed: nobody to answer
+                log.info(kv("imap-closed", peer=self._peer, user=self.user, reason=exc))
+                self.transport.loseConnection()
             except Exception:  # noqa: BLE001 - logged here, never shown to the client
                 log.exception("imap command failed")
                 self.sendNegativeResponse(tag, b"[SERVERBUG] Internal error")
@@ -661,12 +665,15 @@ class ImapSession(imap4.IMAP4Server):
             raise No("No such mailbox", "TRYCREATE") from None
         except MessageTooLarge as exc:
             raise No(str(exc), "TOOBIG") from None
-        uids = await self.store.assign_uids(self.user, name, [message_id])
-        info = await self.store.mailbox_info(self.user, name)
-        if self.view is not None and self.view.name == name:
-            await self._refresh(expunge=False)
-        uid = uids.get(message_id)
-        code = f"[APPENDUID {info.uidvalidity} {uid}] " if uid else ""
+        # The message is stored: from here on the answer is OK, with APPENDUID when it can be had.
+        code = ""
+        with contextlib.suppress(StoreUnavailable):
+            uids = await self.store.assign_uids(self.user, name, [message_id])
+            info = await self.store.mailbox_info(self.user, name)
+            if uids.get(message_id):
+                code = f"[APPENDUID {info.uidvalidity} {uids[message_id]}] "
+            if self.view is not None and self.view.name == name:
+                await self._refresh(expunge=False)
         return code + "APPEND completed"
 
     # ------------------------------------------------------------------ selected
@@ -866,6 +873,9 @@ class ImapSession(imap4.IMAP4Server):
                 raise NoSuchMessage(view.name, summary.id)
         elif parsed:
             entity = mime.parse(await self.store.read_message(view.user, view.name, summary.id))
+        # Every store read that can fail comes before the first byte of this response: a failure
+        # then is a clean NO. Once a literal is announced, a failure can only end the connection.
+        streams = {id(p): await self._open_stream(summary, p) for p in streamed}
         out: list[bytes] = []
         write = self.transport.write
         head = b"* %d FETCH (" % view.seq(message_uid)
@@ -873,7 +883,7 @@ class ImapSession(imap4.IMAP4Server):
             if part in streamed:
                 write(head + b" ".join(out) + (b" " if out else b""))
                 head, out = b"", []
-                await self._stream_body(summary, part, gate)
+                await self._send_stream(streams[id(part)], gate)
                 if n + 1 < len(query):
                     write(b" ")
                 continue
@@ -917,8 +927,8 @@ class ImapSession(imap4.IMAP4Server):
             name += b"<%d>" % part.partialBegin
         return name + b" " + wire.literal(data)
 
-    async def _stream_body(self, summary: Any, part: Any, gate: WriteGate) -> None:
-        """BODY[] / BODY[]<a.b> / RFC822: straight from the store to the socket, a piece at a time."""
+    async def _open_stream(self, summary: Any, part: Any) -> tuple[bytes, int, bytes, Any]:
+        """BODY[] / BODY[]<a.b> / RFC822, to be streamed: (item name, length, first piece, the rest)."""
         view = self.view
         assert view is not None
         start, end = 0, summary.size
@@ -927,17 +937,34 @@ class ImapSession(imap4.IMAP4Server):
             start = min(part.partialBegin, summary.size)
             end = min(start + part.partialLength, summary.size)
             name += b"<%d>" % part.partialBegin
+        if end <= start:
+            return name, 0, b"", None
+        rest = self.store.read_chunks(view.user, view.name, summary.id, start, end).__aiter__()
+        try:
+            first = await rest.__anext__()
+        except StopAsyncIteration:
+            first, rest = b"", None
+        return name, end - start, first, rest
+
+    async def _send_stream(self, stream: tuple[bytes, int, bytes, Any], gate: WriteGate) -> None:
+        """The item straight from the store to the socket, a piece at a time, with flow control."""
+        name, length, first, rest = stream
         write = self.transport.write
-        write(name + b" {%d}\r\n" % (end - start))
-        sent = 0
-        if end > start:
-            async for chunk in self.store.read_chunks(view.user, view.name, summary.id, start, end):
-                write(chunk)
-                sent += len(chunk)
-                if gate.stopped:
-                    raise ConnectionError("client went away")
-                await gate.open.wait()
-        if sent != end - start:  # the store changed under us: the literal's length cannot be kept
+        write(name + b" {%d}\r\n" % length)
+        write(first)
+        sent = len(first)
+        try:
+            if rest is not None:
+                async for chunk in rest:
+                    if gate.stopped:
+                        raise ConnectionError("client went away")
+                    await gate.open.wait()
+                    write(chunk)
+                    sent += len(chunk)
+        except StoreError as exc:
+            self.transport.loseConnection()
+            raise ConnectionError(f"store failed in the middle of a literal: {exc}") from exc
+        if sent != length:  # the store changed under us: the literal's length cannot be kept
             self.transport.loseConnection()
             raise ConnectionError("message changed while it was sent")
 
@@ -1002,13 +1029,16 @@ class ImapSession(imap4.IMAP4Server):
             new_ids = await self.store.copy_messages(view.user, view.name, ids, dest)
         except NoSuchMessage:
             raise No("Some messages were expunged meanwhile", "EXPUNGEISSUED") from None
-        new_uids = await self.store.assign_uids(view.user, dest, new_ids)
-        code = "[COPYUID %d %s %s]" % (
-            info.uidvalidity, _uid_set(uids), _uid_set([new_uids[i] for i in new_ids if i in new_uids])
-        )
+        # The copies are stored: from here on the answer is OK, with COPYUID when it can be had.
+        code = ""
+        with contextlib.suppress(StoreUnavailable):
+            new_uids = await self.store.assign_uids(view.user, dest, new_ids)
+            code = "[COPYUID %d %s %s]" % (
+                info.uidvalidity, _uid_set(uids), _uid_set([new_uids[i] for i in new_ids if i in new_uids])
+            )
         if move:
             await self.store.delete_messages(view.user, view.name, ids)
-            self.sendPositiveResponse(None, code.encode() + b" Moved")
+            self.sendPositiveResponse(None, (code + " Moved").strip().encode())
             for seq in view.remove(uids):
                 self.sendUntaggedResponse(b"%d EXPUNGE" % seq)
             code = ""

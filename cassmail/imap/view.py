@@ -11,11 +11,15 @@ go at the end of the view and numbers never shift under the client.
 from __future__ import annotations
 
 import bisect
+import logging
 import uuid
 from dataclasses import dataclass, field
 
+from cassmail.logs import kv
 from cassmail.model import MessageSummary
-from cassmail.store.base import Store
+from cassmail.store.base import Store, StoreUnavailable
+
+log = logging.getLogger("cassmail.imap")
 
 
 #: A mailbox's summaries, and the UIDs that the read that made it has just handed out.
@@ -27,7 +31,14 @@ async def read_listing(store: Store, user: str, name: str, page_size: int) -> Li
     write for all of them, whatever their number)."""
     summaries = [s async for s in store.list_messages(user, name, page_size)]
     unnumbered = [s.id for s in summaries if s.uid is None]
-    assigned = await store.assign_uids(user, name, unnumbered) if unnumbered else {}
+    assigned: dict[uuid.UUID, int] = {}
+    if unnumbered:
+        try:
+            assigned = await store.assign_uids(user, name, unnumbered)
+        except StoreUnavailable as exc:
+            # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
+            # session goes on with the numbered mail, and the rest joins, above it, once it can.
+            log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
     return summaries, assigned
 
 
