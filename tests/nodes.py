@@ -107,6 +107,12 @@ class Node:
     def log_text(self) -> str:
         return self.log.read_text()
 
+    def own_tracebacks(self) -> list[str]:
+        """Log lines with a traceback from cassmail itself. The Cassandra driver logs the failed
+        reconnections of its control connection with one; a node being down causes those."""
+        return [line for line in self.log_text().splitlines()
+                if "Traceback" in line and "logger=cassandra." not in line]
+
 
 def _accepts(port: int) -> bool:
     try:

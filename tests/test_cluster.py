@@ -393,7 +393,7 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         for node in started:
             node.stop()
         for node in started:
-            assert "Traceback" not in node.log_text()
+            assert not node.own_tracebacks()
 
 
 def _read_back(ports: list[tuple[str, int]], users: list[str]) -> dict[int, dict[str, Outcome]]:
