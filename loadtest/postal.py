@@ -454,7 +454,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server", default="cassmail", help="name of the server in the results (default cassmail)")
     p.add_argument("--out", type=Path, default=Path("loadtest-results"), help="directory for the JSON runs")
     p.add_argument("--keep", action="store_true", help="keep the users created with --config")
+    admin = p.add_mutually_exclusive_group()
+    admin.add_argument("--create-users", metavar="DOMAIN",
+                       help="only create DOMAIN and --users users in it (password pw), print them and exit")
+    admin.add_argument("--list-users", metavar="DOMAIN", help="only print the users of DOMAIN and exit")
+    admin.add_argument("--remove-users", metavar="DOMAIN", help="only delete DOMAIN and all its users and exit")
     args = p.parse_args(argv)
+    if args.create_users or args.list_users or args.remove_users:
+        if not args.config:
+            p.error("the user commands need --config (the node's settings)")
+        return args
     if not args.smtp and not args.pop3:
         p.error("nothing to do: give --smtp and/or --pop3")
     if not args.config and not args.users_file:
@@ -469,8 +478,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def manage_users(args: argparse.Namespace) -> int:
+    """The user commands: set-up for other load generators (the locustfile uses them)."""
+    side = StoreSide(config.load(args.config))
+    try:
+        if args.create_users:
+            users = side.call(make_users(side.store, args.create_users, args.users))
+        elif args.list_users:
+            users = side.call(side.store.list_users(args.list_users))
+        else:
+            side.call(remove_users(side.store, args.remove_users, side.call(side.store.list_users(args.remove_users))))
+            users = []
+    finally:
+        side.close()
+    print("".join(u + "\n" for u in users), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.create_users or args.list_users or args.remove_users:
+        return manage_users(args)
     from baseline import ensure_packages
 
     ensure_packages(postal=True)
