@@ -253,7 +253,8 @@ Probes = dict[str, Callable[[], float | None]]
 
 
 def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds: float,
-             probes: Probes | None = None, interrupt_first: bool = False, say: Callable[[str], None] = print) -> LoadRun:
+             probes: Probes | None = None, interrupt_first: bool = False, stop_when_drained: bool = False,
+             say: Callable[[str], None] = print) -> LoadRun:
     """Run `cmd` for `seconds` in its own directory, sampling its log and the probes every interval.
 
     The tool is stopped at the deadline whatever happens (SIGINT first if asked, then SIGTERM,
@@ -292,6 +293,13 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
                     say(f"    {run.tool} {last.t:6.0f} s {last.messages:7d} msgs  {rate:8.0f} msgs/min")
                 if now >= deadline - 1e-3:
                     break
+                if stop_when_drained and _drained(run.ticks):
+                    # Two intervals without a message: every mailbox is empty. The idle intervals
+                    # would only pull the mean down; the run's rate is the rate while mail was there.
+                    del run.ticks[-2:]
+                    run.notes.append(f"the mailboxes were empty after {run.ticks[-1].t:.0f} s: {run.tool} stopped "
+                                     "there and the idle intervals were dropped")
+                    break
                 next_tick += run.interval
             time.sleep(max(0.0, min(next_tick, deadline) - time.monotonic()))
         else:
@@ -325,6 +333,10 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
     return run
 
 
+def _drained(ticks: list[Tick]) -> bool:
+    return len(ticks) >= 4 and ticks[-1].messages == ticks[-2].messages == ticks[-3].messages > 0
+
+
 def run_postal(server: str, port: int, sizes: tuple[int, int], users_file: Path, workdir: Path, seconds: float,
                threads: int = 32, per_connection: int = 10, interval: float = 60.0, average_last: int = 5,
                probes: Probes | None = None, say: Callable[[str], None] = print) -> LoadRun:
@@ -351,7 +363,7 @@ def run_rabid(server: str, port: int, sizes: str, users_file: Path, workdir: Pat
         cmd += ["-i", str(imap_percent)]
     cmd += [f"[{HOST}]{port}", str(users_file)]
     say(f"  {server}: {' '.join(cmd)}  ({seconds:g} s)")
-    return run_tool(run, cmd, "rabid.log", workdir, seconds, probes, say=say)
+    return run_tool(run, cmd, "rabid.log", workdir, seconds, probes, stop_when_drained=True, say=say)
 
 
 def write_users(users: Sequence[str], directory: Path, password: str = PASSWORD) -> tuple[Path, Path]:
