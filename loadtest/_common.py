@@ -13,6 +13,7 @@ read sizes, write node settings, start a node and count CPU the same way.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -28,9 +29,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cassmail.auth import HashParams, hash_password
 from cassmail.config import Settings
+from cassmail.store.base import Store
 
 HOST = "127.0.0.1"
+#: The load-test users' password, hashed cheaply: logging in is not what is measured.
+PASSWORD = "pw"
+BENCH_HASH = HashParams(log2_n=10)
 CASSMAIL = Path(sys.executable).parent / "cassmail"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
@@ -347,6 +353,39 @@ class CassandraCpu:
 
 def delta(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else after - before
+
+
+# --------------------------------------------------------------------------- the store: users and counts
+
+
+async def make_users(store: Store, domain: str, n: int, concurrency: int = 32, password: str = PASSWORD) -> list[str]:
+    """Create u0000@domain.. (the domain must exist), `concurrency` at a time (each creation is a
+    lightweight transaction in Cassandra), all with one cheap hash: user creation is set-up."""
+    hashed = hash_password(password, BENCH_HASH)
+    limit = asyncio.Semaphore(concurrency)
+    users = [f"u{i:04d}@{domain}" for i in range(n)]
+
+    async def one(user: str) -> None:
+        async with limit:
+            await store.create_user(user, hashed)
+
+    await asyncio.gather(*(one(u) for u in users))
+    return users
+
+
+async def count_inboxes(store: Store, users: Sequence[str], concurrency: int = 32) -> tuple[int, int]:
+    """(messages, bytes) in the INBOX of every user, listed through the Store API."""
+    limit = asyncio.Semaphore(concurrency)
+    totals = [0, 0]
+
+    async def one(user: str) -> None:
+        async with limit:
+            async for summary in store.list_messages(user, "INBOX"):
+                totals[0] += 1
+                totals[1] += summary.size
+
+    await asyncio.gather(*(one(u) for u in users))
+    return totals[0], totals[1]
 
 
 # --------------------------------------------------------------------------- a cassmail node

@@ -41,16 +41,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from cassmail import config
-from cassmail.auth import HashParams, hash_password
 from cassmail.config import ConfigError, Settings
 from cassmail.server import make_store
 from cassmail.store.base import Store, StoreError, Target
 
-from _common import CassandraCpu, human, own_cpu, parse_ranges, positive
+from _common import CassandraCpu, human, make_users, own_cpu, parse_ranges, positive
 from _common import fmt as _fmt
 
-#: Cheap password hashes: user creation is setup, not what is measured.
-BENCH_HASH = HashParams(log2_n=10)
 LIST_LIMIT = 500
 
 
@@ -300,20 +297,6 @@ def table(results: list[PhaseResult], cass_on: bool) -> list[str]:
 
     sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
     return [line(head), sep, *(line(r) for r in rows)]
-
-
-async def make_users(store: Store, domain: str, n: int, concurrency: int) -> list[str]:
-    """Create the bench users, `concurrency` at a time (each creation is a lightweight transaction)."""
-    hashed = hash_password("pw", BENCH_HASH)  # one hash for all: hashing is not what is measured
-    limit = asyncio.Semaphore(concurrency)
-    users = [f"u{i:04d}@{domain}" for i in range(n)]
-
-    async def one(user: str) -> None:
-        async with limit:
-            await store.create_user(user, hashed)
-
-    await asyncio.gather(*(one(u) for u in users))
-    return users
 
 
 async def delete_users(store: Store, users: list[str], concurrency: int) -> list[str]:

@@ -41,9 +41,10 @@ from cassmail import config
 from cassmail.config import ConfigError, Settings
 
 import report
-from _common import CassandraCpu, CassmailNode, number, parse_ranges, range_label, run_cmd
+from _common import (PASSWORD, CassandraCpu, CassmailNode, count_inboxes, make_users, number, parse_ranges,
+                     range_label, run_cmd)
 from baseline import Dovecot, Postfix, ensure_packages, maildir_count
-from postal import PASSWORD, LoadRun, Probes, StoreSide, count_inboxes, make_users, run_postal, run_rabid, write_users
+from postal import LoadRun, Probes, StoreSide, run_postal, run_rabid, write_users
 
 TARGETS = ("baseline", "cassandra", "mbox")
 BASELINE_NAME = report.BASELINE
@@ -190,6 +191,7 @@ class Cassmail(Target):
             self.made_keyspace = True
             cassandra_schema.apply(self.settings.store.cassandra)
         self.side = StoreSide(self.settings)
+        self.side.call(self.side.store.add_domain(self.domain))
         self.users = self.side.call(make_users(self.side.store, self.domain, self.n_users))
         self.node = CassmailNode(self.settings, self.workdir, ["smtp", "pop3"], self.workers,
                                  name=self.name.replace(" ", "-").replace("(", "").replace(")", "")).start()

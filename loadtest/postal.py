@@ -45,13 +45,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cassmail import config
-from cassmail.auth import HashParams, hash_password
 from cassmail.server import make_store
 
-from _common import (HOST, die_with_us, machine_cpu, number, own_cpu, parse_range, parse_ranges, range_label,
-                     tree_cpu)
+from _common import (HOST, PASSWORD, count_inboxes, die_with_us, machine_cpu, make_users, number, own_cpu,
+                     parse_range, parse_ranges, range_label, tree_cpu)
 
-PASSWORD = "pw"
 #: postal's -r and rabid's -r: per minute over all threads. The defaults (24,000/min) could cap a
 #: fast server at small sizes: lifted.
 UNLIMITED_RATE = 1_000_000
@@ -378,36 +376,6 @@ def write_users(users: Sequence[str], directory: Path, password: str = PASSWORD)
 # --------------------------------------------------------------------------- the store: users and counts
 
 
-async def count_inboxes(store, users: Sequence[str], concurrency: int = 32) -> tuple[int, int]:
-    """(messages, bytes) in the INBOX of every user, listed through the Store API."""
-    limit = asyncio.Semaphore(concurrency)
-    totals = [0, 0]
-
-    async def one(user: str) -> None:
-        async with limit:
-            async for summary in store.list_messages(user, "INBOX"):
-                totals[0] += 1
-                totals[1] += summary.size
-
-    await asyncio.gather(*(one(u) for u in users))
-    return totals[0], totals[1]
-
-
-async def make_users(store, domain: str, n: int, concurrency: int = 32, password: str = PASSWORD) -> list[str]:
-    """Create u0000@domain.. with one cheap hash: user creation is set-up, not what is measured."""
-    hashed = hash_password(password, HashParams(log2_n=10))
-    limit = asyncio.Semaphore(concurrency)
-    users = [f"u{i:04d}@{domain}" for i in range(n)]
-
-    async def one(user: str) -> None:
-        async with limit:
-            await store.create_user(user, hashed)
-
-    await store.add_domain(domain)
-    await asyncio.gather(*(one(u) for u in users))
-    return users
-
-
 async def remove_users(store, domain: str, users: Sequence[str], concurrency: int = 16) -> None:
     limit = asyncio.Semaphore(concurrency)
 
@@ -495,6 +463,7 @@ def manage_users(args: argparse.Namespace) -> int:
     side = StoreSide(config.load(args.config))
     try:
         if args.create_users:
+            side.call(side.store.add_domain(args.create_users))
             users = side.call(make_users(side.store, args.create_users, args.users))
         elif args.list_users:
             users = side.call(side.store.list_users(args.list_users))
@@ -528,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             postal_file, rabid_file = write_users(users, workdir, pairs[0][1] if len(pairs[0]) > 1 else PASSWORD)
         else:
             side = StoreSide(config.load(args.config))
+            side.call(side.store.add_domain(domain))
             users = side.call(make_users(side.store, domain, args.users))
             postal_file, rabid_file = write_users(users, workdir)
             print(f"created {len(users)} users in {domain}")
