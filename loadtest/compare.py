@@ -156,7 +156,7 @@ class Baseline(Target):
         return self.postfix.port, self.dovecot.pop3_port
 
     def after_postal(self) -> str | None:
-        waited, left = self.postfix.wait_queue_empty()
+        waited, left = self.postfix.wait_queue_empty(120)
         if left:
             return f"{left} messages still in Postfix's queue {waited:.0f} s after postal stopped"
         return f"Postfix's queue emptied {waited:.0f} s after postal stopped" if waited > 2 else None

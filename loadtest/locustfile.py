@@ -19,8 +19,8 @@ Who logs in and who receives mail:
 - `CASSMAIL_LOADTEST_USERS=FILE`: "address password" per line (what `cassmail user import` reads);
 - else `CASSMAIL_CONFIG` (the node's settings): with `CASSMAIL_LOADTEST_DOMAIN` the users of that
   domain are listed from the store (password CASSMAIL_LOADTEST_PASSWORD, default "pw");
-  without it CASSMAIL_LOADTEST_NUSERS users (default 50) are created in a fresh domain when the
-  test starts and removed when it stops. The store is reached through loadtest/postal.py in a
+  without it CASSMAIL_LOADTEST_NUSERS users (default 50) are created in a fresh domain when
+  locust starts (before --run-time counts) and removed when the test stops. The store is reached through loadtest/postal.py in a
   process of its own, so the Cassandra driver never runs under locust's gevent.
 
 Profiles (`CASSMAIL_LOADTEST_PROFILE`), the mixes of the two systems cassmail follows:
@@ -154,8 +154,9 @@ def _store_helper(*args: str) -> list[str]:
 POPULATION = Population()
 
 
-@events.test_start.add_listener
-def _on_start(environment, **_kw) -> None:
+@events.init.add_listener
+def _on_init(environment, **_kw) -> None:
+    """Find or create the users before the clock of --run-time starts."""
     if isinstance(environment.runner, WorkerRunner) and not os.environ.get("CASSMAIL_LOADTEST_USERS") \
             and not os.environ.get("CASSMAIL_LOADTEST_DOMAIN"):
         raise SystemExit("distributed runs need CASSMAIL_LOADTEST_USERS or CASSMAIL_LOADTEST_DOMAIN")
