@@ -252,8 +252,11 @@ Probes = dict[str, Callable[[], float | None]]
 
 def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds: float,
              probes: Probes | None = None, interrupt_first: bool = False, stop_when_drained: bool = False,
-             say: Callable[[str], None] = print) -> LoadRun:
+             actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print) -> LoadRun:
     """Run `cmd` for `seconds` in its own directory, sampling its log and the probes every interval.
+
+    `actions` maps seconds into the run to a call made then (a fault injected, say); what the call
+    returns is noted in the run with its time.
 
     The tool is stopped at the deadline whatever happens (SIGINT first if asked, then SIGTERM,
     then SIGKILL) and its stdout/stderr are kept in the directory."""
@@ -278,10 +281,16 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
     t0 = time.monotonic()
     tick(t0)
     deadline = t0 + seconds
+    pending = sorted((actions or {}).items())
     try:
         next_tick = t0 + run.interval
         while proc.poll() is None:
             now = time.monotonic()
+            while pending and now - t0 >= pending[0][0]:
+                at, action = pending.pop(0)
+                what = action()
+                run.notes.append(f"at {now - t0:.0f} s: {what}")
+                say(f"    {now - t0:6.0f} s: {what}")
             if now >= min(next_tick, deadline) - 1e-3:
                 tick(t0)
                 last = run.ticks[-1]
@@ -299,7 +308,8 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
                                      "there and the idle intervals were dropped")
                     break
                 next_tick += run.interval
-            time.sleep(max(0.0, min(next_tick, deadline) - time.monotonic()))
+            wake = min(next_tick, deadline, t0 + pending[0][0] if pending else deadline)
+            time.sleep(max(0.0, wake - time.monotonic()))
         else:
             run.notes.append(f"{run.tool} exited by itself with {proc.returncode} after "
                              f"{time.monotonic() - t0:.0f} s")
@@ -335,17 +345,20 @@ def _drained(ticks: list[Tick]) -> bool:
     return len(ticks) >= 4 and ticks[-1].messages == ticks[-2].messages == ticks[-3].messages > 0
 
 
-def run_postal(server: str, port: int, sizes: tuple[int, int], users_file: Path, workdir: Path, seconds: float,
-               threads: int = 32, per_connection: int = 10, interval: float = 60.0, average_last: int = 5,
-               probes: Probes | None = None, say: Callable[[str], None] = print) -> LoadRun:
-    """postal -t THREADS against 127.0.0.1:port for `seconds`; one recipient per message from users_file."""
+def run_postal(server: str, port: int | Sequence[tuple[str, int]], sizes: tuple[int, int], users_file: Path,
+               workdir: Path, seconds: float, threads: int = 32, per_connection: int = 10, interval: float = 60.0,
+               average_last: int = 5, probes: Probes | None = None,
+               actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print) -> LoadRun:
+    """postal -t THREADS against 127.0.0.1:port (or round-robin over several (host, port), THREADS
+    each) for `seconds`; one recipient per message from users_file."""
+    servers = [(HOST, port)] if isinstance(port, int) else list(port)
     lo_k, hi_k = postal_kib(*sizes)
     run = LoadRun("postal", server, range_label(*sizes), interval, average_last)
     run.settings = {"threads": str(threads), "messages per connection": f"1..{per_connection}"}
     cmd = ["postal", "-t", str(threads), "-c", str(per_connection), "-M", str(lo_k), "-m", str(hi_k),
-           "-r", str(UNLIMITED_RATE), f"[{HOST}]{port}", str(users_file)]
+           "-r", str(UNLIMITED_RATE), ",".join(f"[{h}]{p}" for h, p in servers), str(users_file)]
     say(f"  {server}: {' '.join(cmd)}  ({seconds:g} s)")
-    return run_tool(run, cmd, "postal.log", workdir, seconds, probes, interrupt_first=True, say=say)
+    return run_tool(run, cmd, "postal.log", workdir, seconds, probes, interrupt_first=True, actions=actions, say=say)
 
 
 def run_rabid(server: str, port: int, sizes: str, users_file: Path, workdir: Path, seconds: float,
