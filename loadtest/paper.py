@@ -40,8 +40,9 @@ import report
 from _common import CASSMAIL, count_inboxes, make_users, number, parse_ranges, range_label
 from postal import LoadRun, StoreSide, run_postal, write_users
 
-#: SMTP port of every front end of the local cluster (its default).
-SMTP_PORT = 2525
+#: The ports `cassmail cluster up` gives every node by default; --port-offset moves them all, so a
+#: paper run can share the machine with a cluster or `make run` on the defaults.
+CLUSTER_PORTS = {"native": 9042, "storage": 7000, "smtp": 2525, "submission": 2587, "pop3": 1110, "imap": 1143}
 
 
 def say(text: str = "") -> None:
@@ -78,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-node", type=number(int), default=None, help="node killed (default: the last)")
     p.add_argument("--timeline-sizes", type=parse_ranges, default=parse_ranges("50K-500K"))
     p.add_argument("--heap-mb", type=number(int), default=768, help="Cassandra heap per node (default 768)")
+    p.add_argument("--port-offset", type=number(int, 0), default=0,
+                   help="added to every port of the cluster (default 0: CQL 9042, SMTP 2525, ...)")
     p.add_argument("--base", type=Path, default=Path("var/paper"), help="cluster directories (default var/paper)")
     p.add_argument("--out", type=Path, help="results (default loadtest-results/paper-<time>)")
     args = p.parse_args(argv)
@@ -91,9 +94,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 class Cluster:
     """`cassmail cluster` in a directory of its own; `with` takes it down whatever happens."""
 
-    def __init__(self, base: Path, nodes: int, rf: int, cl: str, keyspace: str, heap_mb: int) -> None:
+    def __init__(self, base: Path, nodes: int, rf: int, cl: str, keyspace: str, heap_mb: int,
+                 port_offset: int = 0) -> None:
         self.base, self.nodes, self.rf, self.cl = base, nodes, rf, cl
         self.keyspace, self.heap_mb = keyspace, heap_mb
+        self.ports = {name: port + port_offset for name, port in CLUSTER_PORTS.items()}
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
         self.env["CASSMAIL_CLUSTER"] = str(base)
         self.upped = False
@@ -113,7 +118,8 @@ class Cluster:
     def __enter__(self) -> Cluster:
         self.base.mkdir(parents=True, exist_ok=True)
         self.upped = True
-        say(self.cassmail("up", "--nodes", str(self.nodes), "--rf", str(self.rf), "--heap-mb", str(self.heap_mb)))
+        ports = [x for name, port in self.ports.items() for x in (f"--{name}-port", str(port))]
+        say(self.cassmail("up", "--nodes", str(self.nodes), "--rf", str(self.rf), "--heap-mb", str(self.heap_mb), *ports))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,7 +133,7 @@ class Cluster:
         return config.load(self.base / "cassmail.toml", env={})
 
     def smtp_servers(self, skip: int | None = None) -> list[tuple[str, int]]:
-        return [(f"127.0.0.{i}", SMTP_PORT) for i in range(1, self.nodes + 1) if i != skip]
+        return [(f"127.0.0.{i}", self.ports["smtp"]) for i in range(1, self.nodes + 1) if i != skip]
 
 
 def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seconds: float, interval: float,
@@ -139,7 +145,7 @@ def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seco
         domain = f"paper-{secrets.token_hex(4)}.example"
         side.call(side.store.add_domain(domain))
         users = side.call(make_users(side.store, domain, args.users))
-        postal_users, _ = write_users(users, out / "users" / label)
+        postal_users, _ = write_users(users, out / "users" / "".join(c if c.isalnum() else "-" for c in label))
         for lo, hi in sizes:
             actions = None
             skip = None
@@ -183,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         say(f"\n## {label}")
                         base = args.base / f"n{n}-rf{rf}-{cl.lower()}"
                         shutil.rmtree(base, ignore_errors=True)
-                        with Cluster(base, n, rf, cl, f"paper_n{n}_rf{rf}", args.heap_mb) as cluster:
+                        with Cluster(base, n, rf, cl, f"paper_n{n}_rf{rf}", args.heap_mb,
+                                     args.port_offset) as cluster:
                             runs += measure(cluster, label, args.sizes, args.seconds, args.interval,
                                             args.average_last, args, out)
                         shutil.rmtree(base, ignore_errors=True)
@@ -195,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 say(f"\n## {label}: node {victim} killed at minute {args.kill_at:g}")
                 base = args.base / f"timeline-{cl.lower()}"
                 shutil.rmtree(base, ignore_errors=True)
-                with Cluster(base, n, rf, cl, f"paper_timeline_{cl.lower()}", args.heap_mb) as cluster:
+                with Cluster(base, n, rf, cl, f"paper_timeline_{cl.lower()}", args.heap_mb,
+                             args.port_offset) as cluster:
                     runs += measure(cluster, label, args.timeline_sizes, args.timeline_minutes * 60.0, 60.0,
                                     args.timeline_minutes, args, out, kill=(args.kill_at * 60.0, victim))
                 shutil.rmtree(base, ignore_errors=True)
