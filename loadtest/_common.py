@@ -37,6 +37,15 @@ HOST = "127.0.0.1"
 #: The load-test users' password, hashed cheaply: logging in is not what is measured.
 PASSWORD = "pw"
 BENCH_HASH = HashParams(log2_n=10)
+#: The store the CassMail paper's single-node runs measure: RF=1 and consistency ONE. Benchmarks
+#: put these after --config and --set, so they always win.
+RF1_CL_ONE = {
+    "store.backend": "cassandra",
+    "store.cassandra.replication_strategy": "SimpleStrategy",
+    "store.cassandra.replication_factor": "1",
+    "store.cassandra.read_consistency": "ONE",
+    "store.cassandra.write_consistency": "ONE",
+}
 CASSMAIL = Path(sys.executable).parent / "cassmail"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}

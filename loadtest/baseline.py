@@ -13,6 +13,7 @@ the same pair of loads cassmail gets.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -80,7 +81,56 @@ def ensure_packages(postal: bool = True, postfix: bool = False, dovecot: bool = 
 # --------------------------------------------------------------------------- Postfix
 
 
-class Postfix:
+class PrivateServer:
+    """A daemon started with a config of its own: its master's pid file, its CPU, a clean stop."""
+
+    started = False
+
+    def pid_file(self) -> Path:
+        raise NotImplementedError
+
+    def stop_commands(self) -> tuple[list[str], list[str]]:
+        """(the polite stop, the forceful one)."""
+        raise NotImplementedError
+
+    def master_pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file().read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if proc_stat(pid) is not None else None
+
+    def cpu(self) -> float | None:
+        """CPU seconds of the master and everything it forked (and reaped)."""
+        return tree_cpu(self.master_pid())
+
+    def stop(self, timeout: float = 30) -> str:
+        """The polite stop, then (after `timeout`) the forceful one, then SIGKILL to what is left."""
+        if not self.started:
+            return "not started"
+        master = self.master_pid()
+        if master is None:
+            return "not running"
+        procs = [master, *descendants(master)]
+        polite, forceful = self.stop_commands()
+        subprocess.run(polite, capture_output=True, timeout=60)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(alive(p) for p in procs):
+            time.sleep(0.2)
+        left = [p for p in procs if alive(p)]
+        self.started = False
+        if not left:
+            return "stopped"
+        subprocess.run(forceful, capture_output=True, timeout=60)
+        time.sleep(1)
+        for pid in left:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return f"aborted ({len(left)} processes did not stop in {timeout:g} s)"
+
+
+class Postfix(PrivateServer):
     """A Postfix instance of its own (`postfix -c DIR`): /etc/postfix is never read or written."""
 
     def __init__(self, workdir: Path, domain: str, users: list[str]) -> None:
@@ -178,38 +228,11 @@ class Postfix:
             time.sleep(0.2)
         raise RuntimeError(f"Postfix did not answer on 127.0.0.1:{self.port} in {timeout:g} s")
 
-    def master_pid(self) -> int | None:
-        try:
-            pid = int((self.queue / "pid" / "master.pid").read_text().strip())
-        except (OSError, ValueError):
-            return None
-        return pid if proc_stat(pid) is not None else None
+    def pid_file(self) -> Path:
+        return self.queue / "pid" / "master.pid"
 
-    def stop(self, timeout: float = 30) -> str:
-        if not self.started:
-            return "not started"
-        master = self.master_pid()
-        if master is None:
-            return "not running"
-        procs = [master, *descendants(master)]
-        subprocess.run(["postfix", "-c", str(self.dir), "stop"], capture_output=True, timeout=60)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(alive(p) for p in procs):
-            time.sleep(0.2)
-        left = [p for p in procs if alive(p)]
-        if not left:
-            self.started = False
-            return "stopped"
-        subprocess.run(["postfix", "-c", str(self.dir), "abort"], capture_output=True, timeout=60)
-        time.sleep(1)
-        for pid in left:
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.started = False
-        return f"aborted ({len(left)} processes did not stop in {timeout:g} s)"
+    def stop_commands(self) -> tuple[list[str], list[str]]:
+        return ["postfix", "-c", str(self.dir), "stop"], ["postfix", "-c", str(self.dir), "abort"]
 
     def queued(self) -> int:
         n = 0
@@ -230,15 +253,10 @@ class Postfix:
             time.sleep(0.5)
         return time.monotonic() - t0, self.queued()
 
-    def cpu(self) -> float | None:
-        """CPU seconds of the master and everything it forked (smtpd, cleanup, virtual...)."""
-        return tree_cpu(self.master_pid())
-
-
 # --------------------------------------------------------------------------- Dovecot
 
 
-class Dovecot:
+class Dovecot(PrivateServer):
     """A Dovecot instance of its own (`dovecot -c DIR/dovecot.conf`) serving POP3 and IMAP on
     loopback ports from the Maildirs Postfix delivers to; /etc/dovecot is never read or written.
 
@@ -335,35 +353,11 @@ service imap {{
     def version(self) -> str:
         return run_cmd(["dovecot", "--version"], check=False).strip()
 
-    def master_pid(self) -> int | None:
-        try:
-            pid = int((self.dir / "run" / "master.pid").read_text().strip())
-        except (OSError, ValueError):
-            return None
-        return pid if proc_stat(pid) is not None else None
+    def pid_file(self) -> Path:
+        return self.dir / "run" / "master.pid"
 
-    def cpu(self) -> float | None:
-        return tree_cpu(self.master_pid())
-
-    def stop(self, timeout: float = 30) -> str:
-        if not self.started:
-            return "not started"
-        master = self.master_pid()
-        if master is None:
-            return "not running"
-        procs = [master, *descendants(master)]
-        subprocess.run(["doveadm", "-c", str(self.conf), "stop"], capture_output=True, timeout=60)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(alive(p) for p in procs):
-            time.sleep(0.2)
-        left = [p for p in procs if alive(p)]
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.started = False
-        return "stopped" if not left else f"killed ({len(left)} processes did not stop in {timeout:g} s)"
+    def stop_commands(self) -> tuple[list[str], list[str]]:
+        return ["doveadm", "-c", str(self.conf), "stop"], ["doveadm", "-c", str(self.conf), "stop"]
 
     def log_text(self) -> str:
         try:

@@ -70,8 +70,8 @@ from cassmail.server import make_store
 from cassmail.store.base import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (CassandraCpu, CassmailNode, children_map, count_inboxes, die_with_us,  # noqa: E402
-                     human, machine_cpu, make_users, parse_ranges, positive, run_cmd, tree_cpu)
+from _common import (RF1_CL_ONE, CassandraCpu, CassmailNode, children_map, count_inboxes,  # noqa: E402
+                     die_with_us, human, machine_cpu, make_users, parse_ranges, positive, run_cmd, tree_cpu)
 from baseline import Postfix, ensure_packages  # noqa: E402
 from postal import POSTAL_HEADERS, UNLIMITED_RATE, Minute, parse_minute  # noqa: E402
 
@@ -125,23 +125,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-#: Settings the issue fixes for this benchmark; they win over --config and --set.
-FIXED = {
-    "store.backend": "cassandra",
-    "store.cassandra.replication_strategy": "SimpleStrategy",
-    "store.cassandra.replication_factor": "1",
-    "store.cassandra.read_consistency": "ONE",
-    "store.cassandra.write_consistency": "ONE",
-}
 
 
 def load_settings(args: argparse.Namespace) -> tuple[Settings, list[str]]:
     notes = []
     for item in args.overrides:
         key = item.split("=", 1)[0].strip()
-        if key in FIXED or key == "store.cassandra.keyspace":
+        if key in RF1_CL_ONE or key == "store.cassandra.keyspace":
             notes.append(f"--set {key} ignored: this benchmark always uses a fresh keyspace, RF=1 and CL=ONE")
-    fixed = [f"{k}={v}" for k, v in FIXED.items()]
+    fixed = [f"{k}={v}" for k, v in RF1_CL_ONE.items()]
     fixed.append(f"store.cassandra.keyspace=bench_smtp_{secrets.token_hex(5)}")
     return config.load(args.config, overrides=[*args.overrides, *fixed]), notes
 

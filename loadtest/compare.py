@@ -41,21 +41,13 @@ from cassmail import config
 from cassmail.config import ConfigError, Settings
 
 import report
-from _common import (PASSWORD, CassandraCpu, CassmailNode, count_inboxes, make_users, number, parse_ranges,
-                     range_label, run_cmd)
+from _common import (PASSWORD, RF1_CL_ONE, CassandraCpu, CassmailNode, count_inboxes, make_users, number,
+                     parse_ranges, range_label, run_cmd)
 from baseline import Dovecot, Postfix, ensure_packages, maildir_count
 from postal import LoadRun, Probes, StoreSide, run_postal, run_rabid, write_users
 
 TARGETS = ("baseline", "cassandra", "mbox")
 BASELINE_NAME = report.BASELINE
-#: Settings the issue fixes for the Cassandra target; they win over --config and --set.
-FIXED = {
-    "store.backend": "cassandra",
-    "store.cassandra.replication_strategy": "SimpleStrategy",
-    "store.cassandra.replication_factor": "1",
-    "store.cassandra.read_consistency": "ONE",
-    "store.cassandra.write_consistency": "ONE",
-}
 #: A run starts once Cassandra has calmed down from the previous one (flushes, compaction),
 #: waiting at most QUIET_MAX seconds for it to use less than QUIET_CORES.
 QUIET_MAX = 60.0
@@ -95,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def cassandra_settings(args: argparse.Namespace) -> Settings:
-    fixed = [f"{k}={v}" for k, v in FIXED.items()]
+    fixed = [f"{k}={v}" for k, v in RF1_CL_ONE.items()]
     fixed.append(f"store.cassandra.keyspace=compare_{secrets.token_hex(5)}")
     return config.load(args.config, overrides=[*args.overrides, *fixed])
 

@@ -43,7 +43,7 @@ import smtplib
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,9 +222,31 @@ class MailUser(User):
         if exc is not None:
             raise _SessionOver from exc
 
+    @contextmanager
+    def connection(self):
+        """One session: a failed request ends it quietly (locust has it already), and a connection
+        left open is closed."""
+        s = _Session()
+        try:
+            yield s
+        except _SessionOver:
+            pass
+        finally:
+            if s.client is not None:
+                with suppress(OSError):
+                    # smtplib and poplib close(); imaplib shutdown()
+                    (s.client.shutdown if isinstance(s.client, imaplib.IMAP4) else s.client.close)()
+
 
 class _SessionOver(Exception):
     """A request failed: it was reported, the session is dropped and the next one starts."""
+
+
+class _Session:
+    """The connection of one session: closed at the end unless a clean QUIT/LOGOUT cleared it."""
+
+    def __init__(self) -> None:
+        self.client = None
 
 
 class SmtpUser(MailUser):
@@ -235,27 +257,21 @@ class SmtpUser(MailUser):
     @task
     def session(self) -> None:
         host, port = TARGETS["smtp"]
-        client = None
-        try:
+        with self.connection() as s:
             with self.request("connect"):
-                client = smtplib.SMTP(host, port, local_hostname="locust.localhost", timeout=TIMEOUT)
-                client.ehlo()
+                s.client = smtplib.SMTP(host, port, local_hostname="locust.localhost", timeout=TIMEOUT)
+                s.client.ehlo()
             for _ in range(random.randint(1, PER_CONNECTION)):
                 to, _pw = POPULATION.pick()
                 message = BODIES.make(to)
                 with self.request("send") as box:
-                    refused = client.sendmail(SENDER, [to], message)
+                    refused = s.client.sendmail(SENDER, [to], message)
                     if refused:
                         raise smtplib.SMTPRecipientsRefused(refused)
                     box[0] = len(message)
             with self.request("quit"):
-                client.quit()
-                client = None
-        except _SessionOver:
-            pass
-        finally:
-            if client is not None:
-                client.close()
+                s.client.quit()
+                s.client = None
 
 
 class Pop3User(MailUser):
@@ -267,30 +283,23 @@ class Pop3User(MailUser):
     def session(self) -> None:
         host, port = TARGETS["pop3"]
         user, password = POPULATION.pick()
-        client = None
-        try:
+        with self.connection() as s:
             with self.request("login"):
-                client = poplib.POP3(host, port, timeout=TIMEOUT)
-                client.user(user)
-                client.pass_(password)
+                s.client = poplib.POP3(host, port, timeout=TIMEOUT)
+                s.client.user(user)
+                s.client.pass_(password)
             with self.request("list") as box:
-                _resp, listing, octets = client.list()
+                _resp, listing, octets = s.client.list()
                 box[0] = octets
-            numbers = [int(line.split()[0]) for line in listing][:FETCH]
-            for n in numbers:
+            for n in [int(line.split()[0]) for line in listing][:FETCH]:
                 with self.request("retr") as box:
-                    _resp, lines, octets = client.retr(n)
+                    _resp, _lines, octets = s.client.retr(n)
                     box[0] = octets
                 with self.request("dele"):
-                    client.dele(n)
+                    s.client.dele(n)
             with self.request("quit"):
-                client.quit()
-                client = None
-        except _SessionOver:
-            pass
-        finally:
-            if client is not None:
-                client.close()
+                s.client.quit()
+                s.client = None
 
 
 class ImapUser(MailUser):
@@ -302,34 +311,24 @@ class ImapUser(MailUser):
     def session(self) -> None:
         host, port = TARGETS["imap"]
         user, password = POPULATION.pick()
-        client = None
-        try:
+        with self.connection() as s:
             with self.request("login"):
-                client = imaplib.IMAP4(host, port, timeout=TIMEOUT)
-                client.login(user, password)
+                s.client = imaplib.IMAP4(host, port, timeout=TIMEOUT)
+                s.client.login(user, password)
             with self.request("select"):
-                _check(client.select("INBOX"))
+                _check(s.client.select("INBOX"))
             with self.request("search"):
-                found = _check(client.search(None, "UNSEEN"))
-            numbers = found[0].split()[:FETCH] if found and found[0] else []
-            for n in numbers:
+                found = _check(s.client.search(None, "UNSEEN"))
+            for n in (found[0].split()[:FETCH] if found and found[0] else []):
                 with self.request("fetch") as box:
-                    data = _check(client.fetch(n, "(RFC822)"))
+                    data = _check(s.client.fetch(n, "(RFC822)"))
                     box[0] = sum(len(part[1]) for part in data if isinstance(part, tuple))
-            if IDLE_SECONDS > 0 and "IDLE" in client.capabilities:
+            if IDLE_SECONDS > 0 and "IDLE" in s.client.capabilities:
                 with self.request("idle"):
-                    idle(client, IDLE_SECONDS)
+                    idle(s.client, IDLE_SECONDS)
             with self.request("logout"):
-                client.logout()
-                client = None
-        except _SessionOver:
-            pass
-        finally:
-            if client is not None:
-                try:
-                    client.shutdown()
-                except OSError:
-                    pass
+                s.client.logout()
+                s.client = None
 
 
 def _check(answer: tuple[str, list]) -> list:

@@ -169,6 +169,20 @@ def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seco
     return runs
 
 
+def on_cluster(args: argparse.Namespace, out: Path, n: int, rf: int, cl: str, name: str, label: str,
+               sizes: Sequence[tuple[int, int]], seconds: float, interval: float, average_last: int,
+               kill: tuple[float, int] | None = None) -> list[LoadRun]:
+    """A fresh cluster (its own directory and keyspace), the postal runs on it, the cluster down."""
+    say(f"\n## {label}" + (f": node {kill[1]} killed at {kill[0] / 60:g} min" if kill else ""))
+    base = args.base / name
+    shutil.rmtree(base, ignore_errors=True)
+    try:
+        with Cluster(base, n, rf, cl, f"paper_{name.replace('-', '_')}", args.heap_mb, args.port_offset) as cluster:
+            return measure(cluster, label, sizes, seconds, interval, average_last, args, out, kill)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from baseline import ensure_packages
@@ -185,28 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in args.nodes:
                 for rf in (r for r in args.rf if r <= n):
                     for cl in args.cl:
-                        label = f"N={n} RF={rf} CL={cl}"
-                        say(f"\n## {label}")
-                        base = args.base / f"n{n}-rf{rf}-{cl.lower()}"
-                        shutil.rmtree(base, ignore_errors=True)
-                        with Cluster(base, n, rf, cl, f"paper_n{n}_rf{rf}", args.heap_mb,
-                                     args.port_offset) as cluster:
-                            runs += measure(cluster, label, args.sizes, args.seconds, args.interval,
-                                            args.average_last, args, out)
-                        shutil.rmtree(base, ignore_errors=True)
+                        runs += on_cluster(args, out, n, rf, cl, f"n{n}-rf{rf}-{cl.lower()}", f"N={n} RF={rf} CL={cl}",
+                                           args.sizes, args.seconds, args.interval, args.average_last)
         if args.timeline:
             n, rf = args.timeline_nodes, args.timeline_rf
             victim = args.kill_node or n
             for cl in args.cl:
-                label = f"timeline N={n} RF={rf} CL={cl}"
-                say(f"\n## {label}: node {victim} killed at minute {args.kill_at:g}")
-                base = args.base / f"timeline-{cl.lower()}"
-                shutil.rmtree(base, ignore_errors=True)
-                with Cluster(base, n, rf, cl, f"paper_timeline_{cl.lower()}", args.heap_mb,
-                             args.port_offset) as cluster:
-                    runs += measure(cluster, label, args.timeline_sizes, args.timeline_minutes * 60.0, 60.0,
-                                    args.timeline_minutes, args, out, kill=(args.kill_at * 60.0, victim))
-                shutil.rmtree(base, ignore_errors=True)
+                runs += on_cluster(args, out, n, rf, cl, f"timeline-{cl.lower()}", f"timeline N={n} RF={rf} CL={cl}",
+                                   args.timeline_sizes, args.timeline_minutes * 60.0, 60.0, args.timeline_minutes,
+                                   kill=(args.kill_at * 60.0, victim))
     except KeyboardInterrupt:
         status = 130
     except Exception as exc:  # noqa: BLE001 - keep what was measured
