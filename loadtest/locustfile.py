@@ -20,8 +20,9 @@ Who logs in and who receives mail:
 - else `CASSMAIL_CONFIG` (the node's settings): with `CASSMAIL_LOADTEST_DOMAIN` the users of that
   domain are listed from the store (password CASSMAIL_LOADTEST_PASSWORD, default "pw");
   without it CASSMAIL_LOADTEST_NUSERS users (default 50) are created in a fresh domain when
-  locust starts (before --run-time counts) and removed when the test stops. The store is reached through loadtest/postal.py in a
-  process of its own, so the Cassandra driver never runs under locust's gevent.
+  locust starts (before --run-time counts) and removed when the test stops. The store is
+  reached through loadtest/postal.py in a process of its own, so the Cassandra driver never
+  runs under locust's gevent.
 
 Profiles (`CASSMAIL_LOADTEST_PROFILE`), the mixes of the two systems cassmail follows:
 - `write-intensive` (CassMail's Postal runs): SMTP only, 50K-500K;

@@ -28,7 +28,7 @@ LOADTEST = REPO / "loadtest"
 sys.path.insert(0, str(LOADTEST))
 
 from _common import parse_ranges  # noqa: E402
-from postal import LoadRun, Minute, Tick, _drained, parse_minute  # noqa: E402
+from postal import LoadRun, Tick, _drained, parse_minute  # noqa: E402
 
 PY = sys.executable
 LOCUST = str(Path(sys.executable).parent / "locust")
