@@ -330,6 +330,12 @@ service imap-login {{
 service pop3 {{
   process_limit = 1000
 }}
+service anvil {{
+  client_limit = 2500
+}}
+service auth {{
+  client_limit = 2500
+}}
 service imap {{
   process_limit = 1000
 }}
