@@ -82,7 +82,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [t for t in args.targets if t not in TARGETS]
     if bad or not args.targets:
         p.error(f"--targets: choose from {', '.join(TARGETS)}")
-    args.out = args.out or Path("loadtest-results") / f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    # Absolute: the load generators run in directories of their own and read the users file from there.
+    args.out = (args.out or Path("loadtest-results") / f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
     return args
 
 
@@ -346,7 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(line)
     path = report.build([out], out, BASELINE_NAME, "cassmail vs Postfix+Dovecot", preface)
     say(f"\nreport: {path}")
-    return status
+    idle = [f"{r.server} {r.tool} {r.sizes}" for r in runs if r.total == 0]
+    if idle:
+        say(f"no message counted in: {', '.join(idle)} (see the notes in the report)")
+    return status or (1 if idle else 0)
 
 
 if __name__ == "__main__":

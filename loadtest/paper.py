@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="results (default loadtest-results/paper-<time>)")
     args = p.parse_args(argv)
     args.cl = [c.strip().upper() for c in args.cl.split(",") if c.strip()]
-    args.out = args.out or Path("loadtest-results") / f"paper-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    args.out = (args.out or Path("loadtest-results") / f"paper-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
     if args.timeline_rf > args.timeline_nodes:
         p.error("--timeline-rf must be <= --timeline-nodes")
     return args

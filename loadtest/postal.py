@@ -450,6 +450,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     admin.add_argument("--list-users", metavar="DOMAIN", help="only print the users of DOMAIN and exit")
     admin.add_argument("--remove-users", metavar="DOMAIN", help="only delete DOMAIN and all its users and exit")
     args = p.parse_args(argv)
+    args.out = args.out.resolve()  # the tools run in directories of their own and read the users file from there
     if args.create_users or args.list_users or args.remove_users:
         if not args.config:
             p.error("the user commands need --config (the node's settings)")
