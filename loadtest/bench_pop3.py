@@ -62,17 +62,13 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import dataclasses
 import email.utils
-import json
 import os
 import random
 import re
-import resource
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,48 +84,27 @@ from pathlib import Path
 from typing import Any
 
 from cassmail import config
-from cassmail.auth import HashParams, hash_password
+from cassmail.auth import hash_password
 from cassmail.config import ConfigError, Settings
 from cassmail.model import MessageSummary, uidl
 from cassmail.server import make_store
 from cassmail.store.base import Store, StoreError, Target
 
-#: Cheap password hashes: checking them is not what is measured.
-BENCH_HASH = HashParams(log2_n=10)
-PASSWORD = "pw"
-HOST = "127.0.0.1"
-CASSMAIL = str(Path(sys.executable).parent / "cassmail")
+import _common
+from _common import BENCH_HASH, HOST, PASSWORD, CassandraCpu, CassmailNode, delta, number, own_cpu, pid_cpu
+from _common import fmt as _fmt
+from _common import markdown
+
 #: Bytes per base64 line of the body pool (76 characters and CRLF).
 LINE = 78
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
 
 
 # --------------------------------------------------------------------------- arguments
 
 
-def parse_size(text: str) -> int:
-    """"50K" -> 50000 (decimal units, like MB/s)."""
-    t = text.strip().upper()
-    digits = t.rstrip("BKMG")
-    unit = t[len(digits) :]
-    if not digits or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500, 50K, 2M)")
-    try:
-        value = float(digits) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
-
-
 def parse_range(text: str) -> tuple[int, int]:
-    """"50K-500K" -> (50000, 500000); "100K" alone is a fixed size."""
-    lo_text, sep, hi_text = text.strip().partition("-")
-    lo = parse_size(lo_text)
-    hi = parse_size(hi_text) if sep else lo
-    if hi < lo:
-        raise argparse.ArgumentTypeError(f"range {text!r} ends below its start")
+    """"50K-500K" -> (50000, 500000); "100K" alone is a fixed size; at least 1K (room for the headers)."""
+    lo, hi = _common.parse_range(text)
     if lo < 1000:
         raise argparse.ArgumentTypeError(f"messages need at least 1K (room for the headers), got {text!r}")
     return lo, hi
@@ -143,19 +118,6 @@ def parse_page_sizes(text: str) -> list[int]:
     if not values or any(not 1 <= v <= 10_000 for v in values):
         raise argparse.ArgumentTypeError(f"page sizes must be 1..10000 (pop3.page_size), got {text!r}")
     return values
-
-
-def number(kind: type, minimum: float = 1) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
-        return value
-
-    return convert
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -215,116 +177,6 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
 
 # --------------------------------------------------------------------------- CPU accounting
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu() -> float:
-    """CPU seconds (user+system) of this process, all threads."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat from field 3 (state) on."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def pid_cpu(pid: int, reaped_children: bool = False) -> float | None:
-    """utime+stime of a process (every thread), plus its reaped children's if asked."""
-    f = _stat(pid)
-    if f is None:
-        return None
-    ticks = int(f[11]) + int(f[12]) + ((int(f[13]) + int(f[14])) if reaped_children else 0)
-    return ticks / _TICK
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            f = _stat(int(entry))
-            if f is not None:
-                children[int(f[1])].append(int(entry))
-    out, todo = [], [root]
-    while todo and len(out) < 10_000:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def tree_cpu(root: int) -> float | None:
-    """CPU seconds of a process and all its descendants, living or reaped."""
-    total = pid_cpu(root, reaped_children=True)
-    if total is None:
-        return None
-    return total + sum(pid_cpu(p) or 0.0 for p in descendants(root))
-
-
-def _listening_inodes(port: int) -> list[str]:
-    """Socket inodes in LISTEN state on a TCP port (one per SO_REUSEPORT listener)."""
-    inodes = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    cols = line.split()
-                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.append(cols[9])
-        except OSError:
-            continue
-    return inodes
-
-
-def _owns_socket(pid: int, inodes: set[str]) -> bool:
-    wanted = {f"socket:[{i}]" for i in inodes}
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
-                    return True
-    except OSError:
-        pass
-    return False
-
-
-class CassandraCpu:
-    """CPU seconds of the local CassandraDaemon serving the configured port."""
-
-    def __init__(self, contact_points: Sequence[str], port: int) -> None:
-        self.pids: list[int] = []
-        local = any(h in ("localhost", "::1") or h.startswith("127.") for h in contact_points)
-        if not local:
-            self.label = "Cassandra not on 127.0.0.0/8: its CPU not measured"
-            return
-        every = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    if b"CassandraDaemon" in fh.read():
-                        every.append(int(entry))
-        inodes = set(_listening_inodes(port))
-        self.pids = [p for p in every if inodes and _owns_socket(p, inodes)]
-        if self.pids:
-            others = len(every) - len(self.pids)
-            self.label = f"CassandraDaemon pid {','.join(map(str, self.pids))} (listening on :{port})" + (
-                f"; {others} other CassandraDaemon on this host not counted" if others else "")
-        else:
-            self.label = f"no visible CassandraDaemon listening on :{port}: not measured"
-
-    def sample(self) -> float | None:
-        values = [pid_cpu(p) for p in self.pids]
-        return sum(v for v in values if v is not None) if self.pids else None
-
-
-def delta(before: float | None, after: float | None) -> float | None:
-    return None if before is None or after is None else after - before
 
 
 # --------------------------------------------------------------------------- mail
@@ -434,115 +286,6 @@ async def snapshot(store: Store, users: Sequence[str]) -> dict[str, list[Message
 # --------------------------------------------------------------------------- the node
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise TypeError(value)
-
-
-def to_toml(obj: Any, prefix: str = "") -> str:
-    scalars, tables = [], []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            tables.append(to_toml(value, f"{prefix}{f.name}."))
-        else:
-            scalars.append(f"{f.name} = {_toml(value)}")
-    head = f"[{prefix[:-1]}]\n" if prefix else ""
-    return head + "\n".join(scalars) + "\n\n" + "".join(tables)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-class Node:
-    """One `cassmail --config FILE serve` with only POP3 enabled."""
-
-    def __init__(self, settings: Settings, page_size: int, workers: int, directory: Path, log_level: str) -> None:
-        s = dataclasses.replace(settings)
-        s.node = dataclasses.replace(settings.node, workers=workers, log_level=log_level)
-        for name in ("smtp", "submission", "lmtp", "imap"):
-            setattr(s, name, dataclasses.replace(getattr(settings, name), enabled=False))
-        self.port = free_port()
-        s.pop3 = dataclasses.replace(
-            settings.pop3, enabled=True, listen=f"{HOST}:{self.port}", allow_plaintext_auth=True,
-            page_size=page_size, auth_failure_delay=0.0, tls_cert="", tls_key="", implicit_tls=False,
-        )
-        config.validate(s)
-        self.workers = workers or os.cpu_count() or 1
-        self.config = directory / f"pop3-page{page_size}.toml"
-        self.config.write_text(to_toml(s))
-        self.log = self.config.with_suffix(".log")
-        self.process: subprocess.Popen[bytes] | None = None
-        self.children: set[int] = set()
-
-    def start(self, timeout: float = 60) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                [CASSMAIL, "--config", str(self.config), "serve"], stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"cassmail serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            # Every worker listens on its own SO_REUSEPORT socket: ready when all of them do.
-            if len(_listening_inodes(self.port)) >= self.workers and _greets(self.port):
-                self.children = set(descendants(self.process.pid))
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"cassmail serve did not come up in {timeout:.0f} s:\n{self.log_tail()}")
-
-    def cpu(self) -> float | None:
-        return tree_cpu(self.process.pid) if self.process else None
-
-    def stop(self, timeout: float = 30) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.children |= set(descendants(self.process.pid))
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-                for pid in self.children:  # the workers of the supervisor that had to be killed
-                    with contextlib.suppress(OSError):
-                        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                            if str(self.config).encode() in fh.read():
-                                os.kill(pid, signal.SIGKILL)
-        return self.process.returncode
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _greets(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=2) as sock:
-            sock.settimeout(5)
-            return sock.recv(100).startswith(b"+OK")
-    except OSError:
-        return False
-
-
 # --------------------------------------------------------------------------- a POP3 client
 
 
@@ -617,11 +360,8 @@ def unstuff(body: bytes) -> bytes:
 
 def pct(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (of seconds) in ms."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1] * 1000
+    value = _common.pct(values, q)
+    return None if value is None else value * 1000
 
 
 # --------------------------------------------------------------------------- drivers
@@ -986,20 +726,6 @@ def check_rabid(before: dict[str, list[MessageSummary]], after: dict[str, list[M
 # --------------------------------------------------------------------------- report
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def markdown(head: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-
-    sep = "|" + "|".join(("-" * (w + 2)) if i in left else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
-    return [line(head), sep, *(line(r) for r in rows)]
-
-
 def per_min(n: int | None, seconds: float) -> str:
     return "-" if n is None or seconds <= 0 else f"{n * 60 / seconds:.0f}"
 
@@ -1127,35 +853,39 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
         print(f"\n## page_size {page_size}: load average {' '.join(f'{x:.2f}' for x in result.loadavg)}; "
               f"{sum(len(v) for v in before.values())} messages in {len(before)} INBOXes; "
               f"~{tombstones // max(len(users), 1)} deleted rows per INBOX partition from earlier runs", flush=True)
-        node = Node(settings, page_size, args.workers, workdir, args.server_log_level)
-        node.start()
+        node = CassmailNode(settings, workdir, ["pop3"], args.workers, args.server_log_level,
+                            name=f"pop3-page{page_size}",
+                            pop3={"page_size": page_size, "tls_cert": "", "tls_key": "", "implicit_tls": False})
+        node.start(60)
+        port = node.ports["pop3"]
         try:
-            await warm_up(node.port, users, 4 * node.workers, args.io_timeout, result)
+            await warm_up(port, users, 4 * node.workers, args.io_timeout, result)
             if big_user:
-                await big_logins(node.port, big_user, args.big_mailbox, args.big_logins, args.io_timeout, result)
+                await big_logins(port, big_user, args.big_mailbox, args.big_logins, args.io_timeout, result)
                 print(f"  large mailbox login: {', '.join(f'{s * 1000:.0f}' for s in result.big)} ms "
                       f"(STAT after it {', '.join(f'{s * 1000:.1f}' for s in result.big_stat)} ms)", flush=True)
             marks: dict[str, float | None] = {}
 
             def mark_before() -> None:
-                marks.update(node=node.cpu(), cass=cass.sample(), own=own_cpu())
+                marks.update(node=node.cpu(), cass=cass.seconds(), own=own_cpu())
 
             if args.driver == "python":
                 mark_before()
-                await python_driver(node.port, users, expected, args, result)
+                await python_driver(port, users, expected, args, result)
                 result.driver_cpu = own_cpu() - (marks["own"] or 0.0)
                 result.driver_cpu_note = "this process (asyncio sessions)"
             else:
-                await rabid_driver(node.port, users, args, workdir, result, mark_before)
+                await rabid_driver(port, users, args, workdir, result, mark_before)
             result.cassmail_cpu = delta(marks.get("node"), node.cpu())
-            result.cassandra_cpu = delta(marks.get("cass"), cass.sample())
+            result.cassandra_cpu = delta(marks.get("cass"), cass.seconds())
             driver_end = time.time()
             await asyncio.sleep(2)  # let work of connections the driver dropped finish before SIGTERM
         finally:
-            code = node.stop()
+            node.stop()
+            code = node.process.returncode if node.process else None
         if code not in (0, None):
             result.error("serve exit", f"cassmail serve exited with {code}")
-        records = read_log(node.log)
+        records = read_log(node.log_path)
         for rec in records:
             if rec.get("level") not in ("warning", "error", "critical", "raw"):
                 continue

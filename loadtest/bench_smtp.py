@@ -51,16 +51,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import os
-import pwd
 import secrets
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +63,6 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from cassmail import config
 from cassmail.config import ConfigError, Settings
@@ -76,20 +70,15 @@ from cassmail.server import make_store
 from cassmail.store.base import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_store import CassandraCpu, _listening_inodes, human, make_users, parse_ranges, positive  # noqa: E402
+from _common import (RF1_CL_ONE, CassandraCpu, CassmailNode, children_map, count_inboxes,  # noqa: E402
+                     die_with_us, human, machine_cpu, make_users, parse_ranges, positive, run_cmd, tree_cpu)
+from baseline import Postfix, ensure_packages  # noqa: E402
+from postal import POSTAL_HEADERS, UNLIMITED_RATE, Minute, parse_minute  # noqa: E402
 
-CASSMAIL = Path(sys.executable).parent / "cassmail"
-POSTFIX_LIB = "/usr/lib/postfix/"
-#: Postal's -r: messages per minute over all threads. Its default (24,000/min) is below what a
-#: fast server takes at 50 KB-500 KB, so the cap is lifted.
-POSTAL_RATE = 1_000_000
 #: A run waits at most this long for Cassandra to calm down (flushes, compaction) first.
 QUIET_MAX = 60.0
 #: ... and calls it calm below this many cores.
 QUIET_CORES = 0.25
-#: Seconds the Postfix queue may take to empty after a run before its count is taken anyway.
-QUEUE_DRAIN_MAX = 300.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- arguments
@@ -136,23 +125,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-#: Settings the issue fixes for this benchmark; they win over --config and --set.
-FIXED = {
-    "store.backend": "cassandra",
-    "store.cassandra.replication_strategy": "SimpleStrategy",
-    "store.cassandra.replication_factor": "1",
-    "store.cassandra.read_consistency": "ONE",
-    "store.cassandra.write_consistency": "ONE",
-}
 
 
 def load_settings(args: argparse.Namespace) -> tuple[Settings, list[str]]:
     notes = []
     for item in args.overrides:
         key = item.split("=", 1)[0].strip()
-        if key in FIXED or key == "store.cassandra.keyspace":
+        if key in RF1_CL_ONE or key == "store.cassandra.keyspace":
             notes.append(f"--set {key} ignored: this benchmark always uses a fresh keyspace, RF=1 and CL=ONE")
-    fixed = [f"{k}={v}" for k, v in FIXED.items()]
+    fixed = [f"{k}={v}" for k, v in RF1_CL_ONE.items()]
     fixed.append(f"store.cassandra.keyspace=bench_smtp_{secrets.token_hex(5)}")
     return config.load(args.config, overrides=[*args.overrides, *fixed]), notes
 
@@ -164,143 +145,10 @@ def log(text: str = "") -> None:
     print(text, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def smtp_banner(port: int, timeout: float = 2.0) -> str | None:
-    """The 220 greeting of a server on 127.0.0.1:port, or None."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-            data = sock.recv(512).decode("ascii", "replace")
-            try:
-                sock.sendall(b"QUIT\r\n")
-                sock.recv(512)
-            except OSError:
-                pass
-            return data.strip() if data.startswith("220") else None
-    except OSError:
-        return None
-
-
-def die_with_us(cmd: list[str]) -> list[str]:
-    """`cmd` run through util-linux setpriv so that it gets SIGTERM if this process dies
-    (PR_SET_PDEATHSIG, which survives the exec), where setpriv exists. Start such children from the
-    main thread: the signal follows the thread that forked them."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise TypeError(value)
-
-
-def to_toml(obj: Any, prefix: str = "") -> str:
-    """Settings written back as a TOML file (as tests/nodes.py does)."""
-    scalars, tables = [], []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            tables.append(to_toml(value, f"{prefix}{f.name}."))
-        else:
-            scalars.append(f"{f.name} = {_toml(value)}")
-    head = f"[{prefix[:-1]}]\n" if prefix else ""
-    return head + "\n".join(scalars) + "\n\n" + "".join(tables)
-
-
-def run_cmd(cmd: list[str], timeout: float = 120, check: bool = True, env: dict[str, str] | None = None) -> str:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {out.returncode}: {(out.stderr or out.stdout).strip()}")
-    return out.stdout
-
-
 # --------------------------------------------------------------------------- packages
 
 
-def ensure_packages(want_postfix: bool) -> None:
-    """Install postal (and postfix) from Debian when missing; Postfix without a system instance."""
-    missing = []
-    if shutil.which("postal") is None and not Path("/usr/sbin/postal").exists():
-        missing.append("postal")
-    if want_postfix and not (Path("/usr/sbin/postfix").exists() and Path("/usr/sbin/postconf").exists()):
-        missing.append("postfix")
-    if not missing:
-        return
-    if os.geteuid() != 0:
-        raise RuntimeError(f"missing Debian packages {' '.join(missing)}: install them (needs root)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if "postfix" in missing:
-        # "No configuration": the package writes no main.cf and starts no instance on port 25.
-        subprocess.run(["debconf-set-selections"], input="postfix postfix/main_mailer_type select No configuration\n",
-                       text=True, check=False, timeout=60)
-    log(f"installing {' '.join(missing)} (apt-get install -y)")
-    cmd = ["apt-get", "install", "-y", "-q", *missing]
-    if subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode != 0:
-        run_cmd(["apt-get", "update", "-q"], timeout=600, env=env)
-        run_cmd(cmd, timeout=600, env=env)
-
-
 # --------------------------------------------------------------------------- CPU accounting
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields:
-                kids.setdefault(int(fields[1]), []).append(int(entry))
-    return kids
-
-
-def tree_cpu(root: int | None, kids: dict[int, list[int]]) -> float | None:
-    """CPU seconds of a process and all its descendants: for every live one utime+stime, plus
-    cutime+cstime (its children that already exited and were reaped: Postfix's short-lived
-    smtpd/cleanup/virtual processes end up in the master's). None if the root is gone."""
-    if root is None or _stat(root) is None:
-        return None
-    total, todo, seen = 0, [root], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        fields = _stat(pid)
-        if fields is None:
-            continue
-        total += sum(int(fields[i]) for i in (11, 12, 13, 14))
-        todo.extend(kids.get(pid, ()))
-    return total / CLK_TCK
-
-
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    with open("/proc/stat") as fh:
-        parts = [int(x) for x in fh.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    total = sum(parts[:8])
-    return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
 GROUPS = ("cassmail", "Cassandra", "postal", "Postfix")
@@ -323,7 +171,7 @@ class CpuMeter:
         self.postal_pid: int | None = None
 
     def sample(self) -> Sample:
-        kids = _children_map()
+        kids = children_map()
         cass = self.cass.sample() if self.cass.enabled else {}
         return Sample(
             time.monotonic(),
@@ -349,315 +197,10 @@ class CpuMeter:
 # --------------------------------------------------------------------------- cassmail
 
 
-class Cassmail:
-    """One `cassmail serve` process with only the MX listener."""
-
-    def __init__(self, settings: Settings, workdir: Path, workers: int) -> None:
-        s = dataclasses.replace(settings)
-        s.node = dataclasses.replace(settings.node, name="bench-cassmail.localhost", workers=workers,
-                                     log_level="WARNING")
-        self.port = free_port()
-        for name in ("smtp", "submission", "lmtp", "pop3", "imap"):
-            listener = dataclasses.replace(getattr(settings, name))
-            listener.enabled = name == "smtp"
-            listener.listen = f"127.0.0.1:{self.port}" if name == "smtp" else "127.0.0.1:0"
-            setattr(s, name, listener)
-        self.settings = s
-        self.workers = workers or os.cpu_count() or 1
-        self.config = workdir / "cassmail.toml"
-        self.config.write_text(to_toml(s))
-        self.log_path = workdir / "cassmail.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def spawn(self) -> None:
-        cmd = [str(CASSMAIL), "--config", str(self.config), "serve"] if CASSMAIL.exists() else \
-              [sys.executable, "-c", "import sys; from cassmail.cli import main; sys.exit(main())",
-               "--config", str(self.config), "serve"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
-        with open(self.log_path, "wb") as out:
-            self.process = subprocess.Popen(die_with_us(cmd), stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env)
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"cassmail serve exited with {self.process.returncode}:\n{self.log_text()}")
-            # Every worker binds its own listening socket (SO_REUSEPORT): wait for all of them.
-            if len(_listening_inodes(self.port)) >= self.workers and smtp_banner(self.port):
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"cassmail serve did not listen with {self.workers} workers in {timeout:g} s:\n"
-                           f"{self.log_text()}")
-
-    def stop(self, timeout: float = 30) -> str:
-        p = self.process
-        if p is None or p.poll() is not None:
-            return "not running"
-        p.send_signal(signal.SIGTERM)
-        try:
-            code = p.wait(timeout)
-            return f"stopped (exit {code})"
-        except subprocess.TimeoutExpired:
-            for pid in _descendants(p.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.kill()
-            p.wait(10)
-            return f"killed after {timeout:g} s"
-
-    def log_text(self, last: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-last:]
-        except OSError:
-            return ""
-
-
-def _descendants(root: int) -> list[int]:
-    kids = _children_map()
-    out, todo = [], list(kids.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(kids.get(pid, ()))
-    return out
-
-
-async def count_cassmail(store: Store, users: list[str], concurrency: int = 32) -> tuple[int, int]:
-    """(messages, bytes) in the INBOX of every user, listed through the Store API."""
-    limit = asyncio.Semaphore(concurrency)
-    totals = [0, 0]
-
-    async def one(user: str) -> None:
-        async with limit:
-            async for summary in store.list_messages(user, "INBOX"):
-                totals[0] += 1
-                totals[1] += summary.size
-
-    await asyncio.gather(*(one(u) for u in users))
-    return totals[0], totals[1]
-
-
 # --------------------------------------------------------------------------- Postfix
 
 
-class Postfix:
-    """A Postfix instance of its own (`postfix -c DIR`): /etc/postfix is never read or written."""
-
-    def __init__(self, workdir: Path, domain: str, users: list[str]) -> None:
-        self.dir = workdir / "postfix"
-        self.queue = self.dir / "queue"
-        self.mail = self.dir / "mail"
-        self.port = free_port()
-        self.domain = domain
-        self.users = users
-        self.changes: list[str] = []
-        self.started = False
-
-    def postconf(self, *args: str) -> None:
-        cmd = ["postconf", "-c", str(self.dir), *args]
-        run_cmd(cmd)
-        head = [a for a in cmd if a.startswith("-") or a in ("postconf", str(self.dir))]
-        self.changes.append(" ".join(head))
-        self.changes += [f"    {a!r}" for a in cmd[len(head):]]
-
-    def configure(self) -> None:
-        for d in (self.dir, self.queue, self.dir / "data", self.mail):
-            d.mkdir(parents=True, exist_ok=True)
-        # virtual(8) delivers as nobody (a static uid), Postfix runs as the postfix user: both need
-        # to get through the temporary directory.
-        os.chmod(self.dir.parent, 0o755)
-        os.chmod(self.dir, 0o755)
-        os.chown(self.mail, 65534, 65534)
-        pw = pwd.getpwnam("postfix")
-        os.chown(self.dir / "data", pw.pw_uid, pw.pw_gid)  # master refuses to start otherwise
-        shutil.copy("/etc/postfix/master.cf", self.dir / "master.cf")
-        (self.dir / "main.cf").write_text("")
-        (self.dir / "vmailbox").write_text(
-            "".join(f"{u} {self.domain}/{u.split('@', 1)[0]}/\n" for u in self.users)  # trailing / = Maildir
-        )
-        self.postconf(
-            "-e",
-            "compatibility_level = 3.6",
-            f"queue_directory = {self.queue}",
-            f"data_directory = {self.dir / 'data'}",
-            "myhostname = bench-postfix.localhost",
-            "inet_interfaces = loopback-only",
-            "inet_protocols = ipv4",
-            "mynetworks = 127.0.0.0/8",
-            "mydestination =",
-            "relay_domains =",
-            "relayhost =",
-            "local_recipient_maps =",
-            "alias_maps =",
-            "alias_database =",
-            f"virtual_mailbox_domains = {self.domain}",
-            f"virtual_mailbox_maps = texthash:{self.dir / 'vmailbox'}",
-            f"virtual_mailbox_base = {self.mail}",
-            "virtual_uid_maps = static:65534",
-            "virtual_gid_maps = static:65534",
-            "virtual_mailbox_limit = 0",
-            "message_size_limit = 67108864",
-            "smtp_host_lookup = native",
-            "disable_dns_lookups = yes",
-            "smtpd_peername_lookup = no",
-            "header_checks =",
-            "body_checks =",
-            "mime_header_checks =",
-            "nested_header_checks =",
-            "smtpd_client_restrictions =",
-            "smtpd_helo_restrictions =",
-            "smtpd_sender_restrictions =",
-            "smtpd_relay_restrictions = permit_mynetworks, reject_unauth_destination",
-            "smtpd_recipient_restrictions =",
-            "smtpd_tls_security_level = none",
-            "smtp_tls_security_level = none",
-            "biff = no",
-        )
-        # master.cf: no smtpd on port 25, one on our port, no chroot (the queue is in a temp dir).
-        self.postconf("-MX", "smtp/inet")
-        self.postconf("-M", f"127.0.0.1:{self.port}/inet = 127.0.0.1:{self.port} inet n - n - - smtpd")
-        self.postconf("-F", "*/*/chroot = n")
-        run_cmd(["postfix", "-c", str(self.dir), "check"])
-
-    def start(self, timeout: float = 60) -> None:
-        try:
-            run_cmd(["postfix", "-c", str(self.dir), "start"])
-        except RuntimeError:
-            # Postfix logs to syslog, which may not exist here: once more with a log file, to say why.
-            run_cmd(["postconf", "-c", str(self.dir), "-e", f"maillog_file = {self.dir / 'maillog'}"])
-            out = subprocess.run(["postfix", "-c", str(self.dir), "start"], capture_output=True, text=True,
-                                 timeout=120)
-            if out.returncode == 0:
-                subprocess.run(["postfix", "-c", str(self.dir), "stop"], capture_output=True, timeout=60)
-            raise RuntimeError(f"postfix -c {self.dir} start failed:\n{out.stdout}{out.stderr}") from None
-        self.started = True
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.master_pid() and smtp_banner(self.port):
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"Postfix did not answer on 127.0.0.1:{self.port} in {timeout:g} s")
-
-    def master_pid(self) -> int | None:
-        try:
-            pid = int((self.queue / "pid" / "master.pid").read_text().strip())
-        except (OSError, ValueError):
-            return None
-        return pid if _stat(pid) is not None else None
-
-    def stop(self, timeout: float = 30) -> str:
-        if not self.started:
-            return "not started"
-        master = self.master_pid()
-        if master is None:
-            return "not running"
-        procs = [master, *_descendants(master)]
-        subprocess.run(["postfix", "-c", str(self.dir), "stop"], capture_output=True, timeout=60)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(_alive(p) for p in procs):
-            time.sleep(0.2)
-        left = [p for p in procs if _alive(p)]
-        if not left:
-            self.started = False
-            return "stopped"
-        subprocess.run(["postfix", "-c", str(self.dir), "abort"], capture_output=True, timeout=60)
-        time.sleep(1)
-        for pid in left:
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.started = False
-        return f"aborted ({len(left)} processes did not stop in {timeout:g} s)"
-
-    def queued(self) -> int:
-        n = 0
-        for sub in ("maildrop", "incoming", "active", "deferred", "hold"):
-            for _, _, files in os.walk(self.queue / sub):
-                n += len(files)
-        return n
-
-    def delivered(self) -> tuple[int, int]:
-        """(messages, bytes) in the Maildirs (new/ and cur/)."""
-        n = size = 0
-        base = self.mail / self.domain
-        if not base.is_dir():
-            return 0, 0
-        for user in os.scandir(base):
-            for sub in ("new", "cur"):
-                try:
-                    for entry in os.scandir(os.path.join(user.path, sub)):
-                        n += 1
-                        size += entry.stat().st_size
-                except FileNotFoundError:
-                    continue
-        return n, size
-
-    def wait_queue_empty(self, limit: float = QUEUE_DRAIN_MAX) -> tuple[float, int]:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < limit:
-            if self.queued() == 0:
-                break
-            time.sleep(0.5)
-        return time.monotonic() - t0, self.queued()
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
-
-
 # --------------------------------------------------------------------------- postal
-
-
-@dataclass
-class Minute:
-    clock: str
-    messages: int
-    kib: int
-    errors: int
-    connections: int
-    #: Times 4 GiB was added back to postal's data column (see parse_minute).
-    wraps: int = 0
-
-    @property
-    def bytes(self) -> int:
-        return self.kib * 1024 + self.wraps * WRAP
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / 60
-
-
-#: postal counts a minute's bytes in a 32-bit counter: past 4 GiB a minute (71.6 MB/s) its data(K)
-#: column starts again from 0. Seen here: Postfix at 200K-2M, 5,219 messages of ~1.1 MB (5.8 GB) in a
-#: minute printed as 1.48 GB.
-WRAP = 1 << 32
-#: Bytes postal adds to each message body (its headers), measured with a counting SMTP sink.
-POSTAL_HEADERS = 450
-
-
-def parse_minute(line: str, mean_size: float = 0.0) -> Minute | None:
-    """One of postal's per-minute lines: `HH:MM,messages,data(K),errors,connections,SSL connections`.
-
-    With `mean_size` (the mean message size postal sends, in bytes) a data column that wrapped
-    around at 4 GiB is corrected: the number of wraps is the one that brings the bytes closest to
-    messages x mean_size (unambiguous while that estimate is off by less than 2 GiB)."""
-    parts = line.strip().split(",")
-    if len(parts) < 5 or ":" not in parts[0]:
-        return None
-    try:
-        minute = Minute(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]))
-    except ValueError:
-        return None
-    if mean_size > 0:
-        minute.wraps = max(0, round((minute.messages * mean_size - minute.kib * 1024) / WRAP))
-    return minute
 
 
 @dataclass
@@ -737,7 +280,7 @@ async def run_postal(
     run.load = os.getloadavg()[0]
     lo_k, hi_k = max(0, round(lo / 1024)), max(1, round(hi / 1024))
     cmd = ["postal", "-t", str(args.threads), "-c", str(args.per_connection), "-M", str(lo_k), "-m", str(hi_k),
-           "-r", str(POSTAL_RATE), f"[127.0.0.1]{port}", str(users_file)]
+           "-r", str(UNLIMITED_RATE), f"[127.0.0.1]{port}", str(users_file)]
     run.command = cmd
     mean_size = (lo_k + hi_k) / 2 * 1024 + POSTAL_HEADERS
     log(f"\n## {server}, {label}: load average {run.load:.2f} at start (waited {run.waited:.0f} s for a quiet "
@@ -878,7 +421,7 @@ def describe(settings: Settings, args: argparse.Namespace, cass: CassandraCpu) -
         f"SimpleStrategy RF=1, read ONE, write ONE",
         f"cassmail           {workers} worker(s), log level WARNING, MX listener only",
         f"postal             {args.threads} threads, 1..{args.per_connection} messages per connection, "
-        f"one recipient per message out of {args.users} users, -r {POSTAL_RATE}",
+        f"one recipient per message out of {args.users} users, -r {UNLIMITED_RATE}",
         f"sizes              {', '.join(f'{human(lo)}-{human(hi)}' for lo, hi in args.sizes)} "
         f"(uniform; decimal, passed to postal in KiB)",
         f"per run            {args.minutes} measured minute(s) after postal's first, partial minute",
@@ -903,7 +446,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_smtp: sizes up to {max(too_big)} exceed store.max_message_size", file=sys.stderr)
         return 2
     try:
-        await asyncio.to_thread(ensure_packages, args.postfix)
+        await asyncio.to_thread(ensure_packages, True, args.postfix, False, log)
     except Exception as exc:  # noqa: BLE001
         print(f"bench_smtp: {exc}", file=sys.stderr)
         return 2
@@ -921,7 +464,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
     labels = [f"{human(lo)}-{human(hi)}" for lo, hi in args.sizes]
     runs: list[Run] = []
     store: Store | None = None
-    cassmail: Cassmail | None = None
+    cassmail: CassmailNode | None = None
     postfix: Postfix | None = None
     made = False
     status = 0
@@ -947,12 +490,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
             f"{time.perf_counter() - t:.1f} s")
 
         if args.cassmail:
-            cassmail = Cassmail(settings, workdir, args.workers)
+            cassmail = CassmailNode(settings, workdir, ["smtp"], args.workers)
             t = time.perf_counter()
-            cassmail.spawn()
-            await asyncio.to_thread(cassmail.wait_ready)
-            meter.cassmail_pid = cassmail.process.pid if cassmail.process else None
-            log(f"cassmail serve pid {meter.cassmail_pid} on 127.0.0.1:{cassmail.port} with {cassmail.workers} "
+            await asyncio.to_thread(cassmail.start)
+            meter.cassmail_pid = cassmail.pid
+            log(f"cassmail serve pid {meter.cassmail_pid} on 127.0.0.1:{cassmail.ports['smtp']} with {cassmail.workers} "
                 f"worker(s), up in {time.perf_counter() - t:.1f} s (config {cassmail.config})")
         if args.postfix:
             postfix = Postfix(workdir, domain, users)
@@ -969,11 +511,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
         pf_counted = (0, 0)
         for (lo, hi), label in zip(args.sizes, labels):
             if cassmail is not None:
-                run = await run_postal("cassmail", cassmail.port, label, lo, hi, args, users_file, meter, workdir)
+                run = await run_postal("cassmail", cassmail.ports["smtp"], label, lo, hi, args, users_file, meter, workdir)
                 runs.append(run)
                 if cassmail.process is not None and cassmail.process.poll() is not None:
                     run.notes.append(f"cassmail serve exited with {cassmail.process.returncode}")
-                now = await count_cassmail(store, users)
+                now = await count_inboxes(store, users)
                 run.delivered, run.delivered_bytes = now[0] - counted[0], now[1] - counted[1]
                 counted = now
             if postfix is not None:

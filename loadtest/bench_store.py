@@ -31,9 +31,7 @@ import argparse
 import asyncio
 import os
 import random
-import resource
 import secrets
-import socket
 import sys
 import time
 import traceback
@@ -43,65 +41,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from cassmail import config
-from cassmail.auth import HashParams, hash_password
 from cassmail.config import ConfigError, Settings
 from cassmail.server import make_store
 from cassmail.store.base import Store, StoreError, Target
 
-#: Cheap password hashes: user creation is setup, not what is measured.
-BENCH_HASH = HashParams(log2_n=10)
+from _common import CassandraCpu, human, make_users, own_cpu, parse_ranges, positive
+from _common import fmt as _fmt
+
 LIST_LIMIT = 500
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
 
 
 # --------------------------------------------------------------------------- arguments
-
-
-def parse_size(text: str) -> int:
-    """"50K" -> 50000: decimal units, so sizes and MB/s use the same megabyte."""
-    t = text.strip().upper()
-    digits = t.rstrip("BKMG")
-    unit = t[len(digits) :]
-    if not digits or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500, 50K, 2M)")
-    try:
-        value = float(digits) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
-
-
-def parse_ranges(text: str) -> list[tuple[int, int]]:
-    """"50K-500K,200K-2M" -> [(50000, 500000), (200000, 2000000)]; "100K" alone is a fixed size."""
-    ranges = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo_text, sep, hi_text = part.partition("-")
-        lo = parse_size(lo_text)
-        hi = parse_size(hi_text) if sep else lo
-        if hi < lo:
-            raise argparse.ArgumentTypeError(f"range {part!r} ends below its start")
-        ranges.append((lo, hi))
-    if not ranges:
-        raise argparse.ArgumentTypeError("--sizes needs at least one range")
-    return ranges
-
-
-def positive(kind: type) -> Callable[[str], int | float]:
-    def convert(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return value
-
-    return convert
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -142,126 +92,6 @@ def load_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
 
 
 # --------------------------------------------------------------------------- CPU accounting
-
-
-def own_cpu() -> float:
-    """CPU seconds (user+system) of this process, the driver's I/O threads included."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _is_local_address(host: str) -> bool:
-    """True when host names this machine: it is loopback, or we can bind to it."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False
-    for family, _, _, _, addr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr[0], 0))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def _cassandra_pids() -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if b"CassandraDaemon" in fh.read():
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return sorted(pids)
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on a TCP port (this network namespace)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    cols = line.split()
-                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(cols[9])
-        except OSError:
-            continue
-    return inodes
-
-
-def _owns_socket(pid: int, inodes: set[str]) -> bool:
-    wanted = {f"socket:[{i}]" for i in inodes}
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return False
-
-
-class CassandraCpu:
-    """CPU seconds of the local CassandraDaemon JVM(s) serving the benchmarked port.
-
-    Other nodes on this host are left out when the one listening on our port can be
-    told apart; otherwise every CassandraDaemon is counted and the label says so.
-    """
-
-    def __init__(self, contact_points: Sequence[str] | None, port: int = 0) -> None:
-        self.pids: list[int] = []
-        self._tick = os.sysconf("SC_CLK_TCK")
-        if contact_points is None:
-            self.label = "backend is not cassandra"
-            return
-        self.label = "Cassandra not on this host: its CPU not measured"
-        if not any(_is_local_address(h) for h in contact_points):
-            return
-        every = _cassandra_pids()
-        if not every:
-            self.label = "local, but no CassandraDaemon process visible (container?): not measured"
-            return
-        inodes = _listening_inodes(port)
-        ours = [pid for pid in every if inodes and _owns_socket(pid, inodes)]
-        if ours:
-            self.pids = ours
-            others = len(every) - len(ours)
-            self.label = f"CassandraDaemon pid {','.join(map(str, ours))} (listening on :{port})" + (
-                f"; {others} other CassandraDaemon on this host not counted" if others else ""
-            )
-        else:
-            self.pids = every
-            self.label = f"all CassandraDaemon pids {','.join(map(str, every))} (owner of :{port} not identified)"
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.pids)
-
-    def sample(self) -> dict[int, float]:
-        out = {}
-        for pid in self.pids:
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
-                out[pid] = (int(fields[11]) + int(fields[12])) / self._tick
-            except (OSError, IndexError, ValueError):
-                continue
-        return out
-
-    @staticmethod
-    def delta(before: dict[int, float], after: dict[int, float]) -> float | None:
-        common = before.keys() & after.keys()
-        return sum(after[p] - before[p] for p in common) if common else None
 
 
 # --------------------------------------------------------------------------- phases
@@ -409,13 +239,6 @@ class Bench:
 # --------------------------------------------------------------------------- setup and report
 
 
-def human(n: int) -> str:
-    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= scale and n % (scale // 1000 or 1) == 0:
-            return f"{n / scale:g}{unit}"
-    return str(n)
-
-
 def describe(settings: Settings, args: argparse.Namespace, created: bool, store: Store | None = None) -> list[str]:
     """The settings that decide the numbers, one per line."""
     s = settings.store
@@ -450,10 +273,6 @@ def describe(settings: Settings, args: argparse.Namespace, created: bool, store:
     return lines
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(results: list[PhaseResult], cass_on: bool) -> list[str]:
     head = ["phase", "sizes", "ops", "errors", "s", "ops/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "bench CPU s"]
     if cass_on:
@@ -478,20 +297,6 @@ def table(results: list[PhaseResult], cass_on: bool) -> list[str]:
 
     sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
     return [line(head), sep, *(line(r) for r in rows)]
-
-
-async def make_users(store: Store, domain: str, n: int, concurrency: int) -> list[str]:
-    """Create the bench users, `concurrency` at a time (each creation is a lightweight transaction)."""
-    hashed = hash_password("pw", BENCH_HASH)  # one hash for all: hashing is not what is measured
-    limit = asyncio.Semaphore(concurrency)
-    users = [f"u{i:04d}@{domain}" for i in range(n)]
-
-    async def one(user: str) -> None:
-        async with limit:
-            await store.create_user(user, hashed)
-
-    await asyncio.gather(*(one(u) for u in users))
-    return users
 
 
 async def delete_users(store: Store, users: list[str], concurrency: int) -> list[str]:

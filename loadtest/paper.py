@@ -1,0 +1,225 @@
+"""The CassMail paper's figures 3-6, scaled to one machine, on a local cluster (`cassmail cluster`).
+
+    .venv/bin/python loadtest/paper.py                      # the sweep and the timeline: hours
+    .venv/bin/python loadtest/paper.py --nodes 1,3 --rf 1,3 --seconds 120 --no-timeline
+
+- Figures 3-5 (the sweep): for every node count N in --nodes, replication factor R <= N in
+  --rf and consistency level in --cl: `cassmail -o ...consistency=CL cluster up --nodes N --rf R`
+  (a fresh cluster directory and keyspace per N and R), a fresh domain of --users users, then
+  postal for --seconds per size range against every node's SMTP listener at once (postal's
+  round-robin list, --threads per node), then `cassmail cluster down`. One row per
+  (N, R, CL, sizes): msgs/min (mean ± sd of the averaged intervals), MB/s, errors.
+- Figure 6 (the timeline): a --timeline-nodes cluster at RF --timeline-rf, postal for
+  --timeline-minutes with one sample a minute, and `cassmail cluster kill K` (SIGKILL of node K's
+  Cassandra) at minute --kill-at; once at CL ONE and once at ALL. Postal sends only to the front
+  ends of the other nodes, so what the plot shows is the store losing a replica.
+Everything is written as postal.py runs into --out and turned into report.md by report.py.
+
+The cluster commands are the documented interface of `cassmail cluster` (up --nodes N --rf R,
+kill N, start N, down); the cluster's base directory is set per run through $CASSMAIL_CLUSTER,
+and its client settings (base/cassmail.toml) reach the store for users and counts. Every postal
+run is bounded by --seconds (the timeline by --timeline-minutes); a cluster brought up here is
+always taken down, also after an error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from cassmail import config
+
+import report
+from _common import CASSMAIL, count_inboxes, make_users, number, parse_ranges, range_label
+from postal import LoadRun, StoreSide, run_postal, write_users
+
+#: The ports `cassmail cluster up` gives every node by default; --port-offset moves them all, so a
+#: paper run can share the machine with a cluster or `make run` on the defaults.
+CLUSTER_PORTS = {"native": 9042, "storage": 7000, "smtp": 2525, "submission": 2587, "pop3": 1110, "imap": 1143}
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need integers >= 1, got {text!r}")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="The CassMail paper's sweeps (nodes, RF, CL) and failure timeline.")
+    p.add_argument("--nodes", type=int_list, default=[1, 2, 3], help="node counts (default 1,2,3)")
+    p.add_argument("--rf", type=int_list, default=[1, 2, 3], help="replication factors, each <= nodes (default 1,2,3)")
+    p.add_argument("--cl", default="ONE,ALL", help="write (and read) consistency levels (default ONE,ALL)")
+    p.add_argument("--sizes", type=parse_ranges, default=parse_ranges("200K-2M,50K-500K"))
+    p.add_argument("--seconds", type=number(float), default=180.0, help="each sweep run (default 180)")
+    p.add_argument("--interval", type=number(float, 0.5), default=30.0, help="sweep sample interval (default 30)")
+    p.add_argument("--average-last", type=number(int), default=4)
+    p.add_argument("--users", type=number(int), default=100)
+    p.add_argument("--threads", type=number(int), default=16, help="postal threads per front end (default 16)")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false")
+    p.add_argument("--timeline-nodes", type=number(int), default=3)
+    p.add_argument("--timeline-rf", type=number(int), default=3)
+    p.add_argument("--timeline-minutes", type=number(int), default=10)
+    p.add_argument("--kill-at", type=number(float, 0), default=3.0, help="minute the node is killed (default 3)")
+    p.add_argument("--kill-node", type=number(int), default=None, help="node killed (default: the last)")
+    p.add_argument("--timeline-sizes", type=parse_ranges, default=parse_ranges("50K-500K"))
+    p.add_argument("--heap-mb", type=number(int), default=768, help="Cassandra heap per node (default 768)")
+    p.add_argument("--port-offset", type=number(int, 0), default=0,
+                   help="added to every port of the cluster (default 0: CQL 9042, SMTP 2525, ...)")
+    p.add_argument("--base", type=Path, default=Path("var/paper"), help="cluster directories (default var/paper)")
+    p.add_argument("--out", type=Path, help="results (default loadtest-results/paper-<time>)")
+    args = p.parse_args(argv)
+    args.cl = [c.strip().upper() for c in args.cl.split(",") if c.strip()]
+    args.out = (args.out or Path("loadtest-results") / f"paper-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
+    if args.timeline_rf > args.timeline_nodes:
+        p.error("--timeline-rf must be <= --timeline-nodes")
+    return args
+
+
+class Cluster:
+    """`cassmail cluster` in a directory of its own; `with` takes it down whatever happens."""
+
+    def __init__(self, base: Path, nodes: int, rf: int, cl: str, keyspace: str, heap_mb: int,
+                 port_offset: int = 0) -> None:
+        self.base, self.nodes, self.rf, self.cl = base, nodes, rf, cl
+        self.keyspace, self.heap_mb = keyspace, heap_mb
+        self.ports = {name: port + port_offset for name, port in CLUSTER_PORTS.items()}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
+        self.env["CASSMAIL_CLUSTER"] = str(base)
+        self.upped = False
+
+    def cassmail(self, *args: str, timeout: float = 900) -> str:
+        overrides = []
+        for key, value in (("keyspace", self.keyspace), ("read_consistency", self.cl),
+                           ("write_consistency", self.cl)):
+            overrides += ["-o", f"store.cassandra.{key}={value}"]
+        cmd = [str(CASSMAIL), *overrides, "cluster", *args]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env,
+                             stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {out.returncode}: {(out.stderr or out.stdout).strip()}")
+        return out.stdout
+
+    def __enter__(self) -> Cluster:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.upped = True
+        ports = [x for name, port in self.ports.items() for x in (f"--{name}-port", str(port))]
+        say(self.cassmail("up", "--nodes", str(self.nodes), "--rf", str(self.rf), "--heap-mb", str(self.heap_mb), *ports))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.upped:
+            try:
+                say(self.cassmail("down").strip())
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                say(f"cluster down failed: {err}")
+
+    def client_settings(self) -> config.Settings:
+        return config.load(self.base / "cassmail.toml", env={})
+
+    def smtp_servers(self, skip: int | None = None) -> list[tuple[str, int]]:
+        return [(f"127.0.0.{i}", self.ports["smtp"]) for i in range(1, self.nodes + 1) if i != skip]
+
+
+def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seconds: float, interval: float,
+            average_last: int, args: argparse.Namespace, out: Path, kill: tuple[float, int] | None = None) -> list[LoadRun]:
+    """Users in a fresh domain, then postal per size range against the cluster's front ends."""
+    side = StoreSide(cluster.client_settings())
+    runs = []
+    try:
+        domain = f"paper-{secrets.token_hex(4)}.example"
+        side.call(side.store.add_domain(domain))
+        users = side.call(make_users(side.store, domain, args.users))
+        postal_users, _ = write_users(users, out / "users" / "".join(c if c.isalnum() else "-" for c in label))
+        for lo, hi in sizes:
+            actions = None
+            skip = None
+            if kill is not None:
+                at, node = kill
+                skip = node
+                actions = {at: lambda n=node: (cluster.cassmail("kill", str(n)), f"killed node {n}'s Cassandra")[1]}
+            before = side.call(count_inboxes(side.store, users))
+            run = run_postal(label, cluster.smtp_servers(skip), (lo, hi), postal_users, out, seconds, args.threads,
+                             interval=interval, average_last=average_last, actions=actions, say=say)
+            try:
+                run.server_before, run.server_after = before, side.call(count_inboxes(side.store, users))
+            except Exception as exc:  # noqa: BLE001 - at CL=ALL with a node down the count itself fails
+                run.notes.append(f"could not count the mailboxes after the run: {type(exc).__name__}: {exc}")
+            run.settings.update({"nodes": str(cluster.nodes), "rf": str(cluster.rf), "cl": cluster.cl,
+                                 "sizes": range_label(lo, hi)})
+            run.save(out / "json")
+            runs.append(run)
+    finally:
+        side.close()
+    return runs
+
+
+def on_cluster(args: argparse.Namespace, out: Path, n: int, rf: int, cl: str, name: str, label: str,
+               sizes: Sequence[tuple[int, int]], seconds: float, interval: float, average_last: int,
+               kill: tuple[float, int] | None = None) -> list[LoadRun]:
+    """A fresh cluster (its own directory and keyspace), the postal runs on it, the cluster down."""
+    say(f"\n## {label}" + (f": node {kill[1]} killed at {kill[0] / 60:g} min" if kill else ""))
+    base = args.base / name
+    shutil.rmtree(base, ignore_errors=True)
+    try:
+        with Cluster(base, n, rf, cl, f"paper_{name.replace('-', '_')}", args.heap_mb, args.port_offset) as cluster:
+            return measure(cluster, label, sizes, seconds, interval, average_last, args, out, kill)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from baseline import ensure_packages
+
+    ensure_packages(postal=True, say=say)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[LoadRun] = []
+    status = 0
+    preface = [f"- started {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.uname().nodename}, "
+               f"{os.cpu_count()} CPUs; command `{' '.join(['loadtest/paper.py', *(argv or sys.argv[1:])])}`", ""]
+    try:
+        if args.sweep:
+            for n in args.nodes:
+                for rf in (r for r in args.rf if r <= n):
+                    for cl in args.cl:
+                        runs += on_cluster(args, out, n, rf, cl, f"n{n}-rf{rf}-{cl.lower()}", f"N={n} RF={rf} CL={cl}",
+                                           args.sizes, args.seconds, args.interval, args.average_last)
+        if args.timeline:
+            n, rf = args.timeline_nodes, args.timeline_rf
+            victim = args.kill_node or n
+            for cl in args.cl:
+                runs += on_cluster(args, out, n, rf, cl, f"timeline-{cl.lower()}", f"timeline N={n} RF={rf} CL={cl}",
+                                   args.timeline_sizes, args.timeline_minutes * 60.0, 60.0, args.timeline_minutes,
+                                   kill=(args.kill_at * 60.0, victim))
+    except KeyboardInterrupt:
+        status = 130
+    except Exception as exc:  # noqa: BLE001 - keep what was measured
+        say(f"paper: stopped by {type(exc).__name__}: {exc}")
+        status = 1
+    if runs:
+        say("")
+        for line in report.runs_table(runs):
+            say(line)
+        say(f"\nreport: {report.build([out], out, title='The CassMail paper on a local cluster', preface=preface)}")
+    return status or (0 if runs else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

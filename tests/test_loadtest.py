@@ -1,0 +1,233 @@
+"""The load-test tooling works end to end, in short bounded runs (seconds each): locust against a
+real `cassmail serve`, postal and rabid against it, the report from their output, and the
+comparison with a private Postfix and Dovecot. Speed itself is measured by the benchmarks, never
+here: these tests check that the tools run, count what the server really did and clean up.
+
+The node runs on the mbox store (no Cassandra needed: the store is not what these tests are about);
+postal, rabid, Postfix and Dovecot are Debian packages, installed when missing like the other
+test tools.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, backend_settings_for
+from tests.nodes import Node, node_settings
+
+LOADTEST = REPO / "loadtest"
+sys.path.insert(0, str(LOADTEST))
+
+from _common import parse_ranges  # noqa: E402
+from postal import LoadRun, Tick, _drained, parse_minute  # noqa: E402
+
+PY = sys.executable
+LOCUST = str(Path(sys.executable).parent / "locust")
+
+
+def _tools(**wanted: bool) -> None:
+    """Install postal/rabid (and the baseline servers) when missing, as `make test-tools` does."""
+    from baseline import ensure_packages, missing_packages
+
+    if not missing_packages(**wanted):
+        return
+    if os.geteuid() != 0 and os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        pytest.skip(f"needs Debian packages {missing_packages(**wanted)} (root installs them)")
+    ensure_packages(**wanted)
+
+
+@pytest.fixture(scope="module")
+def mail_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A `cassmail serve` on the mbox store with SMTP and POP3 (plaintext logins on loopback)."""
+    settings = node_settings(backend_settings_for("mbox", request))
+    node = Node(settings, tmp_path_factory.mktemp("loadnode"), submission={"enabled": False},
+                lmtp={"enabled": False}, pop3={"allow_plaintext_auth": True, "auth_failure_delay": 0.0}).start()
+    yield node
+    assert node.stop() == 0
+    assert "Traceback" not in node.log_text()
+
+
+def _stats(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with open(path, newline="") as fh:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(fh)}
+
+
+def _domains(node: Node) -> list[str]:
+    out = subprocess.run([str(Path(PY).parent / "cassmail"), "--config", str(node.config), "domain", "list"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.split()
+
+
+# --------------------------------------------------------------------------- parsing and arithmetic
+
+
+def test_postal_minute_lines_are_parsed_and_a_wrapped_data_column_is_corrected() -> None:
+    assert parse_minute("time,messages,data(K),errors,connections,SSL connections") is None
+    m = parse_minute("07:41,569,4511,0,187,0")
+    assert (m.clock, m.messages, m.kib, m.errors, m.connections, m.wraps) == ("07:41", 569, 4511, 0, 187, 0)
+    # 5,219 messages of ~1.1 MB in a minute: postal's 32-bit counter printed 1.48 GB.
+    wrapped = parse_minute("10:02,5219,1445312,0,600,0", mean_size=1_100_000)
+    assert wrapped.wraps == 1 and wrapped.bytes == 1445312 * 1024 + (1 << 32)
+
+
+def test_a_run_drops_the_warm_up_interval_and_averages_the_last_ones() -> None:
+    run = LoadRun("postal", "x", "50K-500K", interval=60, average_last=2)
+    counts = [0, 100, 400, 700, 1000]  # 100/min while warming up, then 300/min
+    run.ticks = [Tick(60.0 * i, n, {"cassmail": 30.0 * i}, 100.0 * i) for i, n in enumerate(counts)]
+    assert run.rates() == [100, 300, 300, 300]
+    assert run.window() == (2, 4)
+    assert run.stat() == (300, 0)
+    assert run.cores("cassmail") == pytest.approx(0.5)
+    run.server_before, run.server_after = (0, 0), (1000, 200_000_000)
+    assert run.mb_per_s() == pytest.approx(300 * 200_000 / 60e6)
+    assert LoadRun.from_json(json.loads(json.dumps(run.to_json()))).stat() == run.stat()
+
+
+def test_rabid_is_stopped_only_after_two_intervals_without_a_message() -> None:
+    ticks = [Tick(float(i), n, {}, 0.0) for i, n in enumerate([0, 10, 20, 20])]
+    assert not _drained(ticks)
+    assert _drained(ticks + [Tick(4.0, 20, {}, 0.0)])
+    assert not _drained([Tick(float(i), 0, {}, 0.0) for i in range(5)])  # nothing ever came: not "drained"
+    assert parse_ranges("200K-2M, 50K") == [(200_000, 2_000_000), (50_000, 50_000)]
+
+
+# --------------------------------------------------------------------------- the tools against a node
+
+
+@pytest.fixture(scope="module")
+def postal_results(mail_node: Node, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _tools(postal=True)
+    out = tmp_path_factory.mktemp("postal")
+    cmd = [PY, str(LOADTEST / "postal.py"), "--config", str(mail_node.config),
+           "--smtp", f"127.0.0.1:{mail_node.port('smtp')}", "--pop3", f"127.0.0.1:{mail_node.port('pop3')}",
+           "--users", "20", "--sizes", "2K-20K", "--seconds", "4", "--interval", "1", "--threads", "4",
+           "--processes", "4", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_postal_and_rabid_runs_count_what_the_server_stored_and_deleted(postal_results: Path, mail_node: Node) -> None:
+    runs = {r.tool: r for r in (LoadRun.from_json(json.loads(p.read_text()))
+                                for p in (postal_results / "json").glob("run-*.json"))}
+    assert set(runs) == {"postal", "rabid"}
+    postal, rabid = runs["postal"], runs["rabid"]
+    assert postal.total > 0 and postal.errors == 0
+    # Every message postal saw accepted (its log) is in the store: nothing acknowledged was lost.
+    gained = postal.server_after[0] - postal.server_before[0]
+    assert gained >= postal.total
+    assert postal.stat()[0] > 0 and postal.mb_per_s() > 0
+    assert {"postal"} <= set(postal.ticks[-1].cpu)
+    deleted = rabid.server_before[0] - rabid.server_after[0]
+    assert rabid.total > 0 and deleted > 0
+    # The users created for the run were removed again.
+    assert not [d for d in _domains(mail_node) if d.startswith("loadtest-")]
+
+
+@pytest.fixture(scope="module")
+def locust_results(mail_node: Node, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("locust")
+    env = {**os.environ, "CASSMAIL_SMTP": f"127.0.0.1:{mail_node.port('smtp')}",
+           "CASSMAIL_POP3": f"127.0.0.1:{mail_node.port('pop3')}", "CASSMAIL_CONFIG": str(mail_node.config),
+           "CASSMAIL_LOADTEST_NUSERS": "30", "CASSMAIL_LOADTEST_SIZES": "2K-20K"}
+    env.pop("CASSMAIL_IMAP", None)
+    cmd = [LOCUST, "-f", str(LOADTEST / "locustfile.py"), "--headless", "-u", "4", "-r", "4", "-t", "5s",
+           "--csv", str(out / "locust"), "--csv-full-history", "--only-summary", "--exit-code-on-error", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def test_locust_reports_smtp_and_pop3_requests_from_a_real_node(locust_results: Path, mail_node: Node) -> None:
+    stats = _stats(locust_results / "locust_stats.csv")
+    send = stats[("SMTP", "send")]
+    assert int(send["Request Count"]) > 0 and int(send["Failure Count"]) == 0
+    assert 2_000 <= float(send["Average Content Size"]) <= 20_000  # sizes drawn from the range
+    login = stats[("POP3", "login")]
+    assert int(login["Request Count"]) > 0 and int(login["Failure Count"]) == 0
+    assert ("IMAP", "login") not in stats  # no CASSMAIL_IMAP: that user class does not run
+    assert float(stats[("", "Aggregated")]["50%"]) > 0
+    # The domain and users the locustfile created in the store are gone after the test stopped.
+    assert not [d for d in _domains(mail_node) if d.startswith("locust-")]
+
+
+def test_the_report_has_tables_and_plots(postal_results: Path, locust_results: Path, tmp_path: Path) -> None:
+    done = subprocess.run([PY, str(LOADTEST / "report.py"), str(postal_results), str(locust_results),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "report.md").read_text()
+    assert "| postal | cassmail" in text and "| rabid  | cassmail" in text
+    assert "| SMTP | send" in text and "p99 ms" in text
+    for name in ("throughput.png", "cpu.png", "latency.png", "locust.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
+        assert f"]({name})" in text
+
+
+# --------------------------------------------------------------------------- the baseline
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary directory the postfix, dovecot and nobody users can enter (pytest's are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="cassmail-baseline-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_locust_imap_users_log_in_select_fetch_and_idle_on_dovecot(open_tmp: Path) -> None:
+    _tools(postal=False, postfix=True, dovecot=True)
+    from baseline import Dovecot, Postfix
+
+    tmp_path = open_tmp
+    users = [f"u{i}@baseline.example" for i in range(10)]
+    postfix = Postfix(tmp_path, "baseline.example", users)
+    dovecot = Dovecot(tmp_path, postfix.mail, users, "pw")
+    try:
+        postfix.configure()
+        postfix.start()
+        dovecot.configure()
+        dovecot.start()
+        (tmp_path / "users.txt").write_text("".join(f"{u} pw\n" for u in users))
+        env = {**os.environ, "CASSMAIL_SMTP": f"127.0.0.1:{postfix.port}",
+               "CASSMAIL_IMAP": f"127.0.0.1:{dovecot.imap_port}", "CASSMAIL_LOADTEST_USERS": str(tmp_path / "users.txt"),
+               "CASSMAIL_LOADTEST_PROFILE": "mixed", "CASSMAIL_LOADTEST_IDLE": "0.5"}
+        env.pop("CASSMAIL_POP3", None)
+        cmd = [LOCUST, "-f", str(LOADTEST / "locustfile.py"), "--headless", "-u", "4", "-r", "4", "-t", "5s",
+               "--csv", str(tmp_path / "locust"), "--only-summary"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        dovecot.stop()
+        postfix.stop()
+    stats = _stats(tmp_path / "locust_stats.csv")
+    for name in ("login", "select", "search", "idle", "logout"):
+        row = stats[("IMAP", name)]
+        assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0, name
+    assert float(stats[("IMAP", "idle")]["50%"]) >= 400  # it really waited in IDLE
+    assert int(stats[("SMTP", "send")]["Failure Count"]) == 0
+    assert ("POP3", "login") not in stats
+
+
+def test_compare_runs_the_baseline_and_cassmail_and_prints_ratios(tmp_path: Path) -> None:
+    _tools(postal=True, postfix=True, dovecot=True)
+    out = tmp_path / "compare"
+    cmd = [PY, str(LOADTEST / "compare.py"), "--targets", "baseline,mbox", "--sizes", "2K-10K", "--seconds", "3",
+           "--interval", "1", "--average-last", "2", "--users", "10", "--threads", "2", "--processes", "2",
+           "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert "| postal | Postfix+Dovecot" in done.stdout and "| postal | cassmail (mbox)" in done.stdout
+    assert "Postfix+Dovecot msgs/min" in done.stdout  # the ratio table
+    text = (out / "report.md").read_text()
+    assert "Compared with Postfix+Dovecot" in text and (out / "throughput.png").exists()
+    assert "Dovecot: stopped" in done.stdout and "Postfix: stopped" in done.stdout
