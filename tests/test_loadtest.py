@@ -47,10 +47,11 @@ def _tools(**wanted: bool) -> None:
 
 @pytest.fixture(scope="module")
 def mail_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """A `cassmail serve` on the mbox store with SMTP and POP3 (plaintext logins on loopback)."""
+    """A `cassmail serve` on the mbox store with SMTP, POP3 and IMAP (plaintext logins on loopback)."""
     settings = node_settings(backend_settings_for("mbox", request))
     node = Node(settings, tmp_path_factory.mktemp("loadnode"), submission={"enabled": False},
-                lmtp={"enabled": False}, pop3={"allow_plaintext_auth": True, "auth_failure_delay": 0.0}).start()
+                lmtp={"enabled": False}, pop3={"allow_plaintext_auth": True, "auth_failure_delay": 0.0},
+                imap={"allow_plaintext_auth": True, "auth_failure_delay": 0.0, "idle_poll": 0.3}).start()
     yield node
     assert node.stop() == 0
     assert "Traceback" not in node.log_text()
@@ -182,6 +183,23 @@ def open_tmp():
     path = Path(tempfile.mkdtemp(prefix="cassmail-baseline-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def test_locust_imap_users_log_in_select_fetch_and_idle_on_cassmail(mail_node: Node, tmp_path: Path) -> None:
+    env = {**os.environ, "CASSMAIL_SMTP": f"127.0.0.1:{mail_node.port('smtp')}",
+           "CASSMAIL_IMAP": f"127.0.0.1:{mail_node.port('imap')}", "CASSMAIL_CONFIG": str(mail_node.config),
+           "CASSMAIL_LOADTEST_NUSERS": "10", "CASSMAIL_LOADTEST_PROFILE": "mixed", "CASSMAIL_LOADTEST_IDLE": "0.5"}
+    env.pop("CASSMAIL_POP3", None)
+    cmd = [LOCUST, "-f", str(LOADTEST / "locustfile.py"), "--headless", "-u", "4", "-r", "4", "-t", "5s",
+           "--csv", str(tmp_path / "locust"), "--only-summary"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stats = _stats(tmp_path / "locust_stats.csv")
+    for name in ("login", "select", "search", "idle", "logout"):
+        row = stats[("IMAP", name)]
+        assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0, (name, row)
+    assert float(stats[("IMAP", "idle")]["50%"]) >= 400  # it really waited in IDLE
+    assert int(stats[("SMTP", "send")]["Failure Count"]) == 0
 
 
 def test_locust_imap_users_log_in_select_fetch_and_idle_on_dovecot(open_tmp: Path) -> None:
