@@ -71,16 +71,6 @@ def active_config(env: dict[str, str] | os._Environ[str] | None = None) -> str |
     return str(path) if state.get("up") and path.is_file() else None
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
-
-
 def ownership(tokens: dict[str, list[int]], rf: int) -> dict[str, float]:
     """Share of the Murmur3 ring each node holds a replica of, under SimpleStrategy at `rf`.
 
@@ -184,7 +174,7 @@ class LocalMailCluster:
                  "[store.cassandra]"]
         for f in ("contact_points", "port", "keyspace", "replication_factor", "read_consistency",
                   "write_consistency", "serial_consistency"):
-            lines.append(f"{f} = {_toml(getattr(cs, f))}")
+            lines.append(f"{f} = {config.toml_value(getattr(cs, f))}")
         if i is not None:
             lines += ["", "[node]", f'name = "node{i}"', f"workers = {self.state['workers']}"]
             for name, port in self.state["ports"].items():

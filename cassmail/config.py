@@ -12,6 +12,7 @@ e.g. `CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2`; flags are
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import tomllib
@@ -388,6 +389,37 @@ def host_port(text: str, key: str = "listen") -> tuple[str, int]:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     _check(bool(host), key, f"missing host in {text!r}")
     return host, int(port)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML (what `load` reads back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def to_toml(obj: Any, prefix: str = "") -> str:
+    """Settings (or one section of them) written back as the TOML file an operator would write."""
+    scalars, tables = [], []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            tables.append(to_toml(value, f"{prefix}{f.name}."))
+        else:
+            scalars.append(f"{f.name} = {toml_value(value)}")
+    head = f"[{prefix[:-1]}]\n" if prefix else ""
+    return head + "\n".join(scalars) + "\n\n" + "".join(tables)
 
 
 # --------------------------------------------------------------------------- loading

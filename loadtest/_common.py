@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import resource
 import shutil
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cassmail.auth import HashParams, hash_password
-from cassmail.config import Settings
+from cassmail.config import Settings, to_toml
 from cassmail.store.base import Store
 
 HOST = "127.0.0.1"
@@ -131,33 +130,6 @@ def positive(kind: type) -> Callable[[str], Any]:
 
 
 # --------------------------------------------------------------------------- settings files
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise TypeError(value)
-
-
-def to_toml(obj: Any, prefix: str = "") -> str:
-    """Settings written back as a TOML file: the node reads exactly what the benchmark decided."""
-    scalars, tables = [], []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            tables.append(to_toml(value, f"{prefix}{f.name}."))
-        else:
-            scalars.append(f"{f.name} = {_toml(value)}")
-    head = f"[{prefix[:-1]}]\n" if prefix else ""
-    return head + "\n".join(scalars) + "\n\n" + "".join(tables)
 
 
 def free_port(host: str = HOST) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cassmail.config import Settings
+from cassmail.config import Settings, to_toml
 
 CASSMAIL = str(Path(sys.executable).parent / "cassmail")
 
@@ -24,33 +23,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise TypeError(value)
-
-
-def to_toml(obj: Any, prefix: str = "") -> str:
-    """Settings written back as a TOML file (what an operator would write)."""
-    scalars, tables = [], []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            tables.append(to_toml(value, f"{prefix}{f.name}."))
-        else:
-            scalars.append(f"{f.name} = {_toml(value)}")
-    head = f"[{prefix[:-1]}]\n" if prefix else ""
-    return head + "\n".join(scalars) + "\n\n" + "".join(tables)
 
 
 class Node:

@@ -110,3 +110,11 @@ def test_the_shipped_example_config_loads_and_matches_the_defaults() -> None:
     assert config.example_path().exists()
     settings = config.load(config.example_path(), env={})
     assert settings.store.cassandra == config.load(env={}).store.cassandra
+
+
+def test_settings_written_as_toml_load_back_the_same(tmp_path: Path) -> None:
+    settings = config.load(env={}, overrides=["store.backend=cassandra", "store.cassandra.contact_points=a,b",
+                                              "imap.idle_poll=0.5", 'node.name=n "quoted"'])
+    path = tmp_path / "written.toml"
+    path.write_text(config.to_toml(settings))
+    assert config.load(path, env={}) == settings
