@@ -140,7 +140,7 @@ class ImapSession(imap4.IMAP4Server):
             log.info(kv("session", listener="imap", peer=self._peer, user=self.user, tls=self._secure,
                         commands=self._commands, ms=int((time.monotonic() - self._opened_at) * 1000)))
             self._opened_at = None
-        self.view = None
+        # The view stays: a command still running finishes against it and finds the connection gone.
         self.state = "logout"
         self.setTimeout(None)
 
@@ -255,7 +255,10 @@ class ImapSession(imap4.IMAP4Server):
             except ConnectionError as exc:  # the connection is gone or had to be closed: nobody to answer
                 log.info(kv("imap-closed", peer=self._peer, user=self.user, reason=exc))
                 self.transport.loseConnection()
-            except Exception:  # noqa: BLE001 - logged here, never shown to the client
+            except Exception as exc:  # noqa: BLE001 - logged here, never shown to the client
+                if self._opened_at is None:  # the client left first; what failed after is moot
+                    log.info(kv("imap-closed", peer=self._peer, user=self.user, reason=repr(exc)))
+                    return
                 log.exception("imap command failed")
                 self.sendNegativeResponse(tag, b"[SERVERBUG] Internal error")
             else:
@@ -845,6 +848,8 @@ class ImapSession(imap4.IMAP4Server):
         self.transport.registerProducer(gate, True)
         try:
             for message_uid in uids:
+                if self._opened_at is None:
+                    raise ConnectionError("client went away")
                 if view.messages.get(message_uid) is None:
                     continue
                 try:
