@@ -4,13 +4,13 @@
     .venv/bin/python loadtest/paper.py --nodes 1,3 --rf 1,3 --seconds 120 --no-timeline
 
 - Figures 3-5 (the sweep): for every node count N in --nodes, replication factor R <= N in
-  --rf and consistency level in --cl: `cassmail -o ...consistency=CL cluster up --nodes N --rf R`
+  --rf and consistency level in --cl (at R=1 only the first: with one replica they are all ONE): `cassmail -o ...consistency=CL cluster up --nodes N --rf R`
   (a fresh cluster directory and keyspace per N and R), a fresh domain of --users users, then
   postal for --seconds per size range against every node's SMTP listener at once (postal's
   round-robin list, --threads per node), then `cassmail cluster down`. One row per
   (N, R, CL, sizes): msgs/min (mean ± sd of the averaged intervals), MB/s, errors.
 - Figure 6 (the timeline): a --timeline-nodes cluster at RF --timeline-rf, postal for
-  --timeline-minutes with one sample a minute, and `cassmail cluster kill K` (SIGKILL of node K's
+  --timeline-minutes with one sample a minute (--timeline-interval), and `cassmail cluster kill K` (SIGKILL of node K's
   Cassandra) at minute --kill-at; once at CL ONE and once at ALL. Postal sends only to the front
   ends of the other nodes, so what the plot shows is the store losing a replica.
 Everything is written as postal.py runs into --out and turned into report.md by report.py.
@@ -25,6 +25,7 @@ always taken down, also after an error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -37,8 +38,9 @@ from pathlib import Path
 from cassmail import config
 
 import report
-from _common import CASSMAIL, count_inboxes, make_users, number, parse_ranges, range_label
-from postal import LoadRun, StoreSide, run_postal, write_users
+from _common import (CASSMAIL, count_inboxes, fmt, make_users, markdown, number, parse_ranges, pid_cpu, range_label,
+                     tree_cpu)
+from postal import LoadRun, Probes, StoreSide, run_postal, write_users
 
 #: The ports `cassmail cluster up` gives every node by default; --port-offset moves them all, so a
 #: paper run can share the machine with a cluster or `make run` on the defaults.
@@ -74,7 +76,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-timeline", dest="timeline", action="store_false")
     p.add_argument("--timeline-nodes", type=number(int), default=3)
     p.add_argument("--timeline-rf", type=number(int), default=3)
-    p.add_argument("--timeline-minutes", type=number(int), default=10)
+    p.add_argument("--timeline-minutes", type=number(float, 0.1), default=10.0)
+    p.add_argument("--timeline-interval", type=number(float, 0.5), default=60.0,
+                   help="timeline sample interval in seconds (default 60: one a minute, as in the paper)")
     p.add_argument("--kill-at", type=number(float, 0), default=3.0, help="minute the node is killed (default 3)")
     p.add_argument("--kill-node", type=number(int), default=None, help="node killed (default: the last)")
     p.add_argument("--timeline-sizes", type=parse_ranges, default=parse_ranges("50K-500K"))
@@ -88,6 +92,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.out = (args.out or Path("loadtest-results") / f"paper-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
     if args.timeline_rf > args.timeline_nodes:
         p.error("--timeline-rf must be <= --timeline-nodes")
+    if args.kill_at >= args.timeline_minutes:
+        p.error("--kill-at must be inside the timeline (< --timeline-minutes)")
     return args
 
 
@@ -135,6 +141,19 @@ class Cluster:
     def smtp_servers(self, skip: int | None = None) -> list[tuple[str, int]]:
         return [(f"127.0.0.{i}", self.ports["smtp"]) for i in range(1, self.nodes + 1) if i != skip]
 
+    def probes(self, skip: int | None = None) -> Probes:
+        """CPU seconds of the front ends and of the Cassandras of every node but `skip` (a node about
+        to be killed would take its seconds with it), read from `cluster status --json`."""
+        rows = [r for r in json.loads(self.cassmail("status", "--json")) if r["node"] != skip]
+        fronts = [r["frontend_pid"] for r in rows if r.get("frontend_pid")]
+        cassandras = [r["cassandra_pid"] for r in rows if r.get("cassandra_pid")]
+
+        def total(pids: list[int], cpu) -> float | None:
+            values = [cpu(p) for p in pids]
+            return None if not values or None in values else sum(values)
+
+        return {"cassmail": lambda: total(fronts, tree_cpu), "Cassandra": lambda: total(cassandras, pid_cpu)}
+
 
 def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seconds: float, interval: float,
             average_last: int, args: argparse.Namespace, out: Path, kill: tuple[float, int] | None = None) -> list[LoadRun]:
@@ -155,13 +174,16 @@ def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seco
                 actions = {at: lambda n=node: (cluster.cassmail("kill", str(n)), f"killed node {n}'s Cassandra")[1]}
             before = side.call(count_inboxes(side.store, users))
             run = run_postal(label, cluster.smtp_servers(skip), (lo, hi), postal_users, out, seconds, args.threads,
-                             interval=interval, average_last=average_last, actions=actions, say=say)
+                             interval=interval, average_last=average_last, probes=cluster.probes(skip),
+                             actions=actions, say=say)
             try:
                 run.server_before, run.server_after = before, side.call(count_inboxes(side.store, users))
             except Exception as exc:  # noqa: BLE001 - at CL=ALL with a node down the count itself fails
                 run.notes.append(f"could not count the mailboxes after the run: {type(exc).__name__}: {exc}")
             run.settings.update({"nodes": str(cluster.nodes), "rf": str(cluster.rf), "cl": cluster.cl,
                                  "sizes": range_label(lo, hi)})
+            if kill is not None:
+                run.settings.update({"kill_at": f"{kill[0]:g}", "killed": str(kill[1])})
             run.save(out / "json")
             runs.append(run)
     finally:
@@ -183,6 +205,124 @@ def on_cluster(args: argparse.Namespace, out: Path, n: int, rf: int, cl: str, na
         shutil.rmtree(base, ignore_errors=True)
 
 
+# --------------------------------------------------------------------------- the figures
+
+
+def _stored(run: LoadRun) -> str:
+    """Messages the mailboxes gained over the run (the store's own count), "-" if unknown."""
+    if run.server_before is None or run.server_after is None:
+        return "-"
+    return str(run.server_after[0] - run.server_before[0])
+
+
+def _key(run: LoadRun) -> tuple:
+    st = run.settings
+    return (st.get("sizes", ""), int(st.get("nodes", 0)), int(st.get("rf", 0)), st.get("cl", ""))
+
+
+def sweep_table(runs: Sequence[LoadRun]) -> list[str]:
+    """Figures 3-5 as one table: a row per size range, N, RF and CL."""
+    rows = []
+    for r in sorted((r for r in runs if "kill_at" not in r.settings), key=_key):
+        mean, sd = r.stat()
+        st = r.settings
+        rows.append([st["sizes"], st["nodes"], st["rf"], st["cl"], f"{mean:.0f}" + (f" ± {sd:.0f}" if sd else ""),
+                     fmt(r.mb_per_s()), str(r.total), _stored(r), str(r.errors),
+                     fmt(r.cores("cassmail"), ".2f"), fmt(r.cores("Cassandra"), ".2f")])
+    return markdown(["sizes", "nodes", "RF", "CL", "msgs/min", "MB/s", "sent", "stored", "errors",
+                     "cassmail cores", "Cassandra cores"], rows, {0, 3})
+
+
+def timeline_table(runs: Sequence[LoadRun]) -> list[str]:
+    """Figure 6 as a table: msgs/min in every interval, before and after the kill."""
+    timeline = sorted((r for r in runs if "kill_at" in r.settings), key=_key)
+    if not timeline:
+        return []
+    width = max(len(r.rates()) for r in timeline)
+    head = ["CL", *[f"{(i + 1) * timeline[0].interval / 60:g}" for i in range(width)], "before kill", "after kill",
+            "sent", "stored", "errors"]
+    rows = []
+    for r in timeline:
+        # The kill happens at the first sample at or after kill_at: an interval ending there is before it.
+        kill, slack = float(r.settings["kill_at"]), r.interval / 2
+        rates = r.rates()
+        spans = [(a.t, b.t) for a, b in zip(r.ticks, r.ticks[1:])]
+        before = [x for i, (x, (_, end)) in enumerate(zip(rates, spans)) if i > 0 and end <= kill + slack]
+        after = [x for x, (start, _) in zip(rates, spans) if start >= kill - slack]
+        rows.append([r.settings["cl"], *[f"{x:.0f}" for x in rates], *[""] * (width - len(rates)),
+                     fmt(sum(before) / len(before) if before else None, ".0f"),
+                     fmt(sum(after) / len(after) if after else None, ".0f"),
+                     str(r.total), _stored(r), str(r.errors)])
+    return markdown(head, rows, {0})
+
+
+def plot_sweep(runs: Sequence[LoadRun], path: Path) -> bool:
+    sweep = [r for r in runs if "kill_at" not in r.settings]
+    sizes = sorted({r.settings["sizes"] for r in sweep})
+    if not sweep:
+        return False
+    fig, axes = report.plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        series: dict[tuple[int, str], list[tuple[int, float]]] = {}
+        for r in sorted((r for r in sweep if r.settings["sizes"] == size), key=_key):
+            series.setdefault((int(r.settings["rf"]), r.settings["cl"]), []).append(
+                (int(r.settings["nodes"]), r.mb_per_s() or 0.0))
+        for (rf, cl), points in sorted(series.items()):
+            ax.plot([n for n, _ in points], [v for _, v in points], marker="o", label=f"RF={rf} CL={cl}")
+        ax.set_title(f"postal {size}")
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("MB/s")
+        ax.set_xticks(sorted({int(r.settings["nodes"]) for r in sweep}))
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    report.plt.close(fig)
+    return True
+
+
+def plot_timeline(runs: Sequence[LoadRun], path: Path) -> bool:
+    timeline = [r for r in runs if "kill_at" in r.settings]
+    if not timeline:
+        return False
+    fig, ax = report.plt.subplots(figsize=(8, 4))
+    for r in sorted(timeline, key=_key):
+        ax.plot([t.t / 60 for t in r.ticks[1:]], r.rates(), marker="o", label=f"CL={r.settings['cl']}")
+    kill = float(timeline[0].settings["kill_at"]) / 60
+    ax.axvline(kill, color="red", linestyle="--", label=f"node {timeline[0].settings['killed']} killed")
+    st = timeline[0].settings
+    ax.set_title(f"{st['nodes']} nodes, RF={st['rf']}, postal {st['sizes']}: messages per interval")
+    ax.set_xlabel("minutes since start")
+    ax.set_ylabel("msgs/min")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    report.plt.close(fig)
+    return True
+
+
+def figures(runs: Sequence[LoadRun], out: Path) -> list[str]:
+    """The sweep and timeline tables and plots, as lines for the top of the report."""
+    lines = []
+    if any("kill_at" not in r.settings for r in runs):
+        lines += ["## Figures 3-5: nodes, replication factor, consistency level", "",
+                  "sent: messages postal saw accepted; stored: messages the mailboxes gained (the store's count "
+                  "after the run, at the cluster's CL).", "", *sweep_table(runs), ""]
+        if plot_sweep(runs, out / "sweep.png"):
+            lines += ["![MB/s by nodes, RF and CL](sweep.png)", ""]
+    if any("kill_at" in r.settings for r in runs):
+        lines += ["## Figure 6: a Cassandra node killed under load", "",
+                  "msgs/min in each interval (column: minutes since start at the interval's end); before kill: "
+                  "the mean of the intervals before it but the first (warm-up), after kill: of those after it.", "",
+                  *timeline_table(runs), ""]
+        if plot_timeline(runs, out / "timeline.png"):
+            lines += ["![throughput with a node killed](timeline.png)", ""]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from baseline import ensure_packages
@@ -198,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sweep:
             for n in args.nodes:
                 for rf in (r for r in args.rf if r <= n):
-                    for cl in args.cl:
+                    # With one replica every consistency level is ONE: one run stands for them all.
+                    for cl in (args.cl if rf > 1 else args.cl[:1]):
                         runs += on_cluster(args, out, n, rf, cl, f"n{n}-rf{rf}-{cl.lower()}", f"N={n} RF={rf} CL={cl}",
                                            args.sizes, args.seconds, args.interval, args.average_last)
         if args.timeline:
@@ -206,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             victim = args.kill_node or n
             for cl in args.cl:
                 runs += on_cluster(args, out, n, rf, cl, f"timeline-{cl.lower()}", f"timeline N={n} RF={rf} CL={cl}",
-                                   args.timeline_sizes, args.timeline_minutes * 60.0, 60.0, args.timeline_minutes,
+                                   args.timeline_sizes, args.timeline_minutes * 60.0, args.timeline_interval,
+                                   max(1, round(args.timeline_minutes * 60.0 / args.timeline_interval)),
                                    kill=(args.kill_at * 60.0, victim))
     except KeyboardInterrupt:
         status = 130
@@ -214,10 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"paper: stopped by {type(exc).__name__}: {exc}")
         status = 1
     if runs:
+        tables = figures(runs, out)
         say("")
-        for line in report.runs_table(runs):
+        for line in tables:
             say(line)
-        say(f"\nreport: {report.build([out], out, title='The CassMail paper on a local cluster', preface=preface)}")
+        path = report.build([out], out, title="The CassMail paper on a local cluster", preface=[*preface, *tables])
+        say(f"report: {path}")
     return status or (0 if runs else 1)
 
 
