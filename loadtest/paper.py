@@ -108,6 +108,8 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
         self.env["CASSMAIL_CLUSTER"] = str(base)
         self.upped = False
+        #: False when `cluster down` failed: its directory is what `cassmail cluster down` needs then.
+        self.down_ok = True
 
     def cassmail(self, *args: str, timeout: float = 900) -> str:
         overrides = []
@@ -133,7 +135,8 @@ class Cluster:
             try:
                 say(self.cassmail("down").strip())
             except (RuntimeError, subprocess.TimeoutExpired) as err:
-                say(f"cluster down failed: {err}")
+                self.down_ok = False
+                say(f"cluster down failed: {err}; take it down with CASSMAIL_CLUSTER={self.base} cassmail cluster down")
 
     def client_settings(self) -> config.Settings:
         return config.load(self.base / "cassmail.toml", env={})
@@ -186,6 +189,8 @@ def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seco
                 run.settings.update({"kill_at": f"{kill[0]:g}", "killed": str(kill[1])})
             run.save(out / "json")
             runs.append(run)
+            if kill is not None and (lo, hi) != sizes[-1]:
+                say(cluster.cassmail("start", str(kill[1])).strip())  # the next size range kills it again
     finally:
         side.close()
     return runs
@@ -198,11 +203,13 @@ def on_cluster(args: argparse.Namespace, out: Path, n: int, rf: int, cl: str, na
     say(f"\n## {label}" + (f": node {kill[1]} killed at {kill[0] / 60:g} min" if kill else ""))
     base = args.base / name
     shutil.rmtree(base, ignore_errors=True)
+    cluster = Cluster(base, n, rf, cl, f"paper_{name.replace('-', '_')}", args.heap_mb, args.port_offset)
     try:
-        with Cluster(base, n, rf, cl, f"paper_{name.replace('-', '_')}", args.heap_mb, args.port_offset) as cluster:
+        with cluster:
             return measure(cluster, label, sizes, seconds, interval, average_last, args, out, kill)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if cluster.down_ok:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the figures
@@ -226,11 +233,31 @@ def sweep_table(runs: Sequence[LoadRun]) -> list[str]:
     for r in sorted((r for r in runs if "kill_at" not in r.settings), key=_key):
         mean, sd = r.stat()
         st = r.settings
-        rows.append([st["sizes"], st["nodes"], st["rf"], st["cl"], f"{mean:.0f}" + (f" ± {sd:.0f}" if sd else ""),
+        rows.append([st["sizes"], st["nodes"], st["rf"], st["cl"], f"{mean:.0f}" + (f" ± {sd:.0f}" if sd is not None else ""),
                      fmt(r.mb_per_s()), str(r.total), _stored(r), str(r.errors),
                      fmt(r.cores("cassmail"), ".2f"), fmt(r.cores("Cassandra"), ".2f")])
     return markdown(["sizes", "nodes", "RF", "CL", "msgs/min", "MB/s", "sent", "stored", "errors",
                      "cassmail cores", "Cassandra cores"], rows, {0, 3})
+
+
+def kill_window(run: LoadRun) -> tuple[float, float]:
+    """Seconds since the start when the kill began and ended (the planned time if not recorded)."""
+    if run.events:
+        return run.events[0][0], run.events[0][1]
+    planned = float(run.settings["kill_at"])
+    return planned, planned
+
+
+def before_after(run: LoadRun) -> tuple[list[float], list[float]]:
+    """msgs/min of the intervals before the kill (but the first, warm-up) and after it. The sample
+    due at the kill's time is taken once the kill returned, so the interval ending there is "before"
+    whatever the kill took; an interval the kill fell inside of (a kill time off the sampling grid)
+    is neither."""
+    start, end = kill_window(run)
+    spans = run.spans()
+    before = [rate for i, (_, stop, rate) in enumerate(spans) if i > 0 and stop <= end + 1.0]
+    after = [rate for begin, _, rate in spans if begin >= start]
+    return before, after
 
 
 def timeline_table(runs: Sequence[LoadRun]) -> list[str]:
@@ -238,17 +265,13 @@ def timeline_table(runs: Sequence[LoadRun]) -> list[str]:
     timeline = sorted((r for r in runs if "kill_at" in r.settings), key=_key)
     if not timeline:
         return []
-    width = max(len(r.rates()) for r in timeline)
+    width = max(len(r.spans()) for r in timeline)
     head = ["CL", *[f"{(i + 1) * timeline[0].interval / 60:g}" for i in range(width)], "before kill", "after kill",
             "sent", "stored", "errors"]
     rows = []
     for r in timeline:
-        # The kill happens at the first sample at or after kill_at: an interval ending there is before it.
-        kill, slack = float(r.settings["kill_at"]), r.interval / 2
         rates = r.rates()
-        spans = [(a.t, b.t) for a, b in zip(r.ticks, r.ticks[1:])]
-        before = [x for i, (x, (_, end)) in enumerate(zip(rates, spans)) if i > 0 and end <= kill + slack]
-        after = [x for x, (start, _) in zip(rates, spans) if start >= kill - slack]
+        before, after = before_after(r)
         rows.append([r.settings["cl"], *[f"{x:.0f}" for x in rates], *[""] * (width - len(rates)),
                      fmt(sum(before) / len(before) if before else None, ".0f"),
                      fmt(sum(after) / len(after) if after else None, ".0f"),
@@ -288,8 +311,10 @@ def plot_timeline(runs: Sequence[LoadRun], path: Path) -> bool:
         return False
     fig, ax = report.plt.subplots(figsize=(8, 4))
     for r in sorted(timeline, key=_key):
-        ax.plot([t.t / 60 for t in r.ticks[1:]], r.rates(), marker="o", label=f"CL={r.settings['cl']}")
-    kill = float(timeline[0].settings["kill_at"]) / 60
+        spans = r.spans()
+        ax.plot([end / 60 for _, end, _ in spans], [rate for *_, rate in spans], marker="o",
+                label=f"CL={r.settings['cl']}")
+    kill = kill_window(timeline[0])[0] / 60
     ax.axvline(kill, color="red", linestyle="--", label=f"node {timeline[0].settings['killed']} killed")
     st = timeline[0].settings
     ax.set_title(f"{st['nodes']} nodes, RF={st['rf']}, postal {st['sizes']}: messages per interval")

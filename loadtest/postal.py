@@ -144,16 +144,20 @@ class LoadRun:
     server_after: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
     settings: dict[str, str] = field(default_factory=dict)
+    #: Actions made during the run (`run_tool`'s `actions`): seconds since start when each began and
+    #: ended, and what it returned.
+    events: list[tuple[float, float, str]] = field(default_factory=list)
 
     # ----- derived figures
 
+    def spans(self) -> list[tuple[float, float, float]]:
+        """(start, end, messages per minute) of each interval of non-zero length."""
+        return [(a.t, b.t, (b.messages - a.messages) * 60 / (b.t - a.t))
+                for a, b in zip(self.ticks, self.ticks[1:]) if b.t > a.t]
+
     def rates(self) -> list[float]:
         """Messages per minute in each interval."""
-        out = []
-        for a, b in zip(self.ticks, self.ticks[1:]):
-            if b.t > a.t:
-                out.append((b.messages - a.messages) * 60 / (b.t - a.t))
-        return out
+        return [rate for _, _, rate in self.spans()]
 
     def window(self) -> tuple[int, int]:
         """(first, last+1) interval indexes averaged: the first is warm-up, then at most average_last."""
@@ -216,6 +220,7 @@ class LoadRun:
         for key in ("server_before", "server_after"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
+        data["events"] = [tuple(e) for e in data.get("events", [])]
         return cls(**data)
 
     @property
@@ -289,6 +294,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
             while pending and now - t0 >= pending[0][0]:
                 at, action = pending.pop(0)
                 what = action()
+                run.events.append((now - t0, time.monotonic() - t0, what))
                 run.notes.append(f"at {now - t0:.0f} s: {what}")
                 say(f"    {now - t0:6.0f} s: {what}")
             if now >= min(next_tick, deadline) - 1e-3:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,10 @@ sys.path.insert(0, str(LOADTEST))
 
 from postal import LoadRun  # noqa: E402
 
-pytestmark = pytest.mark.cassandra
+#: Above the run's own bound below, so that a slow run is stopped by the fixture (SIGINT: paper.py
+#: takes its clusters down) and never by pytest-timeout (which would orphan them).
+pytestmark = [pytest.mark.cassandra, pytest.mark.timeout(1500)]
+RUN_TIMEOUT = 1200
 
 #: Every port of the clusters moved by this much (CQL 30042, storage 28000, SMTP 23525, ...): clear
 #: of the suite's own Cassandra, of tests/test_cluster.py's cluster and of the defaults.
@@ -46,8 +50,15 @@ def paper_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sub
            "--threads", "4", "--timeline-nodes", "2", "--timeline-rf", "2", "--timeline-minutes", "0.75",
            "--timeline-interval", "9", "--kill-at", "0.3", "--timeline-sizes", "5K-50K", "--heap-mb", "512",
            "--port-offset", str(PORT_OFFSET), "--base", str(base), "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, stdin=subprocess.DEVNULL)
-    return base, out, done
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            stdin=subprocess.DEVNULL)
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # paper.py takes its clusters down on Ctrl-C
+        stdout, stderr = proc.communicate(timeout=240)
+        stderr += f"\n(stopped after {RUN_TIMEOUT} s)"
+    return base, out, subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _runs(out: Path) -> list[LoadRun]:
@@ -91,3 +102,35 @@ def test_the_report_has_the_figures_and_every_cluster_is_down(paper_run) -> None
     assert not base.exists() or not any(base.iterdir())
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert str(base) not in ps
+
+
+def _timeline_run(ticks: list[tuple[float, int]], kill: tuple[float, float]) -> LoadRun:
+    from postal import Tick
+
+    run = LoadRun("postal", "timeline N=2 RF=2 CL=ONE", "5K-50K", 9.0, 2,
+                  ticks=[Tick(t, n, {}, 0.0) for t, n in ticks], events=[(*kill, "killed node 2's Cassandra")],
+                  settings={"cl": "ONE", "nodes": "2", "rf": "2", "sizes": "5K-50K", "kill_at": "18"})
+    return run
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_kill_still_leaves_the_interval_it_ended_before_the_kill() -> None:
+    import paper
+
+    # The kill was due at 18 s and took 6 s (more than half an interval), so the sample due at 18 s
+    # came at 24 s: the 9-24 s interval is still "before" (the kill only ended it), 24-33 s "after".
+    run = _timeline_run([(0, 0), (9, 90), (24, 240), (33, 285), (42, 330)], (18.0, 24.0))
+    before, after = paper.before_after(run)
+    assert before == [600.0]
+    assert after == [300.0, 300.0]
+    (row,) = [line for line in paper.timeline_table([run]) if line.startswith("| ONE")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:5] == ["600", "600", "300", "300"] and cells[5:7] == ["600", "300"]
+
+
+@pytest.mark.timeout(30)
+def test_an_interval_the_kill_fell_inside_counts_neither_before_nor_after() -> None:
+    import paper
+
+    run = _timeline_run([(0, 0), (9, 90), (18, 180), (27, 240), (36, 285)], (22.0, 23.0))
+    assert paper.before_after(run) == ([600.0], [300.0])
