@@ -34,8 +34,11 @@ TEST_STORAGE_PORT = 17000
 #: Cheap hashes for test users: the cost is a setting and is tested on its own in test_auth.
 FAST_HASH = HashParams(log2_n=10, r=8, p=1)
 
-#: Every backend the shared Store contract suite runs against.
-BACKENDS = ["cassandra", "mbox", "wheelfs"]
+#: Every backend the shared Store contract suite and the protocol suites run against. The WheelFS
+#: store runs twice: "wheelfs" with its semantic cues (on a plain directory each cue is a real
+#: directory, the paths WheelFS would see) and "wheelfs-plain" with `cues = false`, the layout for
+#: NFS, CephFS or a local directory.
+BACKENDS = ["cassandra", "mbox", "wheelfs", "wheelfs-plain"]
 
 
 def unavailable(reason: str) -> None:
@@ -118,9 +121,10 @@ def cassandra_settings(cassandra_endpoint: tuple[str, int]) -> Iterator[Cassandr
 
 
 def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
-    """Complete settings whose [store] section names one backend prepared for tests."""
+    """Complete settings whose [store] section names one backend (an id of BACKENDS) prepared for
+    tests; "wheelfs-plain" is store.backend = "wheelfs" with cues off."""
     settings = Settings()
-    settings.store.backend = name
+    settings.store.backend = "wheelfs" if name == "wheelfs-plain" else name
     settings.store.max_message_size = 128 * 1024 * 1024
     if name == "cassandra":
         settings.store.cassandra = request.getfixturevalue("cassandra_settings")
@@ -129,14 +133,12 @@ def backend_settings_for(name: str, request: pytest.FixtureRequest) -> Settings:
 
         path = request.getfixturevalue("tmp_path_factory").mktemp("mbox-store")
         settings.store.mbox = MboxSettings(path=str(path))
-    elif name == "wheelfs":
+    elif name in ("wheelfs", "wheelfs-plain"):
         from cassmail.config import WheelFSSettings
 
-        # Cues on by default: on a plain directory each cue is a real directory, the paths WheelFS
-        # would see. CASSMAIL_TEST_WHEELFS_CUES=0 runs every suite on the cue-less layout (NFS style).
-        path = request.getfixturevalue("tmp_path_factory").mktemp("wheelfs-store")
-        cues = os.environ.get("CASSMAIL_TEST_WHEELFS_CUES", "1").lower() not in ("0", "false", "no")
-        settings.store.wheelfs = WheelFSSettings(root=str(path), cues=cues, home_site="test", rep_sites=2, sync_level=2)
+        path = request.getfixturevalue("tmp_path_factory").mktemp(f"{name}-store")
+        settings.store.wheelfs = WheelFSSettings(root=str(path), cues=name == "wheelfs", home_site="test", rep_sites=2,
+                                                 sync_level=2)
     else:  # pragma: no cover - a backend listed without a factory
         raise AssertionError(f"no settings for backend {name}")
     return settings
