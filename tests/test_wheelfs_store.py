@@ -1,7 +1,9 @@
 """The WheelFS store's own promises: its layout on disk, what the file system may do to it
 (timeouts, entries missing from listings, deleted files coming back, entries under new
 names), UIDs from two processes, and what a delivery and an IMAP check cost in file-system
-operations. Faults come from a FileSystem subclass: the store's one door to the disk."""
+operations. Faults come from a FileSystem subclass: the store's one door to the disk. The tests
+never change the store's directories behind its back: a stale replica, a merge's duplicate or a
+renamed entry is what the file-system layer shows the store, as WheelFS would."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,16 @@ BODY = b"From: a@x.example\r\nSubject: w\r\n\r\nbody\r\n"
 
 
 class FaultyFS(FileSystem):
-    """The real file system, with the faults a wide-area file system shows, switched on by tests."""
+    """The real file system, with the faults a wide-area file system shows, switched on by tests.
+
+    - `stall` / `error`: an operation hangs or fails (a server that does not answer);
+    - `hidden`: entries missing from listings (a replica that has not seen them yet);
+    - `bring_back`: a stale replica's copy of a directory merged in by union, as WheelFS merges
+      `.EventualConsistency` directories: every entry it holds is listed again and reads as the
+      replica has it, until the name is removed;
+    - `show_duplicate`: an entry listed a second time under a new name (both names reach one file);
+    - `show_renamed`: an entry listed only under a new name (the old name reaches nothing).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,6 +51,9 @@ class FaultyFS(FileSystem):
         self.stall: Callable[[str, str], bool] = lambda op, path: False
         self.stall_seconds = 0.0
         self.error: Callable[[str, str], bool] = lambda op, path: False
+        self.replica: dict[str, str] = {}  # a store path -> the stale replica's copy of it
+        self.duplicates: dict[str, str] = {}  # a name a merge made -> the store path it duplicates
+        self.renamed: dict[str, str] = {}  # a store path -> the only name it is listed under now
 
     def before(self, op: str, path: str) -> None:
         super().before(op, path)
@@ -48,8 +62,52 @@ class FaultyFS(FileSystem):
         if self.error(op, path):
             raise OSError(errno.ETIMEDOUT, "injected: the file server did not answer", path)
 
+    # ------------------------------------------------------------------ faults of the namespace
+
+    def bring_back(self, directory: Path, replica: Path) -> None:
+        """Merge `replica` (an old copy of `directory`) into what `directory` shows."""
+        for copy in replica.rglob("*"):
+            if copy.is_file():
+                self.replica[os.path.normpath(directory / copy.relative_to(replica))] = str(copy)
+
+    def show_duplicate(self, path: Path, new_name: str) -> None:
+        self.duplicates[os.path.normpath(path.with_name(new_name))] = os.path.normpath(path)
+
+    def show_renamed(self, path: Path, new_name: str) -> None:
+        self.renamed[os.path.normpath(path)] = os.path.normpath(path.with_name(new_name))
+
+    def where(self, path: str) -> str:
+        path = os.path.normpath(path)
+        if path in self.duplicates:
+            return self.where(self.duplicates[path])
+        for old, new in self.renamed.items():
+            if path == new:
+                return old
+            if path == old:
+                return f"{old}.renamed-away-by-a-merge"  # a name nothing is under
+        if path in self.replica and not os.path.lexists(path):
+            return self.replica[path]
+        return path
+
     def listed(self, path: str, names: list[str]) -> list[str]:
-        return [n for n in names if not any(h in n for h in self.hidden)]
+        path = os.path.normpath(path)
+        shown = set(names)
+        for extra, target in [*self.replica.items(), *self.duplicates.items()]:
+            if os.path.dirname(extra) == path and os.path.lexists(target):
+                shown.add(os.path.basename(extra))
+        for old, new in self.renamed.items():
+            if os.path.dirname(old) == path and os.path.basename(old) in shown:
+                shown.discard(os.path.basename(old))
+                shown.add(os.path.basename(new))
+        return [n for n in sorted(shown) if not any(h in n for h in self.hidden)]
+
+    def unlink(self, path: str, missing_ok: bool = False) -> None:
+        """Removing a merge's duplicate removes that name only, not the entry it duplicates."""
+        if os.path.normpath(path) in self.duplicates:
+            self.before("unlink", path)
+            del self.duplicates[os.path.normpath(path)]
+            return
+        super().unlink(path, missing_ok)
 
 
 def settings_for(root: Path, **changes: object) -> WheelFSSettings:
@@ -58,20 +116,32 @@ def settings_for(root: Path, **changes: object) -> WheelFSSettings:
     return WheelFSSettings(**values)  # type: ignore[arg-type]
 
 
-async def opened(root: Path, fs: FileSystem | None = None, **changes: object) -> WheelFSStore:
-    store = WheelFSStore(settings_for(root, **changes), fs=fs)
-    await store.open()
-    return store
+Opener = Callable[..., Awaitable[WheelFSStore]]
 
 
 @pytest.fixture
-async def faulty(tmp_path: Path) -> AsyncIterator[tuple[WheelFSStore, FaultyFS]]:
+async def opened() -> AsyncIterator[Opener]:
+    """Opens a store on a root (another node on the same directory), closed after the test."""
+    stores: list[WheelFSStore] = []
+
+    async def open_one(root: Path, fs: FileSystem | None = None, **changes: object) -> WheelFSStore:
+        store = WheelFSStore(settings_for(root, **changes), fs=fs)
+        await store.open()
+        stores.append(store)
+        return store
+
+    yield open_one
+    for store in stores:
+        await store.close()
+
+
+@pytest.fixture
+async def faulty(tmp_path: Path, opened: Opener) -> tuple[WheelFSStore, FaultyFS]:
     fs = FaultyFS()
     store = await opened(tmp_path, fs)
     await store.add_domain("wheel.example")
     await store.create_user(USER, hash_password("pw", FAST_HASH))
-    yield store, fs
-    await store.close()
+    return store, fs
 
 
 async def ids_of(store: WheelFSStore, mailbox: str = INBOX) -> list[uuid.UUID]:
@@ -113,7 +183,7 @@ async def test_mail_lies_under_the_cue_paths_one_write_once_file_per_message(fau
     assert summary.flags == {"\\Seen", "$Work", "\\Flagged"}
 
 
-async def test_without_cues_the_same_store_is_plain_directories(tmp_path: Path) -> None:
+async def test_without_cues_the_same_store_is_plain_directories(tmp_path: Path, opened: Opener) -> None:
     store = await opened(tmp_path, cues=False)
     await store.add_domain("wheel.example")
     await store.create_user(USER, hash_password("pw", FAST_HASH))
@@ -124,7 +194,7 @@ async def test_without_cues_the_same_store_is_plain_directories(tmp_path: Path) 
     assert len(await ids_of(store)) == 1
 
 
-async def test_other_cue_settings_on_a_plain_directory_are_refused_not_an_empty_store(tmp_path: Path) -> None:
+async def test_other_cue_settings_on_a_plain_directory_are_refused_not_an_empty_store(tmp_path: Path, opened: Opener) -> None:
     store = await opened(tmp_path)
     await store.close()
     with pytest.raises(StoreUnavailable, match="store.wheelfs: the cue settings"):
@@ -137,23 +207,39 @@ async def test_other_cue_settings_on_a_plain_directory_are_refused_not_an_empty_
 # ----------------------------------------------------------------------------- faults
 
 
-async def test_a_file_system_that_stops_answering_gives_store_unavailable_and_no_half_message(faulty) -> None:
+async def test_a_file_system_that_stops_answering_gives_store_unavailable_and_no_half_message(
+    faulty, tmp_path: Path, opened: Opener
+) -> None:
     store, fs = faulty
+    acknowledged = {}
+    for i in range(3):
+        [message_id] = await store.deliver(BODY + b"%d" % i, [Target(USER)])
+        acknowledged[message_id] = BODY + b"%d" % i
+    uids = await store.assign_uids(USER, INBOX, list(acknowledged))
+    assert sorted(uids.values()) == [1, 2, 3]
     store.settings.timeout = 0.3
     fs.stall_seconds = 1.0
     fs.stall = lambda op, path: op == "open" and f"{os.sep}msg{os.sep}" in path  # the commit itself hangs
     with pytest.raises(StoreUnavailable, match="no answer"):
-        await store.deliver(BODY, [Target(USER)])
+        await store.deliver(BODY + b"timed out", [Target(USER)])
     fs.stall = lambda op, path: False
     await asyncio.sleep(1.2)  # the stalled call returns after the 451: the delivery must undo itself
     store.settings.timeout = 5.0
-    assert await ids_of(store) == []
+    # what was acknowledged before the timeout is all there, byte for byte, with its UIDs
+    assert await ids_of(store) == list(acknowledged)
+    for message_id, body in acknowledged.items():
+        assert await store.read_message(USER, INBOX, message_id) == body
     fs.error = lambda op, path: op == "readdir"
     with pytest.raises(StoreUnavailable, match="did not answer"):
         await store.list_page(USER, INBOX)
     fs.error = lambda op, path: False
     [a] = await store.deliver(BODY, [Target(USER)])  # the sender's retry
-    assert await ids_of(store) == [a]
+    other_node = await opened(tmp_path)  # and a node that did not live through the faults agrees
+    for node in (store, other_node):
+        assert await ids_of(node) == [*acknowledged, a]
+        assert await node.assign_uids(USER, INBOX, [*acknowledged, a]) == {**uids, a: 4}
+        for message_id, body in acknowledged.items():
+            assert await node.read_message(USER, INBOX, message_id) == body
 
 
 async def test_a_message_missing_from_a_listing_is_not_lost_and_gets_a_higher_uid(faulty) -> None:
@@ -168,51 +254,91 @@ async def test_a_message_missing_from_a_listing_is_not_lost_and_gets_a_higher_ui
     assert await store.read_message(USER, INBOX, b) == BODY + b"1"
 
 
-async def test_a_deleted_message_that_a_replica_brings_back_stays_deleted(faulty, tmp_path: Path) -> None:
-    store, _ = faulty
-    a, b = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(2)]
-    await store.assign_uids(USER, INBOX, [a, b])
+async def test_a_deleted_message_that_a_stale_replica_brings_back_stays_deleted(
+    faulty, tmp_path: Path, opened: Opener
+) -> None:
+    store, fs = faulty
+    bodies = {}
+    for i, flags in enumerate([{"$Work"}, set(), set()]):
+        [message_id] = await store.deliver(BODY + b"%d" % i, [Target(USER, INBOX, frozenset(flags))])
+        bodies[message_id] = BODY + b"%d" % i
+    a, b, c = bodies
+    await store.store_flags(USER, INBOX, [a], ["\\Flagged"], "add")
+    assert await store.assign_uids(USER, INBOX, [a, b, c]) == {a: 1, b: 2, c: 3}
     box = mail_dir(tmp_path)
-    marker = next(n for n in os.listdir(box / "msg") if n.startswith(sortable_id(a)))
+    replica = tmp_path / "stale-replica"
+    shutil.copytree(box, replica)  # a replica's copy as of now: it will not hear of the deletion
     await store.delete_messages(USER, INBOX, [a])
-    # an old replica merges back in: the marker and the body reappear
-    (box / "msg" / marker).write_bytes(b"")
-    (box / "body" / sortable_id(a)).write_bytes(BODY)
-    other_node = await opened(tmp_path)  # no memory of the deletion: only the tombstone
+    # the replica comes back and is merged by union: a's marker, body and flag records are listed again
+    fs.bring_back(box, replica)
+    sid = sortable_id(a)
+    assert any(n.startswith(sid) for n in fs.listdir(str(box / "msg")))
+    assert sid in fs.listdir(str(box / "body"))
+    assert len([n for n in fs.listdir(str(box / "flags")) if n.startswith(sid)]) == 2
+    other_node = await opened(tmp_path, fs)  # no memory of the deletion: only the tombstone
     for node in (store, other_node):
-        assert await ids_of(node) == [b]
+        assert await ids_of(node) == [b, c]
         with pytest.raises(NoSuchMessage):
             await node.read_message(USER, INBOX, a)
-        assert await node.assign_uids(USER, INBOX, [a, b]) == {b: 2}
-        await node.store_flags(USER, INBOX, [a], ["\\Seen"], "add")
-        assert await ids_of(node) == [b]
+        assert await node.assign_uids(USER, INBOX, [a, b, c]) == {b: 2, c: 3}
+        await node.store_flags(USER, INBOX, [a], ["\\Seen"], "add")  # a flag change brings nothing back
+        assert await ids_of(node) == [b, c]
+        for message_id in (b, c):
+            assert await node.read_message(USER, INBOX, message_id) == bodies[message_id]
+    # UID 1 went with the deleted message and is never handed out again
+    [d] = await other_node.deliver(BODY + b"d", [Target(USER)])
+    assert await store.assign_uids(USER, INBOX, [a, b, c, d]) == {b: 2, c: 3, d: 4}
+    assert await other_node.uid_next(USER, INBOX) == 5
+    # a deletion while the replica is merged in: b goes (the replica's copy of it stays hidden too)
+    await other_node.delete_messages(USER, INBOX, [b])
+    assert any(n.startswith(sortable_id(b)) for n in fs.listdir(str(box / "msg")))
+    for node in (store, other_node, await opened(tmp_path, fs)):
+        assert await ids_of(node) == [c, d]
+        assert await node.read_message(USER, INBOX, d) == BODY + b"d"
 
 
-async def test_an_entry_duplicated_or_renamed_by_a_merge_is_one_message(faulty, tmp_path: Path) -> None:
-    store, _ = faulty
-    [a] = await store.deliver(BODY, [Target(USER)])
+async def test_an_entry_duplicated_or_renamed_by_a_merge_is_one_message(faulty, tmp_path: Path, opened: Opener) -> None:
+    store, fs = faulty
+    [a] = await store.deliver(BODY, [Target(USER, INBOX, frozenset({"$Work"}))])
+    [b] = await store.deliver(BODY + b"b", [Target(USER)])
+    assert await store.assign_uids(USER, INBOX, [a, b]) == {a: 1, b: 2}
     box = mail_dir(tmp_path)
     sid = sortable_id(a)
-    [marker] = os.listdir(box / "msg")
-    shutil.copy(box / "msg" / marker, box / "msg" / f"{marker}#conflict-2")
-    os.rename(box / "body" / sid, box / "body" / f"{sid}#conflict-1")
-    other_node = await opened(tmp_path)
-    [summary] = [s async for s in other_node.list_messages(USER, INBOX)]
-    assert summary.id == a and summary.size == len(BODY)
-    assert await other_node.read_message(USER, INBOX, a) == BODY
-    assert await other_node.assign_uids(USER, INBOX, [a]) == {a: 1}
+    marker = next(n for n in os.listdir(box / "msg") if n.startswith(sid))
+    [record] = [n for n in os.listdir(box / "flags") if n.startswith(sid)]
+    # the merge lists a's marker and flag record twice, and its body only under a new name
+    fs.show_duplicate(box / "msg" / marker, f"{marker}#conflict-2")
+    fs.show_duplicate(box / "flags" / record, f"{record}#conflict-2")
+    fs.show_renamed(box / "body" / sid, f"{sid}#conflict-1")
+    assert {marker, f"{marker}#conflict-2"} <= set(fs.listdir(str(box / "msg")))
+    assert f"{sid}#conflict-1" in fs.listdir(str(box / "body")) and sid not in fs.listdir(str(box / "body"))
+    other_node = await opened(tmp_path, fs)
+    for node in (store, other_node):
+        summaries = [s async for s in node.list_messages(USER, INBOX)]
+        assert [(s.id, s.uid) for s in summaries] == [(a, 1), (b, 2)]
+        assert summaries[0].size == len(BODY) and summaries[0].flags == {"$Work"}
+        assert await node.read_message(USER, INBOX, a) == BODY
+        assert await node.assign_uids(USER, INBOX, [a, b]) == {a: 1, b: 2}
+    # the duplicate took no UID: the next message gets the next one
+    [c] = await other_node.deliver(BODY + b"c", [Target(USER)])
+    assert await store.assign_uids(USER, INBOX, [a, b, c]) == {a: 1, b: 2, c: 3}
     await other_node.delete_messages(USER, INBOX, [a])
-    assert await ids_of(store) == [] and await ids_of(await opened(tmp_path)) == []
+    for node in (store, other_node, await opened(tmp_path, fs)):
+        assert await ids_of(node) == [b, c]
+        with pytest.raises(NoSuchMessage):
+            await node.read_message(USER, INBOX, a)
+        assert await node.read_message(USER, INBOX, b) == BODY + b"b"
+    assert await store.uid_next(USER, INBOX) == 4
 
 
-async def test_no_uid_is_reused_when_a_claimer_dies_or_its_write_fails(faulty, tmp_path: Path) -> None:
+async def test_no_uid_is_reused_when_a_claimer_dies_or_its_write_fails(faulty, tmp_path: Path, opened: Opener) -> None:
     store, fs = faulty
     ids = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(4)]
     assert await store.assign_uids(USER, INBOX, ids[:1]) == {ids[0]: 1}
     [uids] = [p for p in tmp_path.rglob("uids") if p.is_dir()]
     [claims] = list(uids.iterdir())
     # a node created claim 2 and died before writing it: readers wait, then count it as burnt
-    (claims / "2").write_bytes(b"")
+    FileSystem().write_file(str(claims / "2"), b"", exclusive=True, fsync=True)
     other_node = await opened(tmp_path, claim_timeout=30.0)
     with pytest.raises(StoreUnavailable, match="another node is assigning"):
         await other_node.assign_uids(USER, INBOX, ids[1:2])
@@ -233,15 +359,19 @@ def _allocate_in_another_process(root: str, rounds: int, barrier: threading.Barr
     """One 'node': deliver and assign UIDs in a loop, report what it was told."""
 
     async def run() -> list[tuple[str, int]]:
-        store = await opened(Path(root))
+        store = WheelFSStore(settings_for(Path(root)))
+        await store.open()
         seen: list[tuple[str, int]] = []
-        barrier.wait()
-        for _ in range(rounds):
-            [mine] = await store.deliver(BODY, [Target(USER)])
-            everything = await ids_of(store)
-            for message_id, uid in (await store.assign_uids(USER, INBOX, everything)).items():
-                seen.append((message_id.hex, uid))
-            assert mine in everything
+        try:
+            barrier.wait()
+            for _ in range(rounds):
+                [mine] = await store.deliver(BODY, [Target(USER)])
+                everything = await ids_of(store)
+                for message_id, uid in (await store.assign_uids(USER, INBOX, everything)).items():
+                    seen.append((message_id.hex, uid))
+                assert mine in everything
+        finally:
+            await store.close()
         return seen
 
     out.put(asyncio.run(run()))
@@ -305,10 +435,14 @@ async def test_a_rename_stopped_by_a_crash_is_finished_by_the_next_listing(fault
     [a] = await store.deliver(BODY, [Target(USER)])
     [boxes] = [p for p in tmp_path.rglob("boxes") if p.is_dir()]
     # a node created the new names and died before removing the old ones
-    record = json.loads((boxes / "Drafts").read_text())
-    (boxes / "Old drafts").write_text(json.dumps({**record, "renamed": time.time_ns()}) + "\n")
-    inbox = json.loads((boxes / "INBOX").read_text())
-    (boxes / "Old mail").write_text(json.dumps({**inbox, "renamed": time.time_ns() - 120 * 10**9}) + "\n")
+    dead_node = FileSystem()
+    record = json.loads(dead_node.read_bytes(str(boxes / "Drafts")))
+    dead_node.write_file(str(boxes / "Old drafts"), json.dumps({**record, "renamed": time.time_ns()}).encode() + b"\n",
+                         exclusive=True, fsync=True)
+    inbox = json.loads(dead_node.read_bytes(str(boxes / "INBOX")))
+    dead_node.write_file(str(boxes / "Old mail"),
+                         json.dumps({**inbox, "renamed": time.time_ns() - 120 * 10**9}).encode() + b"\n",
+                         exclusive=True, fsync=True)
     names = [m.name for m in await store.list_mailboxes(USER)]
     assert "Old drafts" in names and "Drafts" not in names and "Old mail" in names and INBOX in names
     assert await ids_of(store, "Old mail") == [a]  # the mail went with the name
@@ -316,24 +450,32 @@ async def test_a_rename_stopped_by_a_crash_is_finished_by_the_next_listing(fault
     assert (await store.mailbox_info(USER, INBOX)).uidvalidity != inbox["uidvalidity"]
 
 
-async def test_tombstones_go_after_the_grace_and_never_while_a_replica_still_shows_the_message(tmp_path: Path) -> None:
-    store = await opened(tmp_path, tombstone_grace=1.0)
+async def test_tombstones_go_after_the_grace_and_never_while_a_replica_still_shows_the_message(
+    tmp_path: Path, opened: Opener
+) -> None:
+    fs = FaultyFS()
+    store = await opened(tmp_path, fs, tombstone_grace=1.0)
     await store.add_domain("wheel.example")
     await store.create_user(USER, hash_password("pw", FAST_HASH))
     a, b, c = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(3)]
     box = mail_dir(tmp_path)
     marker_b = next(n for n in os.listdir(box / "msg") if n.startswith(sortable_id(b)))
+    replica = tmp_path / "stale-replica"
+    (replica / "msg").mkdir(parents=True)
+    shutil.copy(box / "msg" / marker_b, replica / "msg" / marker_b)  # a replica that holds b's marker
     await asyncio.sleep(1.2)  # the messages are older than the grace; their deletions are not yet
     await store.delete_messages(USER, INBOX, [a])
     assert os.listdir(box / "dead") == [sortable_id(a)]
     long_ago = time.time() - 10
     os.utime(box / "dead" / sortable_id(a), (long_ago, long_ago))
-    await (await opened(tmp_path, tombstone_grace=1.0)).delete_messages(USER, INBOX, [b])
+    await (await opened(tmp_path, fs, tombstone_grace=1.0)).delete_messages(USER, INBOX, [b])
     assert os.listdir(box / "dead") == [sortable_id(b)]  # a's record went, b's is young
-    # b's marker comes back from a replica after its grace: removed again, its tombstone kept
-    (box / "msg" / marker_b).write_bytes(b"")
+    # b's marker comes back from the replica after its grace: removed again, its tombstone kept
+    fs.bring_back(box, replica)
+    assert marker_b in fs.listdir(str(box / "msg"))
     os.utime(box / "dead" / sortable_id(b), (long_ago, long_ago))
-    await (await opened(tmp_path, tombstone_grace=1.0)).delete_messages(USER, INBOX, [c])
+    await (await opened(tmp_path, fs, tombstone_grace=1.0)).delete_messages(USER, INBOX, [c])
     assert sorted(os.listdir(box / "dead")) == sorted([sortable_id(b), sortable_id(c)])
+    assert fs.listdir(str(box / "msg")) == [] and fs.listdir(str(box / "body")) == []  # the merged view too
     assert os.listdir(box / "msg") == [] and os.listdir(box / "body") == []
-    assert await ids_of(await opened(tmp_path)) == []
+    assert await ids_of(await opened(tmp_path, fs)) == []

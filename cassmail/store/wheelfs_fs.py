@@ -5,8 +5,11 @@ one `FileSystem` object, which counts it (so a delivery or an IMAP check can be
 priced in file-system operations, the paper's measure) and is the one place a
 test can inject the faults a wide-area file system shows: timeouts, entries
 missing from a listing, deleted files coming back, an entry under a new name.
-A subclass overrides `before` (called before every operation) or `listed`
-(every directory listing passes through it).
+A subclass overrides three hooks: `before` (called before every operation: a
+stall, an error), `listed` (every directory listing passes through it: names
+left out, names a stale replica or a merge adds) and `where` (every path an
+operation touches passes through it: the copy a stale replica holds, the entry
+a name made by a merge duplicates).
 
 Counted operations are system calls: open, read, write, fsync, close,
 readdir (one per listing), stat, mkdir, rmdir, unlink, rename.
@@ -42,6 +45,12 @@ class FileSystem:
         """Every directory listing passes through here (fault injection overrides this)."""
         return names
 
+    def where(self, path: str) -> str:
+        """The file a name reaches: the name itself here. Fault injection overrides this so that
+        a name a listing shows (a stale replica's entry, a merge's duplicate) can be opened,
+        stat'ed and removed like any other, and one the merge renamed away cannot."""
+        return path
+
     @property
     def total(self) -> int:
         with self._lock:
@@ -63,12 +72,12 @@ class FileSystem:
 
     def listdir(self, path: str) -> list[str]:
         self.before("readdir", path)
-        return self.listed(path, os.listdir(path))
+        return self.listed(path, os.listdir(self.where(path)))
 
     def mkdir(self, path: str, exist_ok: bool = False) -> None:
         self.before("mkdir", path)
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(self.where(path), 0o700)
         except FileExistsError:
             if not exist_ok:
                 raise
@@ -97,14 +106,14 @@ class FileSystem:
                 self.unlink(child, missing_ok=True)
         self.before("rmdir", path)
         try:
-            os.rmdir(path)
+            os.rmdir(self.where(path))
         except (FileNotFoundError, OSError) as exc:
             if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ENOTEMPTY:
                 raise
 
     def fsync_dir(self, path: str) -> None:
         self.before("open", path)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(self.where(path), os.O_RDONLY | os.O_DIRECTORY)
         try:
             self.before("fsync", path)
             os.fsync(fd)
@@ -116,7 +125,7 @@ class FileSystem:
 
     def stat(self, path: str) -> os.stat_result:
         self.before("stat", path)
-        return os.stat(path)
+        return os.stat(self.where(path))
 
     def exists(self, path: str) -> bool:
         try:
@@ -134,7 +143,7 @@ class FileSystem:
     def unlink(self, path: str, missing_ok: bool = False) -> None:
         self.before("unlink", path)
         try:
-            os.unlink(path)
+            os.unlink(self.where(path))
         except FileNotFoundError:
             if not missing_ok:
                 raise
@@ -142,7 +151,7 @@ class FileSystem:
     def rename(self, source: str, target: str) -> None:
         """POSIX rename: atomic, replaces a file, fails on a non-empty directory."""
         self.before("rename", source)
-        os.rename(source, target)
+        os.rename(self.where(source), self.where(target))
 
     # ----------------------------------------------------------------- files
 
@@ -156,7 +165,7 @@ class FileSystem:
 
     def open_read(self, path: str) -> int:
         self.before("open", path)
-        return os.open(path, os.O_RDONLY)
+        return os.open(self.where(path), os.O_RDONLY)
 
     def pread(self, fd: int, path: str, size: int, offset: int) -> bytes:
         self.before("read", path)
@@ -169,7 +178,7 @@ class FileSystem:
     def open_write(self, path: str, exclusive: bool) -> int:
         """Create (O_EXCL when `exclusive`: FileExistsError if the name is taken) or truncate."""
         self.before("open", path)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC), 0o600)
+        return os.open(self.where(path), os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC), 0o600)
 
     def write_all(self, fd: int, path: str, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -196,7 +205,7 @@ class FileSystem:
         except BaseException:
             os.close(fd)
             try:
-                os.unlink(path)
+                os.unlink(self.where(path))
             except OSError:
                 pass
             raise
