@@ -182,6 +182,26 @@ async def test_two_nodes_assigning_uids_at_once_never_collide(make_store) -> Non
     assert await node_b.uid_next(user, INBOX) == max(final.values()) + 1
 
 
+async def test_two_nodes_renumbering_one_message_give_it_one_new_uid(make_store) -> None:
+    """Sessions on two nodes that both saw a message with a UID below what they had shown renumber
+    it at once, while a third assigns new mail: one new UID for it, none handed out twice."""
+    node_a, node_b = await make_store(), await make_store()
+    user = await new_user(node_a)
+    ids = await deliver_many(node_a, user, 20)
+    first = await node_a.assign_uids(user, INBOX, ids)
+    fresh = await deliver_many(node_a, user, 10)
+    old = ids[7]
+    results = await asyncio.gather(
+        *(node.assign_uids(user, INBOX, [old], renumber={old: first[old]}) for node in (node_a, node_b) * 3),
+        node_b.assign_uids(user, INBOX, fresh),
+    )
+    renumbered = {r[old] for r in results[:-1]}
+    assert len(renumbered) == 1 and renumbered.pop() > max(first.values())
+    final = await node_b.assign_uids(user, INBOX, ids + fresh)
+    assert len(set(final.values())) == 30 and first[old] not in final.values()
+    assert await node_a.uid_next(user, INBOX) == 32  # 30 first UIDs and one renumbering
+
+
 async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
     store = await make_store()
     user = await new_user(store)

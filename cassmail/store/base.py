@@ -17,7 +17,7 @@ import abc
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
@@ -297,10 +297,27 @@ class Store(abc.ABC):
 
     # ----------------------------------------------------------------- IMAP UIDs
     @abc.abstractmethod
-    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
-        """Give every id that has no UID yet one above every UID ever handed out in this
-        mailbox, in the order of `ids`; return the UID of every id (old or new) that still
-        exists. Safe against concurrent callers on any node: no UID is given twice."""
+    async def assign_uids(
+        self,
+        user: str,
+        mailbox: str,
+        ids: Sequence[uuid.UUID],
+        renumber: Mapping[uuid.UUID, int] | None = None,
+    ) -> dict[uuid.UUID, int]:
+        """Give a new UID, one above every UID ever handed out in this mailbox and in the order
+        of `ids`, to every id that has none yet and to every id of `renumber` whose UID is still
+        the value given there; return the UID of every id (old or new) that still exists.
+
+        Renumbering exists for IMAP: a session that has shown UID 6 must never show UID 5
+        afterwards, yet a read at a weak consistency level may have hidden an older message
+        that already had UID 5. The session renumbers it, so it joins at the end of the view
+        with a UID no client has seen. A renumber whose value is no longer the message's UID
+        (someone renumbered it already) changes nothing, so two sessions renumbering the same
+        message at once give it exactly one new UID. Keys of `renumber` missing from `ids` are
+        treated as if appended to it.
+
+        Safe against concurrent callers on any node: no UID is given twice, the counter only
+        grows, and a UID a message gave up is never handed out again."""
 
     @abc.abstractmethod
     async def uid_next(self, user: str, mailbox: str) -> int:
@@ -308,6 +325,23 @@ class Store(abc.ABC):
 
 
 # --------------------------------------------------------------------------- helpers for backends
+
+
+def uid_work(ids: Sequence[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None) -> list[uuid.UUID]:
+    """The ids an `assign_uids` call is about, once each: `ids` in order, then any key of
+    `renumber` they do not name."""
+    wanted = dict.fromkeys(ids)
+    if renumber:
+        wanted.update(dict.fromkeys(renumber))
+    return list(wanted)
+
+
+def needs_uid(current: int | None, message_id: uuid.UUID, renumber: Mapping[uuid.UUID, int] | None) -> bool:
+    """True when an existing message gets a new UID in `assign_uids`: it has none, or the caller
+    asks to renumber it and its UID is still the one the caller saw."""
+    if not current:
+        return True
+    return renumber is not None and renumber.get(message_id) == current
 
 
 def check_targets(targets: Sequence[Target]) -> list[Target]:

@@ -22,7 +22,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -68,6 +68,8 @@ from cassmail.store.base import (
     body_view,
     check_flag_mode,
     check_targets,
+    needs_uid,
+    uid_work,
 )
 
 log = logging.getLogger(__name__)
@@ -770,22 +772,32 @@ class CassandraStore(Store):
         rows = await self._run("msg_uidnext", mailbox_id, ANCHOR)
         return rows[0].uidnext if rows else None
 
-    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+    async def assign_uids(
+        self,
+        user: str,
+        mailbox: str,
+        ids: Sequence[uuid.UUID],
+        renumber: Mapping[uuid.UUID, int] | None = None,
+    ) -> dict[uuid.UUID, int]:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        wanted = list(dict.fromkeys(ids))
+        wanted = uid_work(ids, renumber)
         uids: dict[uuid.UUID, int] = {}
         for group in _groups(wanted, UID_BATCH):
-            uids.update(await self._assign_group(mailbox_id, group))
+            uids.update(await self._assign_group(mailbox_id, group, renumber))
         return uids
 
-    async def _assign_group(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> dict[uuid.UUID, int]:
+    async def _assign_group(
+        self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None
+    ) -> dict[uuid.UUID, int]:
         for _ in range(LWT_ATTEMPTS):
             # One SERIAL read gives the UIDs and the counter (a static column, returned with every
             # row) as one snapshot that sees every committed assignment. The batch below applies only
-            # if the counter is unchanged, i.e. nobody assigned anything since this snapshot.
+            # if the counter is unchanged, i.e. nobody assigned anything since this snapshot. Every
+            # renumbering moves the counter too, so a renumber raced by another one fails here, and
+            # its retry reads the message's new UID, no longer the one it was asked to replace.
             rows = await self._run("uid_read", mailbox_id, ids)
             alive = {r.id: r.uid for r in rows if r.size is not None}
-            missing = [i for i in ids if i in alive and alive[i] is None]
+            missing = [i for i in ids if i in alive and needs_uid(alive[i], i, renumber)]
             if not missing:
                 return {i: alive[i] for i in ids if i in alive}
             uidnext = rows[0].uidnext

@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -626,9 +626,15 @@ class MboxStore(Store):
         wanted = list(ids)
         await self._on_mailbox(user, mailbox, lambda mf: mf.delete(wanted))
 
-    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
-        wanted = list(ids)
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.assign_uids(wanted))
+    async def assign_uids(
+        self,
+        user: str,
+        mailbox: str,
+        ids: Sequence[uuid.UUID],
+        renumber: Mapping[uuid.UUID, int] | None = None,
+    ) -> dict[uuid.UUID, int]:
+        wanted, again = list(ids), dict(renumber or {})
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.assign_uids(wanted, again))
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.uid_next())

@@ -85,7 +85,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -94,6 +94,7 @@ from pathlib import Path
 from cassmail.config import MboxSettings
 from cassmail.model import MessageSummary
 from cassmail.store import mbox_fs
+from cassmail.store.base import needs_uid, uid_work
 from cassmail.store.mbox_format import (
     META_TAG,
     PAD_MIN,
@@ -806,19 +807,32 @@ class MailboxFile:
 
     # ----------------------------------------------------------------- UIDs
 
-    def assign_uids(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
-        wanted = list(dict.fromkeys(ids))
+    def assign_uids(
+        self, ids: Sequence[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None = None
+    ) -> dict[uuid.UUID, int]:
+        """See Store.assign_uids. The check is repeated under the write lock, so of two
+        processes renumbering one message only the first moves it; a renumbered message's new
+        UID is one UIDS record, like a first one, and its old UID stays below uidnext forever."""
+        wanted = uid_work(ids, renumber)
+
+        def live(i: uuid.UUID) -> Segment | None:
+            s = self.by_id.get(i)
+            return s if s is not None and s.live else None
+
+        def todo() -> list[uuid.UUID]:
+            return [i for i in wanted if (s := live(i)) is not None and needs_uid(s.uid, i, renumber)]
+
         with self.reading():
-            if all((s := self.by_id.get(i)) is None or not s.live or s.uid for i in wanted):
-                return {i: s.uid for i in wanted if (s := self.by_id.get(i)) is not None and s.live}
+            if not todo():
+                return {i: s.uid for i in wanted if (s := live(i)) is not None}
         with self.writing():
-            missing = [i for i in wanted if (s := self.by_id.get(i)) is not None and s.live and not s.uid]
+            missing = todo()
             if missing:
                 body = struct.pack(">I", self.uidnext + len(missing)) + b"".join(
                     i.bytes + struct.pack(">I", self.uidnext + n) for n, i in enumerate(missing)
                 )
                 self._commit([(UIDS, body)])
-            return {i: s.uid for i in wanted if (s := self.by_id.get(i)) is not None and s.live}
+            return {i: s.uid for i in wanted if (s := live(i)) is not None}
 
     def uid_next(self) -> int:
         with self.reading():

@@ -18,7 +18,8 @@ that keep mail safe on a file system whose replicas may disagree are:
   node only. That is the compare-and-set: UID n is claimed by creating
   `uids/<mailbox>/<n>` holding the message id, and a claimer walks the claims
   in order before it creates the next one, so no UID is given twice and UIDs
-  only grow.
+  only grow. Renumbering a message (IMAP, see Store.assign_uids) claims a
+  new UID holding the same id; its UID is its highest claim.
 - Every file-system call goes through one `FileSystem` object
   (wheelfs_fs), which counts it and is where tests inject faults; every call
   is bounded by `timeout`, and any failure is a StoreUnavailable (SMTP 451),
@@ -37,7 +38,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -81,7 +82,9 @@ from cassmail.store.base import (
     checked_password_hash,
     decode_name,
     internal_date_micros,
+    needs_uid,
     prepare_delivery,
+    uid_work,
 )
 from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.wheelfs_layout import (
@@ -884,8 +887,9 @@ class WheelFSStore(Store):
 
     def _walk_claims(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> None:
         """Read the UID claims after the last one this process knows, up to the first missing
-        name (claims are made in order and never removed, so that is the end). Caller holds
-        cache.lock."""
+        name (claims are made in order and never removed, so that is the end). A message
+        renumbered (Store.assign_uids) holds several claims; its UID is the highest, the last
+        one walked. Caller holds cache.lock."""
         directory = self.layout.uids(user_file, mailbox_id)
         waited_since: float | None = None
         while True:
@@ -904,7 +908,7 @@ class WheelFSStore(Store):
                     continue
                 claimed = None  # its claimer died before writing: the UID is burnt
             if isinstance(claimed, uuid.UUID):
-                cache.uid_of.setdefault(claimed, cache.next_uid)
+                cache.uid_of[claimed] = cache.next_uid
             cache.next_uid += 1
             waited_since = None
 
@@ -927,8 +931,15 @@ class WheelFSStore(Store):
             self.fs.close(fd, path)
         return in_time
 
-    async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
-        wanted = list(ids)
+    async def assign_uids(
+        self,
+        user: str,
+        mailbox: str,
+        ids: Sequence[uuid.UUID],
+        renumber: Mapping[uuid.UUID, int] | None = None,
+    ) -> dict[uuid.UUID, int]:
+        wanted = uid_work(ids, renumber)
+        again = dict(renumber or {})
         key, name = address_key(user), mailbox_name(mailbox)
 
         def assign() -> dict[uuid.UUID, int]:
@@ -943,7 +954,10 @@ class WheelFSStore(Store):
                 for message_id in wanted:
                     if message_id not in live:
                         continue
-                    while message_id not in cache.uid_of:
+                    # Renumbering claims a new UID for the same id. A lost exclusive create means
+                    # someone claimed that UID first; the walk reads it, and if it was this very
+                    # message (another node renumbering it too), the UID moved: nothing more to do.
+                    while needs_uid(cache.uid_of.get(message_id), message_id, again):
                         if cache.next_uid == 1:
                             self.fs.makedirs(directory)
                         if self._claim(directory, cache.next_uid, message_id):

@@ -443,3 +443,48 @@ async def test_uids_belong_to_their_mailbox(store: Store, user: str) -> None:
     assert (await store.assign_uids(user, "Drafts", [a]))[a] == 1
     assert (await store.assign_uids(user, INBOX, [b]))[b] == 1
     assert await store.assign_uids(user, INBOX, [a]) == {}
+
+
+async def test_renumbering_gives_a_new_uid_above_every_uid_handed_out(store: Store, user: str) -> None:
+    ids = [(await store.deliver(b"r%d" % i, [Target(user)]))[0] for i in range(4)]
+    before = await store.assign_uids(user, INBOX, ids[:3])
+    assert [before[i] for i in ids[:3]] == [1, 2, 3]
+    uid_next = await store.uid_next(user, INBOX)
+    # ids[1] is renumbered while ids[3] gets its first UID: both above uid_next, in the order of ids
+    after = await store.assign_uids(user, INBOX, ids, renumber={ids[1]: before[ids[1]]})
+    assert after == {ids[0]: 1, ids[1]: uid_next, ids[2]: 3, ids[3]: uid_next + 1}
+    assert await store.uid_next(user, INBOX) == uid_next + 2
+    # the listing shows the new UID, and the old one is never handed out again
+    assert {s.id: s.uid for s in await listing(store, user)} == after
+    [late] = await store.deliver(MESSAGE, [Target(user)])
+    assert (await store.assign_uids(user, INBOX, [late]))[late] == uid_next + 2
+    assert before[ids[1]] not in (await store.assign_uids(user, INBOX, ids + [late])).values()
+
+
+async def test_a_stale_renumber_changes_nothing(store: Store, user: str) -> None:
+    a, b = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(2)]
+    first = await store.assign_uids(user, INBOX, [a, b])
+    moved = await store.assign_uids(user, INBOX, [a], renumber={a: first[a]})
+    assert moved[a] > first[b]
+    uid_next = await store.uid_next(user, INBOX)
+    # the value given is no longer a's UID (someone renumbered it already): a keeps its UID
+    assert await store.assign_uids(user, INBOX, [a, b], renumber={a: first[a]}) == {a: moved[a], b: first[b]}
+    # a renumber of a message that is gone, or of a UID it never had, is not an assignment either
+    await store.delete_messages(user, INBOX, [b])
+    assert await store.assign_uids(user, INBOX, [b], renumber={b: first[b]}) == {}
+    assert await store.assign_uids(user, INBOX, [a], renumber={a: moved[a] + 100}) == {a: moved[a]}
+    assert await store.uid_next(user, INBOX) == uid_next
+
+
+async def test_concurrent_renumbers_of_one_message_give_it_exactly_one_new_uid(store: Store, user: str) -> None:
+    ids = [(await store.deliver(b"k%d" % i, [Target(user)]))[0] for i in range(5)]
+    first = await store.assign_uids(user, INBOX, ids)
+    target = ids[2]
+    results = await asyncio.gather(
+        *(store.assign_uids(user, INBOX, [target], renumber={target: first[target]}) for _ in range(8))
+    )
+    new_uids = {r[target] for r in results}
+    assert len(new_uids) == 1  # every caller sees the same, single new UID
+    [new_uid] = new_uids
+    assert new_uid == 6 and await store.uid_next(user, INBOX) == 7
+    assert {s.id: s.uid for s in await listing(store, user)} == {**first, target: 6}
