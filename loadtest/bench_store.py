@@ -6,6 +6,13 @@ database's, not a protocol's:
 
     make cassandra && .venv/bin/python loadtest/bench_store.py --seconds 20
 
+It measures the Cassandra store unless the settings name another backend
+(`--set store.backend=mbox`, CASSMAIL_STORE_BACKEND, or `backend` under
+[store] in the --config / $CASSMAIL_CONFIG file): cassmail's own default
+backend is mbox, which is what `serve` wants out of the box but not what this
+benchmark is for. The backend measured is printed above the settings and
+above the table.
+
 Per size range it runs three phases, each bounded by --seconds and by
 --max-messages: deliver (one recipient), list (INBOX pages of up to 500) and
 read (whole bodies, checked byte for byte); plus one "deliver x3" phase (one
@@ -34,10 +41,11 @@ import random
 import secrets
 import sys
 import time
+import tomllib
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cassmail import config
@@ -61,7 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", metavar="FILE", help="cassmail TOML settings (default: $CASSMAIL_CONFIG or built-ins)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a setting, e.g. --set store.cassandra.port=29042 (repeatable)",
+        help="override a setting, e.g. --set store.cassandra.port=29042 or --set store.backend=mbox "
+        "(repeatable; the backend is cassandra unless named here, in the environment or in the file)",
     )
     p.add_argument(
         "--keyspace", metavar="NAME",
@@ -79,15 +88,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_settings(args: argparse.Namespace) -> tuple[Settings, bool]:
-    """Settings to bench, and whether the keyspace is ours (fresh: create, then drop)."""
+def backend_named(args: argparse.Namespace, env: Mapping[str, str]) -> bool:
+    """Whether the operator chose a backend: a flag, the environment or the settings file."""
+    if any(o.split("=", 1)[0].strip() == "store.backend" for o in args.overrides):
+        return True
+    if env.get("CASSMAIL_STORE_BACKEND"):
+        return True
+    path = args.config or env.get("CASSMAIL_CONFIG")
+    if not path:
+        return False
+    try:
+        with open(path, "rb") as fh:
+            store = tomllib.load(fh).get("store", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False  # config.load reports it with its own message
+    return isinstance(store, dict) and "backend" in store
+
+
+def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[Settings, bool]:
+    """Settings to bench, and whether the keyspace is ours (fresh: create, then drop). The
+    backend is Cassandra unless the operator named one (see the module docstring)."""
+    env = os.environ if env is None else env
     overrides = list(args.overrides)
+    if not backend_named(args, env):
+        overrides.insert(0, "store.backend=cassandra")
     named = args.keyspace is not None or any(o.split("=", 1)[0].strip() == "store.cassandra.keyspace" for o in overrides)
     if args.keyspace is not None:
         overrides.append(f"store.cassandra.keyspace={args.keyspace}")
     elif not named:
         overrides.append(f"store.cassandra.keyspace=bench_{secrets.token_hex(5)}")
-    settings = config.load(args.config, overrides=overrides)
+    settings = config.load(args.config, env=env, overrides=overrides)
     return settings, settings.store.backend == "cassandra" and not named
 
 
@@ -273,6 +303,17 @@ def describe(settings: Settings, args: argparse.Namespace, created: bool, store:
     return lines
 
 
+def where(settings: Settings) -> str:
+    """The store measured, in one phrase: the backend and where its data lives."""
+    s = settings.store
+    if s.backend == "cassandra":
+        c = s.cassandra
+        return f"{s.backend} store at {','.join(c.contact_points)}:{c.port}, keyspace {c.keyspace}"
+    if s.backend == "mbox":
+        return f"{s.backend} store in {s.mbox.path}"
+    return f"{s.backend} store in {s.wheelfs.root}"
+
+
 def table(results: list[PhaseResult], cass_on: bool) -> list[str]:
     head = ["phase", "sizes", "ops", "errors", "s", "ops/s", "MB/s", "p50 ms", "p95 ms", "p99 ms", "bench CPU s"]
     if cass_on:
@@ -353,7 +394,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
             print(f"created keyspace {c.keyspace} in {time.perf_counter() - t:.1f} s", flush=True)
         await store.open()
         opened = True
-        print("# cassmail store benchmark")
+        print(f"# cassmail store benchmark: {where(settings)}")
         for line in describe(settings, args, created, store):
             print("  " + line)
         print(f"  CPU accounting     bench process (getrusage); {cass.label}")
@@ -418,6 +459,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
     run_cass = CassandraCpu.delta(run_cass0, cass.sample()) if cass.enabled else None
     wall = time.perf_counter() - run_t0
     print()
+    print(f"## results: {where(settings)}")
     for line in table(results, cass.enabled):
         print(line)
     for r in results:
