@@ -84,6 +84,7 @@ def plain_node(backend_settings, tmp_path_factory) -> Node:
     ).start()
     yield running
     assert running.stop() == 0
+    assert "Traceback" not in running.log_text()
 
 
 async def deliver(store: Store, user: str, bodies: list[bytes], mailbox: str = "INBOX") -> None:
@@ -119,7 +120,94 @@ def test_authenticate_plain(plain_node: Node, users) -> None:
     assert client.select("INBOX")[0] == "OK"
 
 
+def test_lines_sent_after_starttls_in_clear_text_are_discarded(node: Node, users) -> None:
+    """STARTTLS command injection: a LOGIN written in the same packet as STARTTLS (what a man in
+    the middle would add) never runs, although the password is right."""
+    sock = socket.create_connection(("127.0.0.1", node.port("imap")), timeout=30)
+    reader = sock.makefile("rb")
+    assert reader.readline().startswith(b"* OK")
+    sock.sendall(b"a STARTTLS\r\nb LOGIN " + users["anne"].encode() + b" anne\r\n")
+    assert reader.readline() == b"a OK Begin TLS negotiation now\r\n"
+    tls = CLIENT_TLS.wrap_socket(sock, server_hostname="mx.test")
+    reader = tls.makefile("rb")
+    tls.sendall(b"c CAPABILITY\r\nd SELECT INBOX\r\n")
+    lines = []
+    while not lines or not lines[-1].startswith(b"d "):
+        lines.append(reader.readline())
+        assert lines[-1], lines
+    assert not [line for line in lines if line.startswith(b"b ")], lines
+    assert b"AUTH=PLAIN" in lines[0] and lines[1] == b"c OK CAPABILITY completed\r\n"  # not logged in ...
+    assert lines[-1] == b"d BAD Command not allowed now\r\n"  # ... so no SELECT
+    tls.sendall(b"e LOGIN " + users["anne"].encode() + b" anne\r\n")  # a LOGIN sent over TLS works
+    assert reader.readline().startswith(b"e OK")
+    tls.close()
+    assert "event=imap-starttls" in node.log_text() and "dropped_bytes=" in node.log_text()
+
+
+def test_authenticate_plain_is_refused_before_tls(node: Node, users) -> None:
+    client = imap(node)
+    with pytest.raises(imaplib.IMAP4.error, match=r"\[PRIVACYREQUIRED\]"):
+        client.authenticate("PLAIN", lambda _: f"\0{users['anne']}\0anne".encode())
+    assert client.state == "NONAUTH"
+    client.starttls(ssl_context=CLIENT_TLS)
+    assert client.authenticate("PLAIN", lambda _: f"\0{users['anne']}\0anne".encode())[0] == "OK"
+
+
 # ----------------------------------------------------------------------------- SELECT, FETCH, SEARCH
+
+
+def _select_codes(raw: Raw, command: str) -> dict[str, int]:
+    """EXISTS, RECENT and the numeric response codes of a SELECT or EXAMINE."""
+    lines = raw.cmd(command)
+    assert lines[-1].split(b" ")[1] == b"OK", lines
+    out = {}
+    for line in lines:
+        if m := re.match(rb"\* (\d+) (EXISTS|RECENT)\r\n", line):
+            out[m.group(2).decode()] = int(m.group(1))
+        if m := re.match(rb"\* OK \[(UNSEEN|UIDVALIDITY|UIDNEXT) (\d+)\]", line):
+            out[m.group(1).decode()] = int(m.group(2))
+    return out
+
+
+def _status(client: imaplib.IMAP4, mailbox: str) -> dict[str, int]:
+    typ, data = client.status(mailbox, "(MESSAGES RECENT UIDNEXT UIDVALIDITY UNSEEN)")
+    assert typ == "OK", data
+    items = re.search(rb"\((.*)\)", data[0]).group(1).split()
+    return {items[i].decode(): int(items[i + 1]) for i in range(0, len(items), 2)}
+
+
+async def test_uidnext_and_status_after_the_newest_messages_are_expunged(plain_node: Node, store: Store, users) -> None:
+    user = users["bob"]
+    await deliver(store, user, [message(i) for i in range(5)], "Trash")
+    validity = (await store.mailbox_info(user, "Trash")).uidvalidity
+    client = imap(plain_node)
+    client.login(user, "bob")
+    # nobody has numbered them yet: STATUS counts them RECENT and predicts their UIDs
+    assert _status(client, "Trash") == {"MESSAGES": 5, "RECENT": 5, "UIDNEXT": 6, "UIDVALIDITY": validity, "UNSEEN": 5}
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "bob")
+    assert _select_codes(raw, "SELECT Trash") == {"EXISTS": 5, "RECENT": 5, "UNSEEN": 1, "UIDVALIDITY": validity,
+                                                 "UIDNEXT": 6}
+    raw.cmd("STORE 1 +FLAGS (\\Seen)")
+    raw.cmd("STORE 4:5 +FLAGS (\\Deleted)")
+    assert raw.cmd("EXPUNGE")[:2] == [b"* 5 EXPUNGE\r\n", b"* 4 EXPUNGE\r\n"]
+    # UIDs 4 and 5 were handed out: UIDNEXT stays 6 in SELECT and in STATUS alike
+    assert _status(client, "Trash") == {"MESSAGES": 3, "RECENT": 0, "UIDNEXT": 6, "UIDVALIDITY": validity, "UNSEEN": 2}
+    assert _select_codes(raw, "SELECT Trash") == {"EXISTS": 3, "RECENT": 0, "UNSEEN": 2, "UIDVALIDITY": validity,
+                                                 "UIDNEXT": 6}
+    assert _select_codes(raw, "EXAMINE Trash")["UIDNEXT"] == 6
+    # a new message is numbered 6 by the SELECT that first sees it, which then predicts 7
+    await deliver(store, user, [message(9)], "Trash")
+    assert _status(client, "Trash") == {"MESSAGES": 4, "RECENT": 1, "UIDNEXT": 7, "UIDVALIDITY": validity, "UNSEEN": 3}
+    assert _select_codes(raw, "SELECT Trash") == {"EXISTS": 4, "RECENT": 1, "UNSEEN": 2, "UIDVALIDITY": validity,
+                                                 "UIDNEXT": 7}
+    assert b"* 4 FETCH (UID 6)\r\n" in raw.cmd("FETCH 4 (UID)")
+    # everything expunged: the empty mailbox still says 7
+    raw.cmd("STORE 1:* +FLAGS.SILENT (\\Deleted)")
+    raw.cmd("EXPUNGE")
+    assert _select_codes(raw, "SELECT Trash") == {"EXISTS": 0, "RECENT": 0, "UIDVALIDITY": validity, "UIDNEXT": 7}
+    assert _status(client, "Trash") == {"MESSAGES": 0, "RECENT": 0, "UIDNEXT": 7, "UIDVALIDITY": validity, "UNSEEN": 0}
+    assert raw.cmd("UID FETCH * (UID)")[-1].split(b" ")[1] == b"OK"
 
 
 async def test_select_reports_the_mailbox_and_fetch_is_byte_exact(plain_node: Node, store: Store, users) -> None:
@@ -320,6 +408,88 @@ async def test_search_keys(plain_node: Node, store: Store, users) -> None:
     assert search("UNSEEN", uid=True) == [1, 2, 3, 4, 5, 6, 7]
     typ, data = client.search("KOI8-R", "ALL")
     assert typ == "NO" and data[0].startswith(b"[BADCHARSET")
+    # strings as literals, the way clients send non-ASCII text: imaplib sends `{7}` and waits for "+"
+    client.literal = "r\u00e9union".encode()
+    typ, data = client.search("UTF-8", "SUBJECT")
+    assert typ == "OK" and data == [b"7"]
+    client.literal = "r\u00e9union".encode()
+    assert client.uid("SEARCH", "CHARSET", "UTF-8", "OR", "FLAGGED", "SUBJECT") == ("OK", [b"1 3 7"])
+    client.literal = "caf\u00e9".encode()
+    assert client.search("UTF-8", "SUBJECT") == ("OK", [b""])
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "carol")
+    raw.cmd("EXAMINE INBOX")
+    # several literals in one command, inside parentheses, synchronising and LITERAL+
+    raw.n += 1
+    raw.send(b"t%d SEARCH CHARSET UTF-8 (SUBJECT {5}\r\n" % raw.n)
+    assert raw.file.readline().startswith(b"+ ")
+    raw.send("r\u00e9un".encode() + b" FROM {4+}\r\nboss) NOT SUBJECT {1+}\r\nx\r\n")
+    assert raw.until(b"t%d" % raw.n) == [b"* SEARCH 7\r\n", b"t%d OK SEARCH completed\r\n" % raw.n]
+    raw.n += 1
+    raw.send(b"t%d SEARCH HEADER {7+}\r\nSubject {0+}\r\n\r\n" % raw.n)  # an empty literal: any Subject
+    assert raw.until(b"t%d" % raw.n)[0] == b"* SEARCH 1 2 3 4 5 6 7\r\n"
+    assert raw.cmd("SEARCH SUBJECT {99999}")[-1] == b"t%d NO [TOOBIG] Literal too large\r\n" % raw.n
+    assert raw.cmd('SEARCH SUBJECT "unterminated')[-1].split(b" ", 2)[1] == b"BAD"
+    assert raw.cmd("NOOP")[-1].endswith(b"OK NOOP completed\r\n")
+
+
+async def test_only_one_idling_session_gets_a_new_message_as_recent(plain_node: Node, store: Store, users) -> None:
+    """RFC 3501: \\Recent belongs to one session. Two sessions idle on one mailbox in one worker,
+    which share one watcher and so one listing: one of them is told RECENT 1, the other RECENT 0."""
+    user = users["carol"]
+    await deliver(store, user, [message(1)], "Junk")
+    sessions = [Raw(plain_node.port("imap")) for _ in range(2)]
+    for raw in sessions:
+        raw.login(user, "carol")
+        assert _select_codes(raw, "SELECT Junk")["EXISTS"] == 1
+    assert [_select_codes(r, "SELECT Junk")["RECENT"] for r in sessions] == [0, 0]  # the first SELECT had it
+    for raw in sessions:
+        raw.n += 1
+        raw.send(b"t%d IDLE\r\n" % raw.n)
+        assert raw.file.readline().startswith(b"+ ")
+    await deliver(store, user, [message(2)], "Junk")
+    told = []
+    for raw in sessions:
+        assert raw.file.readline() == b"* 2 EXISTS\r\n"
+        told.append(int(re.match(rb"\* (\d+) RECENT\r\n", raw.file.readline()).group(1)))
+        raw.send(b"DONE\r\n")
+        assert raw.until(b"t%d" % raw.n)[-1].endswith(b"OK IDLE terminated\r\n")
+    assert sorted(told) == [0, 1], told
+    flags = [b"".join(raw.cmd("FETCH 2 (FLAGS)")) for raw in sessions]
+    assert [b"\\Recent" in f for f in flags] == [n == 1 for n in told]
+    searched = [raw.cmd("SEARCH RECENT")[0] for raw in sessions]
+    assert sorted(searched) == [b"* SEARCH\r\n", b"* SEARCH 2\r\n"]
+    later = Raw(plain_node.port("imap"))
+    later.login(user, "carol")
+    assert _select_codes(later, "EXAMINE Junk")["RECENT"] == 0
+
+
+def test_a_malformed_command_gets_bad_without_python_text(plain_node: Node, users) -> None:
+    """Twisted's parsers put reprs of the input in their exceptions, Python's date checks their own
+    messages: none of it reaches the client; the BAD says only which rule was broken."""
+    raw = Raw(plain_node.port("imap"))
+    raw.login(users["bob"], "bob")
+    raw.cmd("SELECT INBOX")
+    answers = {
+        "NOOP extra arguments": b"Syntax error",
+        "SEARCH SINCE 31-Feb-2026": b"Syntax error: bad date",
+        "SEARCH LARGER many": b"Syntax error: LARGER needs a number",
+        "FETCH 1 (BODY[1.x] FLAGS": b"Syntax error: bad FETCH attributes",
+        "FETCH 1:2:3 FLAGS": b"Syntax error: bad sequence range",
+        "STATUS INBOX MESSAGES": b"Syntax error",
+        "STORE 1 +FLAGS (\\Bogus)": b"Invalid argument",
+        "UID FROB 1": b"Syntax error: UID goes with COPY, MOVE, FETCH, STORE, SEARCH or EXPUNGE",
+        'APPEND INBOX (\\Seen) "31-Feb-2026 00:00:00 +0000" {3+}\r\nabc': b"Syntax error: bad date-time",
+        "CREATE &AGEAYgBj-": b"Syntax error: mailbox name is not in canonical modified UTF-7",
+    }
+    for command, text in answers.items():
+        tag = b"t%d" % (raw.n + 1)
+        last = raw.cmd(command)[-1]
+        assert last == tag + b" BAD " + text + b"\r\n", (command, last)
+    for command in ("CREATE a*b", "RENAME INBOX Sent"):
+        last = raw.cmd(command)[-1]
+        assert last.split(b" ", 2)[1] == b"NO" and b"'" not in last, last  # no Python repr of the name
+    assert raw.cmd("NOOP")[-1].endswith(b"OK NOOP completed\r\n")
 
 
 async def test_store_flags_and_expunge_in_descending_order(plain_node: Node, store: Store, users) -> None:

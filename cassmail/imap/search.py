@@ -3,6 +3,8 @@
 Flags, sizes, dates and sets are answered from the summaries; header keys read
 the message's header only; BODY and TEXT read the message. Strings match as
 case-insensitive substrings (of the decoded header value, or of the raw body).
+Strings may come as atoms, quoted strings or literals (`{n}`, how clients send
+non-ASCII text): `parse_keys` reads the command's lines with the literals between them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,57 @@ class Program:
     match: Predicate
     needs_headers: bool
     needs_body: bool
+
+
+def parse_keys(pieces: list[bytes]) -> list[Any]:
+    """The search keys as nested lists of bytes tokens, from the command's text: `pieces`
+    alternates text and literal data (text, literal, text, ...), the `{n}` markers already taken
+    out of the text. Quoted strings lose their quotes and escapes; a literal is one string
+    whatever its bytes. Raises wire.ParseError on unbalanced parentheses or quotes."""
+    stack: list[list[Any]] = [[]]
+    for n, piece in enumerate(pieces):
+        if n % 2:
+            stack[-1].append(bytes(piece))
+            continue
+        i, end = 0, len(piece)
+        while i < end:
+            c = piece[i : i + 1]
+            if c in (b" ", b"\t"):
+                i += 1
+            elif c == b"(":
+                stack.append([])
+                i += 1
+            elif c == b")":
+                if len(stack) == 1:
+                    raise wire.ParseError("unbalanced parentheses")
+                done = stack.pop()
+                stack[-1].append(done)
+                i += 1
+            elif c == b'"':
+                out = bytearray()
+                i += 1
+                while True:
+                    if i >= end:
+                        raise wire.ParseError("unterminated quoted string")
+                    c = piece[i : i + 1]
+                    if c == b"\\" and piece[i + 1 : i + 2] in (b"\\", b'"'):
+                        out += piece[i + 1 : i + 2]
+                        i += 2
+                    elif c == b'"':
+                        i += 1
+                        break
+                    else:
+                        out += c
+                        i += 1
+                stack[-1].append(bytes(out))
+            else:
+                start = i
+                while i < end and piece[i : i + 1] not in (b" ", b"\t", b"(", b")", b'"'):
+                    i += 1
+                stack[-1].append(piece[start:i])
+    if len(stack) != 1:
+        raise wire.ParseError("unbalanced parentheses")
+    return stack[0]
 
 
 def compile_query(query: list[Any], view: MailboxView, uid_mode: bool) -> Program:

@@ -68,6 +68,7 @@ SYSTEM_FLAGS = b"(\\Answered \\Flagged \\Deleted \\Seen \\Draft)"
 _TAG = re.compile(rb"[\x21-\x7e]+\Z")
 _BAD_TAG_CHARS = re.compile(rb'[(){%*"\\+]')
 _LITERAL = re.compile(rb"\{(\d{1,10})(\+?)\}\Z")
+_LITERAL_AT_END = re.compile(rb"\{\d+\+?\}\Z")
 #: Header-only items (ENVELOPE, BODY[HEADER.FIELDS ...]) read this much of a message at a time,
 #: and at most HEADER_LIMIT in all, looking for the blank line that ends the header.
 HEADER_WINDOW = 16 * 1024
@@ -196,16 +197,16 @@ class ImapSession(imap4.IMAP4Server):
         rest = parts[2] if len(parts) > 2 else None
         try:
             self.dispatchCommand(tag, cmd, rest)
-        except (imap4.IllegalClientResponse, wire.ParseError, InvalidInput) as exc:
-            self.sendBadResponse(tag, b"Syntax error: " + _safe(exc))
+        except (imap4.IllegalClientResponse, InvalidInput) as exc:
+            self.sendBadResponse(tag, _syntax_error(exc))
         except No as exc:
             self.sendNegativeResponse(tag, exc.text.encode())
-        except (imap4.IllegalOperation, imap4.IllegalMailboxEncoding) as exc:
-            self.sendNegativeResponse(tag, _safe(exc))
+        except (imap4.IllegalOperation, imap4.IllegalMailboxEncoding):
+            self.sendNegativeResponse(tag, b"Command not allowed")
 
     def dispatchCommand(self, tag: bytes, cmd: bytes, rest: bytes | None, uid: Any = None) -> None:
         if not cmd.isalpha():
-            raise imap4.IllegalClientResponse("unknown command")
+            raise wire.ParseError("unknown command")
         if self.lookupCommand(cmd) is None:
             known = any(hasattr(self, f"{s}_{cmd.decode('ascii')}") for s in ("unauth", "auth", "select"))
             self.sendBadResponse(tag, b"Command not allowed now" if known else b"Unknown command")
@@ -227,8 +228,8 @@ class ImapSession(imap4.IMAP4Server):
 
     # Twisted's own errback would show the exception's text; this one does not.
     def _IMAP4Server__ebDispatch(self, failure: Any, tag: bytes) -> None:  # noqa: N802
-        if failure.check(imap4.IllegalClientResponse, wire.ParseError, InvalidInput):
-            self.sendBadResponse(tag, b"Syntax error: " + _safe(failure.value))
+        if failure.check(imap4.IllegalClientResponse, InvalidInput):
+            self.sendBadResponse(tag, _syntax_error(failure.value))
         elif failure.check(No):
             self.sendNegativeResponse(tag, failure.value.text.encode())
         else:
@@ -243,15 +244,16 @@ class ImapSession(imap4.IMAP4Server):
                 text = await work
             except No as exc:
                 self.sendNegativeResponse(tag, exc.text.encode())
-            except (Bad, wire.ParseError, InvalidInput) as exc:
-                self.sendBadResponse(tag, _safe(exc))
+            except (Bad, InvalidInput) as exc:
+                self.sendBadResponse(tag, _syntax_error(exc))
             except NoSuchMailbox:
                 self.sendNegativeResponse(tag, b"[NONEXISTENT] No such mailbox")
             except StoreUnavailable as exc:
                 log.warning(kv("imap-store", peer=self._peer, user=self.user, error=exc))
                 self.sendNegativeResponse(tag, b"[UNAVAILABLE] Mail store unavailable, try again later")
-            except StoreError as exc:
-                self.sendNegativeResponse(tag, _safe(exc))
+            except StoreError as exc:  # its text may name files or keys: logged, not shown
+                log.warning(kv("imap-store", peer=self._peer, user=self.user, error=repr(exc)))
+                self.sendNegativeResponse(tag, b"[SERVERBUG] Mail store error")
             except ConnectionError as exc:  # the connection is gone or had to be closed: nobody to answer
                 log.info(kv("imap-closed", peer=self._peer, user=self.user, reason=exc))
                 self.transport.loseConnection()
@@ -272,7 +274,7 @@ class ImapSession(imap4.IMAP4Server):
     def _literal_size(self, line: bytes, limit: int) -> tuple[int, bool]:
         m = _LITERAL.match(line)
         if not m:
-            raise imap4.IllegalClientResponse("Malformed literal")
+            raise wire.ParseError("Malformed literal")
         size, nonsync = int(m.group(1)), bool(m.group(2))
         if size > limit:
             if nonsync:  # its bytes are on their way and cannot be told apart from commands
@@ -296,7 +298,7 @@ class ImapSession(imap4.IMAP4Server):
     def arg_astring(self, line: bytes, final: bool = False) -> Any:
         line = line.lstrip(b" ")
         if not line:
-            raise imap4.IllegalClientResponse("Missing argument")
+            raise wire.ParseError("Missing argument")
         if line[:1] == b'"':
             out = bytearray()
             i = 1
@@ -305,14 +307,14 @@ class ImapSession(imap4.IMAP4Server):
                 if c == b"\\":
                     i += 1
                     if line[i : i + 1] not in (b"\\", b'"'):
-                        raise imap4.IllegalClientResponse("Bad escape in quoted string")
+                        raise wire.ParseError("Bad escape in quoted string")
                     out += line[i : i + 1]
                 elif c == b'"':
                     return bytes(out), line[i + 2 :] if line[i + 1 : i + 2] == b" " else line[i + 1 :]
                 else:
                     out += c
                 i += 1
-            raise imap4.IllegalClientResponse("Unmatched quotes")
+            raise wire.ParseError("Unmatched quotes")
         if line[:1] == b"{":
             size, nonsync = self._literal_size(line, self._literalStringLimit)
             if final and not size:
@@ -338,16 +340,23 @@ class ImapSession(imap4.IMAP4Server):
         try:
             parser.parseString(line)
         except Exception as exc:  # noqa: BLE001 - Twisted's parser raises anything on bad input
-            raise imap4.IllegalClientResponse(f"bad FETCH attributes: {exc}") from None
+            log.info(kv("imap-syntax", peer=self._peer, error=repr(exc)))
+            raise wire.ParseError("bad FETCH attributes") from None
         if not parser.result:
-            raise imap4.IllegalClientResponse("no FETCH attributes")
+            raise wire.ParseError("no FETCH attributes")
         return parser.result, b""
 
-    def arg_searchkeys(self, line: bytes) -> Any:
-        try:
-            return imap4.parseNestedParens(line), b""
-        except imap4.MismatchedNesting:
-            raise imap4.IllegalClientResponse("unbalanced parentheses") from None
+    def arg_searchkeys(self, line: bytes, pieces: tuple[bytes, ...] = ()) -> Any:
+        """The search keys, across literals: a line ending in `{n}` (or `{n+}`) is followed by n
+        bytes of string and the rest of the command on the next line (clients send non-ASCII
+        strings so). `pieces` are the text and literals read so far."""
+        m = _LITERAL_AT_END.search(line)
+        if m is None:
+            return search.parse_keys([*pieces, line]), b""
+        size, nonsync = self._literal_size(line[m.start() :], self._literalStringLimit)
+        text = line[: m.start()]
+        d = self._read_literal(imap4.LiteralString, size, nonsync)
+        return d.addCallback(lambda got: self.arg_searchkeys(got[1], (*pieces, text, got[0])))
 
     # ------------------------------------------------------------------ any state
 
@@ -400,6 +409,15 @@ class ImapSession(imap4.IMAP4Server):
         if self.factory.tls is None or self._secure:
             self.sendNegativeResponse(tag, b"TLS is not available" if self.factory.tls is None else b"TLS already active")
             return
+        # Whatever the client sent after STARTTLS before the handshake came in clear text, where
+        # anyone on the path could have put it (a LOGIN, say): it must not run as if it came over
+        # TLS. Drop the rest of the line buffer and any line waiting its turn (RFC 3207 5.1 / RFC
+        # 2595 3.1: the session starts afresh once TLS is up).
+        dropped = len(self._buffer) + sum(len(line) for line in self._queue)
+        self._buffer = b""
+        self._queue.clear()
+        if dropped:
+            log.warning(kv("imap-starttls", peer=self._peer, dropped_bytes=dropped))
         self.sendPositiveResponse(tag, b"Begin TLS negotiation now")
         self.transport.startTLS(self.factory.tls)
         self._secure = True
@@ -477,7 +495,7 @@ class ImapSession(imap4.IMAP4Server):
 
     def do_ENABLE(self, tag: bytes, what: bytes) -> None:
         if not what.strip():
-            raise imap4.IllegalClientResponse("ENABLE needs at least one capability")
+            raise wire.ParseError("ENABLE needs at least one capability")
         self.sendUntaggedResponse(b"ENABLED")  # none of the extensions ENABLE can turn on is offered
         self.sendPositiveResponse(tag, b"ENABLE completed")
 
@@ -495,8 +513,8 @@ class ImapSession(imap4.IMAP4Server):
             name = name.rstrip(HIERARCHY_DELIMITER)
         try:
             return mailbox_name(name)
-        except InvalidInput as exc:
-            raise No(str(exc), "CANNOT") from None
+        except InvalidInput:
+            raise No("Invalid mailbox name", "CANNOT") from None
 
     def _select_work(self, tag: bytes, name: bytes, readonly: bool = False) -> None:
         self._close_view()
@@ -521,7 +539,9 @@ class ImapSession(imap4.IMAP4Server):
         assert self.user is not None
         info = await self.store.mailbox_info(self.user, name)
         view = MailboxView(self.store, self.user, name, info.uidvalidity, readonly, self.settings.page_size)
-        await view.load()
+        listing = await read_listing(self.store, self.user, name, self.settings.page_size)
+        await view.refresh(expunge=True, listing=listing)
+        uid_next = await view.select_uid_next(listing.uid_next())
         self.sendUntaggedResponse(b"FLAGS " + SYSTEM_FLAGS)
         self.sendPositiveResponse(None, b"[PERMANENTFLAGS " + (b"()" if readonly else PERMANENT_FLAGS) + b"] Limited")
         self.sendUntaggedResponse(b"%d EXISTS" % len(view))
@@ -530,7 +550,7 @@ class ImapSession(imap4.IMAP4Server):
         if unseen is not None:
             self.sendPositiveResponse(None, b"[UNSEEN %d] First unseen" % unseen)
         self.sendPositiveResponse(None, b"[UIDVALIDITY %d] UIDs valid" % view.uidvalidity)
-        self.sendPositiveResponse(None, b"[UIDNEXT %d] Predicted next UID" % view.uid_next)
+        self.sendPositiveResponse(None, b"[UIDNEXT %d] Predicted next UID" % uid_next)
         self.view, self.state = view, "select"
         return ("[READ-ONLY] EXAMINE" if readonly else "[READ-WRITE] SELECT") + " completed"
 
@@ -556,8 +576,8 @@ class ImapSession(imap4.IMAP4Server):
         assert self.user is not None
         try:
             await self.store.delete_mailbox(self.user, name)
-        except MailboxNotAllowed as exc:
-            raise No(str(exc), "CANNOT") from None
+        except MailboxNotAllowed:
+            raise No("This mailbox cannot be deleted", "CANNOT") from None
         if self.view is not None and self.view.name == name:
             self.sendUntaggedResponse(b"BYE The selected mailbox was deleted")
             self.transport.loseConnection()
@@ -574,8 +594,8 @@ class ImapSession(imap4.IMAP4Server):
             await self.store.rename_mailbox(self.user, old, new)
         except MailboxExists:
             raise No("Target mailbox exists", "ALREADYEXISTS") from None
-        except MailboxNotAllowed as exc:
-            raise No(str(exc), "CANNOT") from None
+        except MailboxNotAllowed:
+            raise No("This mailbox cannot be renamed so", "CANNOT") from None
         return "RENAME completed"
 
     auth_RENAME = select_RENAME = (do_RENAME, arg_astring, arg_finalastring)
@@ -666,8 +686,8 @@ class ImapSession(imap4.IMAP4Server):
             [message_id] = await self.store.deliver(body, [Target(self.user, name, wanted)], when)
         except NoSuchMailbox:
             raise No("No such mailbox", "TRYCREATE") from None
-        except MessageTooLarge as exc:
-            raise No(str(exc), "TOOBIG") from None
+        except MessageTooLarge:
+            raise No("Message too large", "TOOBIG") from None
         # The message is stored: from here on the answer is OK, with APPENDUID when it can be had.
         code = ""
         with contextlib.suppress(StoreUnavailable):
@@ -760,11 +780,11 @@ class ImapSession(imap4.IMAP4Server):
     def do_UID(self, tag: bytes, command: bytes, line: bytes) -> None:
         command = command.upper()
         if command not in (b"COPY", b"MOVE", b"FETCH", b"STORE", b"SEARCH", b"EXPUNGE"):
-            raise imap4.IllegalClientResponse("UID goes with COPY, MOVE, FETCH, STORE, SEARCH or EXPUNGE")
+            raise wire.ParseError("UID goes with COPY, MOVE, FETCH, STORE, SEARCH or EXPUNGE")
         if command == b"EXPUNGE":
             ranges, rest = self.arg_seqset(line)
             if rest:
-                raise imap4.IllegalClientResponse("UID EXPUNGE takes one sequence set")
+                raise wire.ParseError("UID EXPUNGE takes one sequence set")
             self.do_EXPUNGE(tag, ranges, uid=1)
             return
         self.dispatchCommand(tag, command, line, uid=1)
@@ -1093,10 +1113,15 @@ class ImapSession(imap4.IMAP4Server):
 # --------------------------------------------------------------------------- helpers
 
 
-def _safe(exc: BaseException) -> bytes:
-    """An exception's message fit for a response line (one line, ASCII, bounded)."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text.encode("ascii", "replace")[:200]
+def _syntax_error(exc: BaseException) -> bytes:
+    """The text of a BAD answer. Only cassmail's own syntax errors (`wire.ParseError`, `Bad`),
+    whose texts are fixed descriptions of the rule that was broken, say which; anything else
+    (Twisted's parsers, the model's checks) may carry Python reprs of the input or of an
+    exception, so it is answered with the fixed text alone."""
+    if isinstance(exc, (wire.ParseError, Bad)) and str(exc):
+        text = str(exc).splitlines()[0].encode("ascii", "replace")[:200]
+        return b"Syntax error: " + text if isinstance(exc, wire.ParseError) else text
+    return b"Invalid argument" if isinstance(exc, InvalidInput) else b"Syntax error"
 
 
 def _streamable(part: Any) -> bool:

@@ -6,6 +6,15 @@ from a listing of the store at the moments it may tell the client. Messages the
 store lists without a UID get theirs here, in one `assign_uids` call: the store
 guarantees they land above every UID handed out before, so new messages always
 go at the end of the view and numbers never shift under the client.
+
+A message can also be listed late with a UID the session may no longer show: it
+was numbered on another node while this node's read (at a weak consistency level)
+missed it, and the session has since shown a higher UID; or a stale read hid a
+message the view had shown, the view announced its EXPUNGE, and it came back.
+Showing it under that UID would put it below UIDs a syncing client already has (the
+client would never fetch it) or bring an expunged UID back to life. Such a message
+is renumbered (`assign_uids(renumber=...)`): it gets a UID above all others and
+joins the view at the end as a new message.
 """
 
 from __future__ import annotations
@@ -21,9 +30,35 @@ from cassmail.store.base import Store, StoreUnavailable
 
 log = logging.getLogger("cassmail.imap")
 
+#: Renumbering asks the store at most this many times per refresh: a message renumbered by
+#: another session meanwhile comes back with that session's UID, which may still be one this
+#: view has shown, and is renumbered again. What is left waits for the next refresh.
+RENUMBER_ROUNDS = 3
 
-#: A mailbox's summaries, and the UIDs that the read that made it has just handed out.
-Listing = tuple[list[MessageSummary], dict[uuid.UUID, int]]
+
+@dataclass
+class Listing:
+    """A mailbox's summaries, and the UIDs that the read that made it has just handed out.
+
+    One listing may be handed to several sessions (the IDLE watcher shares its reads); RFC 3501
+    gives `\\Recent` to one session only, so the first view that takes the listing claims the
+    new UIDs as recent (`claim_recent`) and the others see them as plain new messages."""
+
+    summaries: list[MessageSummary]
+    assigned: dict[uuid.UUID, int]
+    _claimed: bool = False
+
+    def claim_recent(self) -> set[int]:
+        """The UIDs this listing's read handed out, to the first caller only."""
+        if self._claimed:
+            return set()
+        self._claimed = True
+        return set(self.assigned.values())
+
+    def uid_next(self) -> int | None:
+        """UIDNEXT as the assignment left it (the counter after the UIDs it handed out), when
+        this read assigned any; None when only the store's counter can tell."""
+        return max(self.assigned.values()) + 1 if self.assigned else None
 
 
 async def read_listing(store: Store, user: str, name: str, page_size: int) -> Listing:
@@ -39,7 +74,7 @@ async def read_listing(store: Store, user: str, name: str, page_size: int) -> Li
             # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
             # session goes on with the numbered mail, and the rest joins, above it, once it can.
             log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
-    return summaries, assigned
+    return Listing(summaries, assigned)
 
 
 @dataclass
@@ -62,6 +97,9 @@ class MailboxView:
         self.uids: list[int] = []
         self.messages: dict[int, MessageSummary] = {}
         self.recent: set[int] = set()
+        #: The highest UID this session has ever shown (expunged ones included): a listed UID at
+        #: or below it that is not in the view may not be shown again, only renumbered.
+        self.shown = 0
         self.uid_next = 1
 
     # ------------------------------------------------------------------ numbers
@@ -119,9 +157,18 @@ class MailboxView:
 
     # ------------------------------------------------------------------ the store
 
-    async def load(self) -> Changes:
-        """Read the mailbox and give UIDs to what has none; the first load of a SELECT."""
-        return await self.refresh(expunge=True)
+    async def select_uid_next(self, listing_uid_next: int | None) -> int:
+        """UIDNEXT for SELECT: the store's counter, which stays above every UID ever handed out
+        (expunged ones too), never merely the newest UID listed plus one. The load's own
+        assignment knows the counter (`listing_uid_next`); otherwise the store is asked."""
+        if listing_uid_next is None:
+            try:
+                listing_uid_next = await self.store.uid_next(self.user, self.name)
+            except StoreUnavailable as exc:
+                log.warning(kv("imap-uidnext", user=self.user, mailbox=self.name, error=exc))
+        if listing_uid_next is not None:
+            self.uid_next = max(self.uid_next, listing_uid_next)
+        return self.uid_next
 
     async def refresh(self, expunge: bool, listing: Listing | None = None) -> Changes:
         """Bring the view up to date, from `listing` when one is given (see `read_listing`).
@@ -129,12 +176,12 @@ class MailboxView:
         may announce them."""
         if listing is None:
             listing = await read_listing(self.store, self.user, self.name, self.page_size)
-        summaries, assigned = listing
         current: dict[int, MessageSummary] = {}
-        for s in summaries:
-            uid = s.uid if s.uid is not None else assigned.get(s.id)
+        for s in listing.summaries:
+            uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
             if uid is not None:
                 current[uid] = MessageSummary(s.id, s.size, s.flags, s.internal_date, uid)
+        recent = listing.claim_recent()
         changes = Changes()
         before = (len(self.uids), len(self.recent))
         if expunge:
@@ -145,18 +192,47 @@ class MailboxView:
             if now is not None and now.flags != self.messages[uid].flags:
                 self.messages[uid] = now
                 changes.flags.append(uid)
-        # Only UIDs above the newest one shown can join without renumbering; one below it (handed
-        # out elsewhere, listed late) waits for the next SELECT.
+        await self._renumber_late(current)
         newest = self.uids[-1] if self.uids else 0
-        fresh = sorted(u for u in current if u > newest)
+        fresh = sorted(u for u in current if u > max(newest, self.shown))
         for uid in fresh:
             self.uids.append(uid)
             self.messages[uid] = current[uid]
-        self.recent.update(u for u in assigned.values() if u in self.messages)
+        if self.uids:
+            self.shown = max(self.shown, self.uids[-1])
+        self.recent.update(u for u in recent if u in self.messages)
         if current:
             self.uid_next = max(self.uid_next, max(current) + 1)
-        if assigned:
-            self.uid_next = max(self.uid_next, max(assigned.values()) + 1)
+        if listing.assigned:
+            self.uid_next = max(self.uid_next, max(listing.assigned.values()) + 1)
         if (len(self.uids), len(self.recent)) != before or changes.expunged:
             changes.exists, changes.recent = len(self.uids), len(self.recent)
         return changes
+
+    async def _renumber_late(self, current: dict[int, MessageSummary]) -> None:
+        """Give a new UID to every listed message whose UID this session may no longer show (at
+        or below the highest it has shown, yet not in the view), in `current` in place: the old
+        UID goes, the new one (above every UID handed out) comes in and joins as a new message."""
+        in_view = {s.id for s in self.messages.values()}
+        late = {s.id: s for uid, s in current.items() if uid <= self.shown and s.id not in in_view}
+        if not late:
+            return
+        for summary in late.values():
+            del current[summary.uid]
+        pending = {message_id: s.uid for message_id, s in late.items()}
+        for _ in range(RENUMBER_ROUNDS):
+            try:
+                got = await self.store.assign_uids(self.user, self.name, [], renumber=pending)
+            except StoreUnavailable as exc:
+                log.warning(kv("imap-renumber", user=self.user, mailbox=self.name, waiting=len(pending), error=exc))
+                return
+            pending = {}
+            for message_id, uid in got.items():
+                old = late[message_id]
+                if uid > self.shown:
+                    log.info(kv("imap-renumber", user=self.user, mailbox=self.name, old=old.uid, new=uid))
+                    current[uid] = MessageSummary(old.id, old.size, old.flags, old.internal_date, uid)
+                elif uid not in self.messages:  # renumbered elsewhere, to a UID shown here too: again
+                    pending[message_id] = uid
+            if not pending:
+                return
