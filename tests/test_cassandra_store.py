@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 from cassandra import ConsistencyLevel
+from cassandra.query import BatchStatement
 
 from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_schema
-from cassmail.store.base import StoreUnavailable, Target
+from cassmail.store.base import DomainInUse, StoreUnavailable, Target
 from cassmail.store.cassandra import CassandraStore
 from tests.conftest import FAST_HASH, hash_password
 
@@ -268,3 +269,64 @@ def test_only_requests_that_were_never_sent_are_retried() -> None:
     assert not _never_sent(NoHostAvailable("x", {"h1": ConnectionBusy("busy"), "h2": OSError("reset")}))
     assert not _never_sent(NoHostAvailable("x", {"h1": OperationTimedOut("timed out")}))
     assert not _never_sent(NoHostAvailable("x", {}))
+
+
+async def test_a_user_creation_that_fails_half_way_is_neither_listed_nor_found(make_store, monkeypatch) -> None:
+    """create_user writes the users_by_domain row, then the account; the account write fails."""
+    store = await make_store()
+    kept = await new_user(store)
+    domain = kept.rpartition("@")[2]
+    half = f"half@{domain}"
+    real = store._conditional
+
+    async def account_write_fails(statement: object) -> tuple[bool, object]:
+        raise StoreUnavailable("injected: Paxos round timed out")
+
+    monkeypatch.setattr(store, "_conditional", account_write_fails)
+    with pytest.raises(StoreUnavailable):
+        await store.create_user(half, hash_password("pw", FAST_HASH))
+    monkeypatch.setattr(store, "_conditional", real)
+    assert [r.user for r in await store._run("by_domain_list", domain)] == [half, kept]  # the index row was written
+    assert not await store.user_exists(half)
+    assert await store.list_users(domain) == [kept] and half not in await store.list_users()
+    with pytest.raises(DomainInUse) as err:
+        await store.remove_domain(domain)
+    assert err.value.users == 1  # the half-created user is not counted
+    # the operator's retry creates it whole
+    await store.create_user(half, hash_password("pw", FAST_HASH))
+    assert await store.user_exists(half) and await store.list_users(domain) == [half, kept]
+
+
+async def test_a_user_deletion_that_fails_at_the_last_write_leaves_the_user_whole(make_store, monkeypatch) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    domain = user.rpartition("@")[2]
+    await store.deliver(b"x\r\n", [Target(user)])
+    real = store._exec
+
+    async def batch_fails(statement: object) -> list:
+        if isinstance(statement, BatchStatement):
+            raise StoreUnavailable("injected: write timeout")
+        return await real(statement)
+
+    monkeypatch.setattr(store, "_exec", batch_fails)
+    with pytest.raises(StoreUnavailable):
+        await store.delete_user(user)
+    monkeypatch.setattr(store, "_exec", real)
+    # mail went first; the account and its index row are still there together, and a retry finishes
+    assert await store.user_exists(user) and await store.list_users(domain) == [user]
+    await store.delete_user(user)
+    assert not await store.user_exists(user) and await store.list_users(domain) == []
+    await store.remove_domain(domain)
+
+
+async def test_an_index_row_without_an_account_is_ignored_by_every_reader(make_store) -> None:
+    """What a deletion by an older version (account removed, index row not) leaves behind."""
+    store = await make_store()
+    user = await new_user(store)
+    domain = user.rpartition("@")[2]
+    await store._run("user_del", user)
+    assert not await store.user_exists(user)
+    assert await store.list_users(domain) == [] and user not in await store.list_users()
+    await store.remove_domain(domain)  # not DomainInUse
+    assert domain not in await store.list_domains()

@@ -200,7 +200,10 @@ class CassandraStore(Store):
         "by_domain_add": ("INSERT INTO users_by_domain (domain, user) VALUES (?, ?)", "w"),
         "by_domain_del": ("DELETE FROM users_by_domain WHERE domain = ? AND user = ?", "w"),
         "by_domain_list": ("SELECT user FROM users_by_domain WHERE domain = ?", "r"),
-        "by_domain_count": ("SELECT user FROM users_by_domain WHERE domain = ? LIMIT 1", "r"),
+        "users_alive": (
+            "SELECT user, password_hash FROM users WHERE user IN ? PER PARTITION LIMIT 1",
+            "r",
+        ),
         "by_domain_domains": ("SELECT DISTINCT domain FROM users_by_domain", "r"),
         "mbox_list": (
             "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users WHERE user = ?",
@@ -403,9 +406,9 @@ class CassandraStore(Store):
         domain = normalize_domain(domain)
         if not await self._run("domain_get", domain):
             raise NoSuchDomain(domain)
-        users = await self._run("by_domain_count", domain)
+        users = await self._domain_users(domain)
         if users:
-            raise DomainInUse(domain, len(await self._run("by_domain_list", domain)))
+            raise DomainInUse(domain, len(users))
         await self._run("domain_del", domain)
 
     async def list_domains(self) -> list[str]:
@@ -417,12 +420,23 @@ class CassandraStore(Store):
     # ================================================================= users
 
     async def create_user(self, user: str, password_hash: str) -> None:
+        """The users_by_domain row first, then the account and its default mailboxes in one
+        conditional batch of the user's partition.
+
+        The two rows live in different tables, and Cassandra allows a conditional (Paxos) batch
+        only within one partition, so they cannot be written atomically. Writing the index row
+        first makes the user partition the single commit point: a failure in between leaves
+        an index row without an account, which every reader of the index ignores
+        (`_domain_users` checks each one), so `user list`, `domain del` and a login all agree
+        that the user does not exist, and a retry simply writes both again. The reverse order
+        would leave an account that `user list` never shows."""
         key = address_key(user)
         if not isinstance(password_hash, str) or not password_hash:
             raise InvalidInput("password hash must be a non-empty string")
         domain = key.rpartition("@")[2]
         if not await self.is_local_domain(domain):
             raise NoSuchDomain(domain)
+        await self._run("by_domain_add", domain, key)
         base = int(time.time())
         # Account and default mailboxes in one conditional batch of the user's partition: all or nothing.
         batch = self._batch(conditional=True)
@@ -432,7 +446,13 @@ class CassandraStore(Store):
         applied, _ = await self._conditional(batch)
         if not applied:
             raise UserExists(key)
-        await self._run("by_domain_add", domain, key)
+        # Again, idempotent: a delete_user of the same address that ran between the two writes
+        # removed the first one, and an account must never be missing from the index. The user
+        # exists now, so a failure here is logged rather than reported as a failed creation.
+        try:
+            await self._run("by_domain_add", domain, key)
+        except StoreUnavailable as exc:
+            log.warning("user %s created; its users_by_domain row not rewritten: %s", key, exc)
 
     async def _account(self, key: str, serial: bool = False) -> Any:
         rows = await self._run("user_static_serial" if serial else "user_static", key)
@@ -452,12 +472,20 @@ class CassandraStore(Store):
             raise NoSuchUser(key)
 
     async def delete_user(self, user: str) -> None:
+        """Mail first (the account still lists the mailboxes, so a failure here is retried by
+        deleting again), then the account and its users_by_domain row in one logged batch: a
+        batch without a condition may span tables, and the batch log applies all of it or, if
+        the coordinator dies, replays it, so no later read sees one row without the other for
+        longer than the replay takes. Even then the readers of the index check the account
+        (see create_user), so a user is never half listed."""
         key = address_key(user)
         await self._account(key)
         for info in await self._mailbox_rows(key):
             await self._purge_mailbox(info.mailbox_id)
-        await self._run("user_del", key)
-        await self._run("by_domain_del", key.rpartition("@")[2], key)
+        batch = self._batch(BatchType.LOGGED)
+        batch.add(self._ps["user_del"], (key,))
+        batch.add(self._ps["by_domain_del"], (key.rpartition("@")[2], key))
+        await self._exec(batch)
 
     async def list_users(self, domain: str | None = None) -> list[str]:
         if domain is not None:
@@ -466,8 +494,19 @@ class CassandraStore(Store):
             domains = [row.domain for row in await self._run("by_domain_domains")]
         users: list[str] = []
         for d in domains:
-            users.extend(row.user for row in await self._run("by_domain_list", d))
+            users.extend(await self._domain_users(d))
         return sorted(users)
+
+    async def _domain_users(self, domain: str) -> list[str]:
+        """The users of a domain that have an account: users_by_domain rows whose account was
+        never written (a create_user that failed half way) are left out, not removed, since
+        the same row may belong to a creation still in flight."""
+        listed = [row.user for row in await self._run("by_domain_list", domain)]
+        alive: set[str] = set()
+        for group in _groups(listed, IN_BATCH):
+            rows = await self._run("users_alive", group)
+            alive.update(r.user for r in rows if r.password_hash is not None)
+        return [u for u in listed if u in alive]
 
     # ================================================================= mailboxes
 
