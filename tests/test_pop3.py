@@ -6,16 +6,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import inspect
+import json
 import os
 import poplib
 import socket
-
 import subprocess
+import sys
 import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import tests.nodes
 from cassmail.model import uidl
 from cassmail.store.base import Store, Target
 from tests.nodes import CLIENT_TLS, Node, inbox, node_settings, strip_trace
@@ -70,6 +76,23 @@ class RawPop:
 
     def closed(self) -> bool:
         return self.file.readline() == b""
+
+    def login(self, user: str) -> None:
+        assert self.cmd(f"USER {user}").startswith(b"+OK")
+        assert self.cmd(f"PASS {user.split('@')[0]}").startswith(b"+OK")
+
+
+@pytest.fixture(scope="module")
+def second_node(backend_settings, tls_files, tmp_path_factory) -> Iterator[Node]:
+    """Another `cassmail serve` on the same store: STLS offered, plaintext login allowed, no
+    slow-down of failed logins, and a session closed after its second failed login."""
+    running = Node(
+        node_settings(backend_settings), tmp_path_factory.mktemp("pop3node"),
+        pop3={**tls_files, "allow_plaintext_auth": True, "auth_failure_delay": 0.0, "max_auth_failures": 2},
+    ).start()
+    yield running
+    assert running.stop() == 0
+    assert "Traceback" not in running.log_text() and "Unhandled" not in running.log_text()
 
 
 # ----------------------------------------------------------------------------- capabilities and TLS
@@ -219,14 +242,16 @@ async def test_auth_plain_with_and_without_an_initial_response(node: Node, users
 
 
 def test_failed_logins_are_refused_and_slowed_down(node: Node, users) -> None:
-    raw = RawPop(node.port("pop3"), stls=True)
     timings = []
-    for _ in range(4):
+    for attempt in range(4):
+        if attempt % 2 == 0:  # two per session: the third failure of a session closes it
+            raw = RawPop(node.port("pop3"), stls=True)
         raw.cmd(f"USER {users['bob']}")
         started = time.monotonic()
         assert raw.cmd("PASS wrong").startswith(b"-ERR [AUTH] Authentication failed")
         timings.append(time.monotonic() - started)
     assert timings[3] >= 1.0 > timings[0]  # 0.5 s after two failures, doubling: 1 s at the fourth
+    raw = RawPop(node.port("pop3"), stls=True)  # counted per peer and user, not per session
     raw.cmd(f"USER nobody@{users['bob'].split('@')[1]}")
     assert raw.cmd("PASS x").startswith(b"-ERR [AUTH] Authentication failed")  # unknown users look the same
 
@@ -264,24 +289,18 @@ async def test_a_50_megabyte_message_is_streamed(node: Node, store: Store, users
 # ----------------------------------------------------------------------------- other nodes, other clients
 
 
-async def test_mail_sent_by_smtp_on_one_node_is_fetched_by_pop3_on_another(
-    node: Node, backend_settings, tmp_path, users
-) -> None:
-    other = Node(node_settings(backend_settings), tmp_path, pop3={"allow_plaintext_auth": True}).start()
-    try:
-        import smtplib
+async def test_mail_sent_by_smtp_on_one_node_is_fetched_by_pop3_on_another(node: Node, second_node: Node, users) -> None:
+    import smtplib
 
-        with smtplib.SMTP("127.0.0.1", node.port("smtp"), timeout=30) as client:
-            await asyncio.to_thread(client.sendmail, "x@remote.test", [users["anne"]], b"Subject: across\r\n\r\nnode A to B\r\n")
-        session = poplib.POP3("127.0.0.1", other.port("pop3"), timeout=30)
-        session.user(users["anne"])
-        session.pass_("anne")
-        [*_, last] = session.list()[1]
-        _, lines, _ = session.retr(int(last.split()[0]))
-        assert strip_trace(body_of(lines))[1] == b"Subject: across\r\n\r\nnode A to B\r\n"
-        session.quit()
-    finally:
-        assert other.stop() == 0
+    with smtplib.SMTP("127.0.0.1", node.port("smtp"), timeout=30) as client:
+        await asyncio.to_thread(client.sendmail, "x@remote.test", [users["anne"]], b"Subject: across\r\n\r\nnode A to B\r\n")
+    session = poplib.POP3("127.0.0.1", second_node.port("pop3"), timeout=30)
+    session.user(users["anne"])
+    session.pass_("anne")
+    [*_, last] = session.list()[1]
+    _, lines, _ = session.retr(int(last.split()[0]))
+    assert strip_trace(body_of(lines))[1] == b"Subject: across\r\n\r\nnode A to B\r\n"
+    session.quit()
 
 
 async def test_getmail6_fetches_200_messages_byte_exact(backend_settings, tmp_path: Path, store: Store, users) -> None:
@@ -360,3 +379,357 @@ async def test_sigterm_lets_a_pop3_session_finish_its_quit(backend_settings, tmp
     assert client.quit().startswith(b"+OK Bye, 1 message(s) removed")
     assert node.process.wait(30) == 0
     assert await inbox(store, users["bob"]) == []
+
+
+# ----------------------------------------------------------------------------- STLS command injection
+
+
+def test_commands_sent_behind_stls_in_the_same_packet_are_discarded(node: Node, users) -> None:
+    """RFC 2595 3.1: what a man in the middle appends to the clear-text STLS line must not run
+    as if it had come over TLS."""
+    sock = socket.create_connection(("127.0.0.1", node.port("pop3")), timeout=30)
+    assert sock.recv(1024).startswith(b"+OK")
+    sock.sendall(f"STLS\r\nUSER {users['anne']}\r\nPASS anne\r\n".encode())
+    plain = sock.makefile("rb")
+    assert plain.readline().startswith(b"+OK Begin TLS")
+    tls = CLIENT_TLS.wrap_socket(sock)
+    replies = tls.makefile("rb")
+    tls.sendall(b"STAT\r\n")
+    assert replies.readline().startswith(b"-ERR Not authenticated")  # the first answer over TLS is STAT's
+    tls.sendall(b"PASS anne\r\n")
+    assert replies.readline().startswith(b"-ERR USER first")  # the injected USER was never seen
+    tls.sendall(f"USER {users['anne']}\r\nPASS anne\r\nSTAT\r\nQUIT\r\n".encode())
+    assert [replies.readline()[:3] for _ in range(4)] == [b"+OK"] * 4
+
+
+def test_commands_queued_behind_a_login_and_stls_are_discarded(second_node: Node, users) -> None:
+    """The same when STLS waits behind a login in progress (plaintext login allowed here)."""
+    raw = RawPop(second_node.port("pop3"))
+    raw.sock.sendall(f"USER {users['bob']}\r\nPASS wrong\r\nSTLS\r\nUSER {users['bob']}\r\nPASS bob\r\n".encode())
+    assert raw.line().startswith(b"+OK")
+    assert raw.line().startswith(b"-ERR [AUTH] Authentication failed")
+    assert raw.line().startswith(b"+OK Begin TLS")
+    tls = CLIENT_TLS.wrap_socket(raw.sock)
+    replies = tls.makefile("rb")
+    tls.sendall(b"STAT\r\n")
+    assert replies.readline().startswith(b"-ERR Not authenticated")
+
+
+# ----------------------------------------------------------------------------- pipelining
+
+
+async def test_pipelined_commands_behind_long_ones_each_get_their_answer_in_order(node: Node, store: Store, users) -> None:
+    bodies = [b"Subject: one\r\n\r\nfirst\r\n", b"Subject: two\r\n\r\nsecond\r\nmore\r\n"]
+    for body in bodies:
+        await store.deliver(body, [Target(users["anne"])])
+    raw = RawPop(node.port("pop3"), stls=True)
+    raw.sock.sendall(
+        f"USER {users['anne']}\r\nPASS anne\r\nDELE 99\r\nRETR 1\r\nDELE 99\r\nNOOP\r\nBOGUS\r\nTOP 2 1\r\n"
+        "RETR x\r\nLIST 2\r\nUSER again\r\nRETR 1\r\n\r\nDELE 2\r\nSTAT\r\n".encode()
+    )
+    assert raw.line().startswith(b"+OK Send PASS")
+    assert raw.line().startswith(b"+OK")  # logged in
+    assert raw.line() == b"-ERR No such message\r\n"  # replayed behind PASS
+    assert raw.line() == b"+OK %d octets\r\n" % len(bodies[0]) and raw.multiline() == bodies[0]
+    assert raw.line() == b"-ERR No such message\r\n"  # replayed behind RETR
+    assert raw.line().startswith(b"+OK")
+    assert raw.line() == b"-ERR Unknown command\r\n"
+    assert raw.line().startswith(b"+OK") and raw.multiline() == b"Subject: two\r\n\r\nsecond\r\n"
+    assert raw.line() == b"-ERR Bad message number\r\n"
+    assert raw.line() == b"+OK 2 %d\r\n" % len(bodies[1])
+    assert raw.line() == b"-ERR Already authenticated\r\n"
+    assert raw.line().startswith(b"+OK") and raw.multiline() == bodies[0]
+    assert raw.line() == b"-ERR Invalid command or arguments\r\n"  # the empty line
+    assert raw.line() == b"+OK Message 2 deleted\r\n"
+    assert raw.line() == b"+OK 1 %d\r\n" % len(bodies[0])
+    assert raw.cmd("NOOP").startswith(b"+OK")  # and the session goes on
+    assert raw.cmd("QUIT") == b"+OK Bye, 1 message(s) removed\r\n"
+    assert await inbox(store, users["anne"]) == bodies[:1]
+    log = node.log_text()
+    assert "Unhandled" not in log and "Traceback" not in log
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_a_line_of_any_length_gets_err_and_the_session_goes_on(node: Node, users) -> None:
+    raw = RawPop(node.port("pop3"))
+    raw.sock.sendall(b"NOOP " + b"x" * (200 * 1024) + b"\r\nNOOP\r\n")
+    assert raw.line() == b"-ERR Line too long\r\n"
+    assert raw.line().startswith(b"+OK")
+    for piece in (b"x" * 100_000, b"y" * 100_000 + b"\r", b"\nNOOP\r\n"):  # a line end split between packets
+        raw.sock.sendall(piece)
+        time.sleep(0.05)
+    assert raw.line() == b"-ERR Line too long\r\n"
+    assert raw.line().startswith(b"+OK")
+    raw = RawPop(node.port("pop3"), stls=True)
+    raw.login(users["carol"])
+    raw.sock.sendall(b"LIST\r\n" + b"z" * (300 * 1024) + b"\r\nSTAT\r\n")  # and in order among pipelined commands
+    assert raw.line().startswith(b"+OK") and raw.multiline() == b""
+    assert raw.line() == b"-ERR Line too long\r\n"
+    assert raw.line() == b"+OK 0 0\r\n"
+    assert raw.cmd("QUIT").startswith(b"+OK")
+
+
+def test_a_session_is_closed_after_max_auth_failures(second_node: Node, users) -> None:
+    raw = RawPop(second_node.port("pop3"))
+    token = base64.b64encode(f"\0{users['carol']}\0wrong".encode()).decode()
+    raw.sock.sendall(f"USER {users['carol']}\r\nPASS wrong\r\nAUTH PLAIN {token}\r\nNOOP\r\n".encode())
+    assert raw.line().startswith(b"+OK")
+    assert raw.line() == b"-ERR [AUTH] Authentication failed\r\n"
+    assert raw.line() == b"-ERR [AUTH] Authentication failed; too many failures, closing the connection\r\n"
+    assert raw.closed()  # and the NOOP behind it got no answer
+    raw = RawPop(second_node.port("pop3"))  # a new session starts counting afresh
+    assert raw.cmd(f"USER {users['carol']}").startswith(b"+OK")
+    assert raw.cmd("PASS wrong").startswith(b"-ERR [AUTH] Authentication failed\r\n")
+    raw.login(users["carol"])
+    assert raw.cmd("QUIT").startswith(b"+OK")
+
+
+# ----------------------------------------------------------------------------- TOP
+
+
+async def test_top_of_a_multi_megabyte_message(node: Node, store: Store, users) -> None:
+    header = b"Subject: big\r\n" + b"".join(b"X-Filler-%d: %s\r\n" % (i, b"h" * 60) for i in range(2000)) + b"\r\n"
+    lines = [b"line %07d %s\r\n" % (i, os.urandom(20).hex().encode()) for i in range(60_000)]
+    body = header + b"".join(lines)
+    assert len(header) > 128 * 1024 and len(body) > 3 * 1024 * 1024
+    await store.deliver(body, [Target(users["bob"])])
+    raw = RawPop(node.port("pop3"), stls=True)
+    raw.login(users["bob"])
+    assert raw.cmd("TOP 1 0").startswith(b"+OK") and raw.multiline() == header
+    assert raw.cmd("TOP 1 3").startswith(b"+OK") and raw.multiline() == header + b"".join(lines[:3])
+    assert raw.cmd("TOP 1 5000").startswith(b"+OK") and raw.multiline() == header + b"".join(lines[:5000])
+    assert raw.cmd("RETR 1").startswith(b"+OK") and raw.multiline() == body
+
+
+async def test_top_of_a_message_whose_header_section_is_empty(node: Node, store: Store, users) -> None:
+    for body in (b"\r\nfirst\r\nsecond\r\n\r\nthird\r\n", b"\nfirst\nsecond\n\nthird\n"):
+        await store.deliver(body, [Target(users["carol"])])
+    raw = RawPop(node.port("pop3"), stls=True)
+    raw.login(users["carol"])
+    assert raw.cmd("TOP 1 0").startswith(b"+OK") and raw.multiline() == b"\r\n"
+    assert raw.cmd("TOP 1 1").startswith(b"+OK") and raw.multiline() == b"\r\nfirst\r\n"
+    assert raw.cmd("TOP 2 0").startswith(b"+OK") and raw.multiline() == b"\n"
+    assert raw.cmd("TOP 2 2").startswith(b"+OK") and raw.multiline() == b"\nfirst\nsecond\n"
+
+
+# ----------------------------------------------------------------------------- TLS and connections
+
+
+def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> None:
+    node = Node(node_settings(backend_settings), tmp_path, pop3={**tls_files, "implicit_tls": True}).start()
+    try:
+        client = poplib.POP3_SSL("127.0.0.1", node.port("pop3"), context=CLIENT_TLS, timeout=30)
+        assert client.getwelcome().startswith(b"+OK")
+        caps = client.capa()
+        assert "USER" in caps and caps["SASL"] == ["PLAIN"] and "STLS" not in caps  # already secure
+        client.user(users["carol"])
+        assert client.pass_("carol").startswith(b"+OK")
+        assert client.stat() == (0, 0)
+        assert client.quit().startswith(b"+OK")
+        with socket.create_connection(("127.0.0.1", node.port("pop3")), timeout=30) as plain:
+            plain.sendall(b"CAPA\r\n")  # clear text on a TLS port is a failed handshake, never a greeting
+            try:
+                answer = plain.recv(1024)
+            except ConnectionError:
+                answer = b""
+            assert not answer.startswith(b"+OK")
+    finally:
+        assert node.stop() == 0
+    assert "event=session listener=pop3" in node.log_text() and "tls=True" in node.log_text()
+
+
+def test_connections_past_max_connections_are_turned_away(backend_settings, tls_files, tmp_path: Path, users) -> None:
+    node = Node(node_settings(backend_settings), tmp_path, pop3={**tls_files, "max_connections": 2}).start()
+    try:
+        first, second = RawPop(node.port("pop3")), RawPop(node.port("pop3"), stls=True)
+        assert first.greeting.startswith(b"+OK") and second.greeting.startswith(b"+OK")
+        third = RawPop(node.port("pop3"))
+        assert third.greeting == b"-ERR [SYS/TEMP] Too many connections, try again later\r\n" and third.closed()
+        second.login(users["anne"])  # the ones let in are served
+        assert second.cmd("STAT").startswith(b"+OK")
+        assert first.cmd("QUIT").startswith(b"+OK") and first.closed()
+        deadline = time.monotonic() + 10
+        while True:  # the freed place is taken again (once the server has seen the close)
+            fourth = RawPop(node.port("pop3"))
+            if fourth.greeting.startswith(b"+OK") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert fourth.greeting.startswith(b"+OK")
+    finally:
+        assert node.stop() == 0
+
+
+# ----------------------------------------------------------------------------- two nodes, one mailbox
+
+
+async def test_sessions_on_two_nodes_each_keep_their_own_view(node: Node, second_node: Node, store: Store, users) -> None:
+    bodies = [b"Subject: one\r\n\r\nfirst\r\n", b"Subject: two\r\n\r\nsecond\r\n"]
+    for body in bodies:
+        await store.deliver(body, [Target(users["anne"])])
+    a = pop(node, users["anne"])
+    b = poplib.POP3("127.0.0.1", second_node.port("pop3"), timeout=30)
+    b.user(users["anne"])
+    b.pass_("anne")
+    view = (2, sum(map(len, bodies)))
+    assert a.stat() == b.stat() == view
+    uidls = b.uidl()[1]
+    assert a.uidl()[1] == uidls
+    a.dele(1)
+    assert a.quit() == b"+OK Bye, 1 message(s) removed"
+    await store.deliver(b"Subject: three\r\n\r\nthird\r\n", [Target(users["anne"])])
+    assert b.stat() == view and b.uidl()[1] == uidls  # numbers and sizes as at its login
+    with pytest.raises(poplib.error_proto, match="-ERR Message was deleted by another session"):
+        b.retr(1)
+    with pytest.raises(poplib.error_proto, match="-ERR Message was deleted by another session"):
+        b.top(1, 0)
+    assert body_of(b.retr(2)[1]) == bodies[1]
+    assert b.dele(1).startswith(b"+OK")  # deleting it again is harmless
+    assert b.quit().startswith(b"+OK Bye")
+    assert await inbox(store, users["anne"]) == [bodies[1], b"Subject: three\r\n\r\nthird\r\n"]
+
+
+# ----------------------------------------------------------------------------- the store's side (a wrapped store)
+
+
+class RecordingStore:
+    """Wraps the real store inside a node's worker process, for fault injection and accounting:
+    every `read_chunks` call is journalled with its byte range (`reads.jsonl`), and a method named
+    in `faults.json` raises RuntimeError with the given text, as a bug in a backend would."""
+
+    def __init__(self, inner: Store, directory: Path) -> None:
+        self.inner = inner
+        self.reads, self.faults = directory / "reads.jsonl", directory / "faults.json"
+
+    def _fault(self, name: str) -> None:
+        try:
+            faults = json.loads(self.faults.read_text())
+        except FileNotFoundError:
+            return
+        if name in faults:
+            raise RuntimeError(faults[name])
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if inspect.isasyncgenfunction(attr):
+
+            async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                self._fault(name)
+                if name == "read_chunks":
+                    call = inspect.signature(attr).bind(*args, **kwargs)
+                    call.apply_defaults()
+                    entry = {"id": str(call.arguments["message_id"]), "start": call.arguments["start"],
+                             "end": call.arguments["end"]}
+                    with open(self.reads, "a") as journal:
+                        journal.write(json.dumps(entry) + "\n")
+                async with aclosing(attr(*args, **kwargs)) as items:
+                    async for item in items:
+                        yield item
+
+            return stream
+        if inspect.iscoroutinefunction(attr):
+
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                self._fault(name)
+                return await attr(*args, **kwargs)
+
+            return call
+        return attr
+
+
+def wrap_the_store(directory: str) -> None:
+    """In a node's own process, before `cassmail serve` starts: its store becomes a RecordingStore."""
+    from cassmail import server
+
+    make_store = server.make_store
+    server.make_store = lambda settings: RecordingStore(make_store(settings), Path(directory))  # type: ignore[assignment,return-value]
+
+
+class Recorder:
+    """The test's side of a RecordingStore: the journal of reads, and the faults to inject."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def fail(self, **faults: str) -> None:
+        staged = self.directory / "faults.tmp"
+        staged.write_text(json.dumps(faults))
+        staged.rename(self.directory / "faults.json")  # the node never sees half a file
+
+    def reads(self, message_id: Any) -> list[tuple[int, int | None]]:
+        path = self.directory / "reads.jsonl"
+        entries = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [(e["start"], e["end"]) for e in entries if e["id"] == str(message_id)]
+
+
+@pytest.fixture(scope="module")
+def recorded(backend_settings, tmp_path_factory) -> Iterator[tuple[Node, Recorder]]:
+    """A real `cassmail serve` whose store is a RecordingStore; plaintext login allowed."""
+    directory = tmp_path_factory.mktemp("recorded")
+    shim = directory / "cassmail-recorded"
+    shim.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        f"from tests.test_pop3 import wrap_the_store\nwrap_the_store({str(directory)!r})\n"
+        "from cassmail.cli import main\nsys.exit(main())\n"
+    )
+    shim.chmod(0o755)
+    running = Node(node_settings(backend_settings), directory, pop3={"allow_plaintext_auth": True, "auth_failure_delay": 0.0})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tests.nodes, "CASSMAIL", str(shim))
+        running.start()
+    yield running, Recorder(directory)
+    assert running.stop() == 0
+    assert "Unhandled" not in running.log_text()
+
+
+async def test_top_asks_the_store_only_for_the_bytes_it_needs(recorded, store: Store, users) -> None:
+    node, recorder = recorded
+    head = b"Subject: big\r\n\r\n"
+    lines = [b"%07d %s\r\n" % (i, os.urandom(35).hex().encode()) for i in range(50_000)]
+    small_head = head + b"".join(lines)
+    big_head = b"Subject: wide\r\n" + b"X-Filler: %s\r\n" % (b"h" * 100) * 1000 + b"\r\n" + b"".join(lines)
+    [small_id] = await store.deliver(small_head, [Target(users["bob"])])
+    [big_id] = await store.deliver(big_head, [Target(users["bob"])])
+    assert len(small_head) > 3 * 1024 * 1024
+    raw = RawPop(node.port("pop3"))
+    raw.login(users["bob"])
+    assert raw.cmd("TOP 1 0").startswith(b"+OK") and raw.multiline() == head
+    assert raw.cmd("TOP 1 3").startswith(b"+OK") and raw.multiline() == head + b"".join(lines[:3])
+    assert recorder.reads(small_id) == [(0, 64 * 1024)] * 2  # 64 KiB of a 4 MB message, each time
+    # 110 KB of headers: the first 64 KiB has not got them all, the next range is four times larger
+    separator = big_head.index(b"\r\n\r\n") + 4
+    assert raw.cmd("TOP 2 2").startswith(b"+OK") and raw.multiline() == big_head[:separator] + b"".join(lines[:2])
+    assert recorder.reads(big_id) == [(0, 64 * 1024), (64 * 1024, 320 * 1024)]
+    assert raw.cmd("RETR 1").startswith(b"+OK") and raw.multiline() == small_head  # RETR streams it all at once
+    assert recorder.reads(small_id)[2:] == [(0, None)]
+
+
+async def test_a_bug_in_the_store_answers_err_and_the_session_goes_on(recorded, store: Store, users) -> None:
+    node, recorder = recorded
+    body = b"Subject: x\r\n\r\nx\r\n"
+    await store.deliver(body, [Target(users["carol"])])
+    raw = RawPop(node.port("pop3"))
+    try:
+        recorder.fail(get_password_hash="injected bug in login")
+        assert raw.cmd(f"USER {users['carol']}").startswith(b"+OK")
+        assert raw.cmd("PASS carol") == b"-ERR [SYS/TEMP] Internal error, try again later\r\n"
+        assert raw.cmd("NOOP").startswith(b"+OK")
+        recorder.fail(read_chunks="injected bug in reading")
+        raw.login(users["carol"])
+        raw.sock.sendall(b"RETR 1\r\nTOP 1 0\r\nSTAT\r\n")
+        assert raw.line() == b"-ERR [SYS/TEMP] Internal error, try again later\r\n"
+        assert raw.line() == b"-ERR [SYS/TEMP] Internal error, try again later\r\n"
+        assert raw.line() == b"+OK 1 %d\r\n" % len(body)
+        recorder.fail(delete_messages="injected bug in deleting")
+        assert raw.cmd("RETR 1").startswith(b"+OK") and raw.multiline() == body
+        assert raw.cmd("DELE 1").startswith(b"+OK")
+        assert raw.cmd("QUIT") == b"-ERR [SYS/TEMP] Marked messages were not removed, try again later\r\n"
+        assert raw.closed()
+    finally:
+        recorder.fail()
+    assert await inbox(store, users["carol"]) == [body]
+    log = node.log_text()
+    for what in ("login", "reading", "deleting"):
+        assert f"injected bug in {what}" in log
+    assert "Unhandled" not in log

@@ -1,23 +1,31 @@
 """The POP3 front end: Twisted's POP3 engine with cassmail's maildrop, login and streaming.
 
-Twisted's `POP3` class keeps the command loop, pipelining (commands wait while
-a long operation runs) and STAT/LIST/UIDL/RSET/NOOP. It is extended here where
-cassmail needs more than it does:
+Twisted's `POP3` class keeps the command dispatch and CAPA/RSET/NOOP. It is extended
+here where cassmail needs more than it does:
 
+- lines are cut one at a time: what a client sent behind STLS in the same packet is
+  dropped (RFC 2595 3.1, no command injection into the TLS session), and a line of
+  any length is skipped to its end and answered `-ERR Line too long`;
+- pipelining (RFC 2449): lines that arrive while a long operation (login, RETR,
+  TOP, QUIT) runs wait in order, and each is then handled exactly like a line read
+  from the socket, errors included (Twisted's own replay skips the error handling);
 - the maildrop (`Maildrop`) is read from the store at login, in pages of summaries,
   and stays fixed for the session (RFC 1939): numbers never shift;
 - RETR and TOP stream the body from the store chunk by chunk, with flow control,
   dot-stuffing every line (after CRLF or a bare LF) and leaving the bytes alone
-  otherwise (Twisted's own sender rewrites line endings); TOP stops reading once it
-  has the headers and the lines asked for;
+  otherwise (Twisted's own sender rewrites line endings); TOP asks the store for
+  growing byte ranges (64 KiB first) and stops once it has the headers and the lines
+  asked for, so `TOP n 0` of a 50 MB message reads 64 KiB;
 - deletions reach the store on QUIT in one call; a dropped connection deletes nothing;
 - USER/PASS and AUTH PLAIN (with or without an initial response) check the store's
-  hashes, slow down repeated failures, and are refused before STLS unless
-  plaintext is allowed by setting; APOP is not offered (it needs plaintext passwords);
+  hashes, slow down repeated failures, close the session after `max_auth_failures`,
+  and are refused before STLS unless plaintext is allowed by setting; APOP is not
+  offered (it needs plaintext passwords);
 - `anne@example.com|Sent` logs in to another mailbox of the same user (CassMail's
   multi-mailbox access);
 - every error is a `-ERR` line (RFC 2449 response codes where they apply) and the
-  session goes on: no traceback or exception name reaches a client.
+  session goes on: no traceback or exception name reaches a client, even for a bug
+  (it is logged, and answered `-ERR [SYS/TEMP] Internal error`).
 """
 
 from __future__ import annotations
@@ -26,11 +34,16 @@ import asyncio
 import base64
 import binascii
 import logging
+import re
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+from twisted.internet.defer import CancelledError
 from twisted.internet.protocol import ServerFactory
 from twisted.mail import pop3
+from twisted.python.failure import Failure
 
 from cassmail import auth
 from cassmail.config import Pop3Settings
@@ -45,6 +58,13 @@ log = logging.getLogger("cassmail.pop3")
 MAILBOX_SEPARATOR = "|"
 #: Bytes of headers TOP collects at most while looking for the blank line that ends them.
 TOP_HEADER_LIMIT = 1024 * 1024
+#: TOP's first store request is for this many bytes; each further one is TOP_READ_GROWTH
+#: times larger (up to TOP_MAX_READ), so a short TOP costs one small read, a long one few reads.
+TOP_FIRST_READ = 64 * 1024
+TOP_READ_GROWTH = 4
+TOP_MAX_READ = 4 * 1024 * 1024
+#: The answer to a failure that is nobody's fault but ours (a bug): logged, never shown.
+INTERNAL_ERROR = b"[SYS/TEMP] Internal error, try again later"
 
 
 class LoginFailed(Exception):
@@ -93,17 +113,23 @@ class Pop3Session(pop3.POP3):
     factory: Pop3Factory
     mbox: Maildrop | None
 
+    #: Lines read while a long operation runs, in order; None stands for a line that was too long.
+    blocked: list[bytes | None] | None
+
     def __init__(self) -> None:
         self._opened_at: float | None = None
         self._secure = False
         self._user_given: str | None = None
         self._peer = "-"
+        self._failures = 0  # failed logins in this session
+        self._overlong = False  # skipping the rest of a line that is too long
+        self._drop_rest = False  # STLS: whatever follows it in clear text is dropped
+        self._answering = False  # from a RETR's or TOP's +OK to its end: an error cannot be -ERR then
 
     # ------------------------------------------------------------------ connection
 
     def connectionMade(self) -> None:
         settings = self.factory.settings
-        self.MAX_LENGTH = 65536  # our own, smaller limit is checked per line
         self.timeOut = settings.timeout
         self.setTimeout(self.timeOut)
         self.mbox = None
@@ -136,36 +162,95 @@ class Pop3Session(pop3.POP3):
         self.mbox = None  # a dropped connection deletes nothing
         super().connectionLost(reason)
 
-    def lineLengthExceeded(self, line: bytes) -> None:
-        """Beyond even the buffer limit with no line end in sight: answer and close."""
-        self.sendLine(b"-ERR Line too long")
-        self.transport.loseConnection()
+    def dataReceived(self, data: bytes) -> None:
+        """Cut CRLF-ended lines one at a time. Twisted's LineOnlyReceiver splits a whole packet
+        first, so STLS could not drop what follows it, and it closes the connection on a line
+        over MAX_LENGTH; here at most `max_line_length` bytes are held, and a longer line is
+        skipped up to its end and answered -ERR, in its turn among pipelined commands."""
+        buffer = self._buffer + data
+        limit = self.factory.settings.max_line_length
+        pos = 0
+        while not self.transport.disconnecting:
+            end = buffer.find(b"\r\n", pos)
+            if end < 0:
+                break
+            line, pos = buffer[pos:end], end + 2
+            too_long, self._overlong = self._overlong or len(line) > limit, False
+            self.lineReceived(None if too_long else line)
+            if self._drop_rest:
+                self._drop_rest = False
+                pos = len(buffer)
+        rest = buffer[pos:]
+        if len(rest) > limit:
+            self._overlong = True
+            rest = rest[-1:]  # it may be the CR of the line end
+        self._buffer = rest
 
-    def lineReceived(self, line: bytes) -> None:
-        if len(line) > self.factory.settings.max_line_length:
-            self.resetTimeout()
-            if self.blocked is not None:
-                self.blocked.append((b"\x00TOOLONG", ()))
-            else:
-                self.failResponse(b"Line too long")
+    def lineReceived(self, line: bytes | None) -> None:  # type: ignore[override]
+        """One line (None: one that was too long): handled now, or queued behind a long operation."""
+        self.resetTimeout()
+        if self.blocked is not None:
+            self.blocked.append(line)
             return
-        super().lineReceived(line)
+        self._handle(line)
+
+    def _handle(self, line: bytes | None) -> None:
+        if line is None:
+            self.state = "COMMAND"  # an over-long SASL response ends the exchange too
+            self.failResponse(b"Line too long")
+            return
+        getattr(self, "state_" + self.state)(line)
 
     def state_COMMAND(self, line: bytes) -> None:
+        """Run one command; whatever it raises becomes its -ERR line."""
         try:
             self.processCommand(*line.split())
         except _PopError as exc:
             self.failResponse(exc.text)
         except (ValueError, TypeError, UnicodeDecodeError):
             self.failResponse(b"Invalid command or arguments")
+        except Exception:  # noqa: BLE001 - a bug: logged here, never shown to the client
+            command = line.split(b" ", 1)[0][:20].decode("ascii", "replace")  # never a password
+            log.exception(kv("pop3-error", peer=self._peer, user=self._user_given, command=command))
+            self.failResponse(INTERNAL_ERROR)
+
+    def _longOperation(self, d: Any) -> Any:
+        """Run a Deferred while later lines wait in `blocked`, with the idle timer off.
+
+        Replaces Twisted's, whose `_unblock` replays the waiting commands through
+        `processCommand`: an error there escaped as an unhandled Deferred failure, the
+        rest of the queue was lost and the idle timer stayed off."""
+        self.setTimeout(None)
+        self.blocked = []
+        d.addErrback(self._unexpected)
+        d.addCallback(self._unblock)
+        return d
+
+    def _unblock(self, _: object = None) -> None:
+        """Handle the waiting lines in order until one starts another long operation."""
+        lines, self.blocked = self.blocked or [], None
+        while lines and self.blocked is None:
+            if self._opened_at is None or self.transport.disconnecting:
+                return
+            self._handle(lines.pop(0))
+            if self._drop_rest:  # STLS was among them: what followed it came in clear text
+                self._drop_rest = False
+                lines.clear()
+        if self.blocked is not None:
+            self.blocked.extend(lines)  # they wait for the long operation just started
+        elif self._opened_at is not None:
+            self.setTimeout(self.timeOut)
+
+    def _unexpected(self, failure: Failure) -> None:
+        """Last resort for a long operation that failed (they answer their own errors): log it,
+        answer -ERR, and let the waiting commands go on."""
+        if self._opened_at is None or failure.check(asyncio.CancelledError, CancelledError):
+            return  # the client left, or the worker is stopping
+        log.error(kv("pop3-error", peer=self._peer, user=self._user_given, error=repr(failure.value)),
+                  exc_info=(failure.type, failure.value, failure.getTracebackObject()))
+        self.failResponse(INTERNAL_ERROR)
 
     def processCommand(self, command: bytes, *args: bytes) -> Any:
-        if self.blocked is not None:
-            self.blocked.append((command, args))
-            return None
-        if command == b"\x00TOOLONG":
-            self.failResponse(b"Line too long")
-            return None
         name = command.upper()
         try:
             text = name.decode("ascii")
@@ -201,6 +286,10 @@ class Pop3Session(pop3.POP3):
         self.transport.startTLS(self.factory.tls)
         self._secure = True
         self._user_given = None
+        # Lines that came behind STLS in clear text (in this packet or queued) are not the
+        # client's TLS session: a man in the middle may have put them there (RFC 2595 3.1).
+        self._buffer = b""
+        self._drop_rest = True
 
     # ------------------------------------------------------------------ login
 
@@ -261,22 +350,30 @@ class Pop3Session(pop3.POP3):
         )
 
     async def _login(self, login: str, password: str) -> None:
-        """Check the password, open the maildrop; answer either way (the session goes on)."""
+        """Check the password, open the maildrop; answer either way (the session goes on,
+        unless this was its `max_auth_failures`th failed login)."""
         started = time.monotonic()
-        address, _, box = login.rpartition(MAILBOX_SEPARATOR) if MAILBOX_SEPARATOR in login else (login, "", INBOX)
         throttle, store = self.factory.throttle, self.factory.store
+        user: str | None = None
+        mailbox, result = INBOX, "fail"
         try:
-            user = Address.parse(address).key
-            mailbox = mailbox_name(box or INBOX)
-        except InvalidInput:
-            user, mailbox = None, INBOX
-        delay = throttle.penalty(self._peer, user)
-        result = "fail"
-        try:
+            address, _, box = login.rpartition(MAILBOX_SEPARATOR) if MAILBOX_SEPARATOR in login else (login, "", INBOX)
+            try:
+                user = Address.parse(address).key
+                mailbox = mailbox_name(box or INBOX)
+            except InvalidInput:
+                user, mailbox = None, INBOX
+            delay = throttle.penalty(self._peer, user)
             if delay:
                 await asyncio.sleep(delay)
             if not await auth.check_password(store, user, password):
                 throttle.failed(self._peer, user)
+                self._failures += 1
+                if self._failures >= self.factory.settings.max_auth_failures:
+                    result = "closed"
+                    self.failResponse(b"[AUTH] Authentication failed; too many failures, closing the connection")
+                    self.transport.loseConnection()
+                    return
                 raise LoginFailed("[AUTH] Authentication failed")
             throttle.succeeded(user)
             if self._opened_at is None:  # the client went away meanwhile: no need to list anything
@@ -295,6 +392,10 @@ class Pop3Session(pop3.POP3):
             result = "tempfail"
             log.warning(kv("auth", listener="pop3", peer=self._peer, user=user, error=exc))
             self.failResponse(b"[SYS/TEMP] Mail store unavailable, try again later")
+        except Exception:  # noqa: BLE001 - a bug: logged here, never shown to the client
+            result = "error"
+            log.exception(kv("pop3-error", peer=self._peer, user=user, command="login"))
+            self.failResponse(INTERNAL_ERROR)
         finally:
             log.info(kv("auth", listener="pop3", peer=self._peer, user=user, mailbox=mailbox, result=result,
                         ms=int((time.monotonic() - started) * 1000)))
@@ -371,11 +472,32 @@ class Pop3Session(pop3.POP3):
         raise _PopError(b"LAST is obsolete (RFC 1725)")
 
     async def _send(self, index: int, top_lines: int | None) -> None:
-        """Stream a message (or its headers and `top_lines` body lines) from the store."""
+        """Stream a message (or its headers and `top_lines` body lines) from the store.
+
+        Before the +OK every failure is an -ERR line; after it, part of the message went
+        out and the only honest ending is to close the connection."""
         assert self.mbox is not None
         box = self.mbox
         summary = box.messages[index]
-        chunks = self.factory.store.read_chunks(box.user, box.mailbox, summary.id)
+        store = self.factory.store
+        if top_lines is None:
+            chunks = store.read_chunks(box.user, box.mailbox, summary.id)
+        else:
+            chunks = _growing_reads(store, box.user, box.mailbox, summary.id, summary.size)
+        try:
+            await self._stream(box, summary, chunks, top_lines)
+        except Exception:  # noqa: BLE001 - a bug: logged here, never shown to the client
+            log.exception(kv("pop3-error", peer=self._peer, user=box.user, command="retr"))
+            if self._answering:
+                self.transport.loseConnection()
+            else:
+                self.failResponse(INTERNAL_ERROR)
+        finally:
+            self._answering = False
+            await chunks.aclose()
+
+    async def _stream(self, box: Maildrop, summary: MessageSummary, chunks: AsyncIterator[bytes],
+                      top_lines: int | None) -> None:
         try:
             first = await anext(chunks, b"")
         except NoSuchMessage:
@@ -389,6 +511,7 @@ class Pop3Session(pop3.POP3):
         self.transport.registerProducer(gate, True)
         try:
             self.successResponse(f"{summary.size} octets" if top_lines is None else "Top of message follows")
+            self._answering = True
             cutter = _TopCutter(top_lines) if top_lines is not None else None
             last = b"\n"
             chunk = first
@@ -419,7 +542,6 @@ class Pop3Session(pop3.POP3):
             log.warning(kv("retr", listener="pop3", peer=self._peer, user=box.user, result="cut", error=exc))
             self.transport.loseConnection()
         finally:
-            await chunks.aclose()
             if self._opened_at is not None:  # once the connection is lost, TLS has no producer to drop
                 self.transport.unregisterProducer()
 
@@ -435,8 +557,11 @@ class Pop3Session(pop3.POP3):
         assert self.mbox is not None
         try:
             removed = await self.mbox.commit()
-        except StoreError as exc:
-            log.warning(kv("quit", listener="pop3", peer=self._peer, user=self.mbox.user, error=exc))
+        except Exception as exc:  # noqa: BLE001 - a bug is logged with its traceback, never shown
+            if isinstance(exc, StoreError):
+                log.warning(kv("quit", listener="pop3", peer=self._peer, user=self.mbox.user, error=exc))
+            else:
+                log.exception(kv("pop3-error", peer=self._peer, user=self.mbox.user, command="quit"))
             self.failResponse(b"[SYS/TEMP] Marked messages were not removed, try again later")
         else:
             self.successResponse(f"Bye, {removed} message(s) removed".encode())
@@ -462,7 +587,7 @@ class _TopCutter:
         if not self.in_body:
             start = len(self.head)
             self.head += chunk
-            end = _header_end(self.head)
+            end = _header_end(self.head, max(start - 2, 0))
             if end is None:
                 if len(self.head) > TOP_HEADER_LIMIT:  # no blank line: all of it counts as headers
                     self.in_body = True
@@ -489,13 +614,32 @@ class _TopCutter:
         return data[:pos], True
 
 
-def _header_end(data: bytearray) -> int | None:
-    """Offset just after the blank line ending the headers (CRLF or bare LF), or None."""
-    ends = [i for i in (data.find(b"\r\n\r\n"), data.find(b"\n\n")) if i >= 0]
-    if not ends:
-        return None
-    first = min(ends)
-    return first + (4 if data[first : first + 4] == b"\r\n\r\n" else 2)
+#: The blank line that ends a header section (CRLF or bare LF), also as the very first line
+#: of a message whose header section is empty.
+_BLANK_LINE = re.compile(rb"(?:^|\n)\r?\n")
+
+
+def _header_end(data: bytes | bytearray, pos: int = 0) -> int | None:
+    """Offset just after the blank line ending the headers, or None when it is not in `data`.
+    `pos`: where to start looking; a caller that appended to data already searched passes the
+    old length minus 2 (a blank line the new bytes complete starts at most 2 bytes before them)."""
+    found = _BLANK_LINE.search(data, pos)
+    return found.end() if found else None
+
+
+async def _growing_reads(store: Store, user: str, mailbox: str, message_id: Any, size: int) -> AsyncIterator[bytes]:
+    """A body as successive byte ranges, the first TOP_FIRST_READ bytes long and each next one
+    TOP_READ_GROWTH times longer: the store reads (and reads ahead) only within a range, so a
+    reader that stops early, like TOP, costs what it used, not the whole message."""
+    start, step = 0, TOP_FIRST_READ
+    while True:
+        end = min(start + step, size)
+        async with aclosing(store.read_chunks(user, mailbox, message_id, start, end)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        if end >= size:
+            return
+        start, step = end, min(step * TOP_READ_GROWTH, TOP_MAX_READ)
 
 
 class Pop3Factory(ServerFactory):
