@@ -15,6 +15,7 @@ import json
 import mailbox
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,7 @@ import pytest
 
 from cassmail.config import MboxSettings
 from cassmail.model import INBOX
+from cassmail.store import mbox_fs
 from cassmail.store.base import NoSuchMessage, StoreUnavailable, Target
 from cassmail.store.mbox import MboxStore, decode_name, encode_name
 from cassmail.store.mbox_format import PAD_MIN, Unquoter, pad, quote, unquote
@@ -47,6 +49,15 @@ def body_for(n: int, size: int | None = None) -> bytes:
         lines.append(hashlib.sha256(b"%d-%d" % (n, len(lines))).hexdigest().encode() + b"\r\n")
     body = b"".join(lines)[:size]
     return body if n % 4 else body.rstrip(b"\r\n")  # some without a final newline
+
+
+def require_collapse(directory: Path) -> None:
+    """Skip a test that counts range collapses where the file system cannot collapse, probed
+    as the store probes it at open (the store falls back to rewriting the tail there)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if not mbox_fs.supports_collapse(directory):
+        pytest.skip(f"the file system of {directory} cannot collapse ranges (fallocate FALLOC_FL_COLLAPSE_RANGE: "
+                    "ext4 and XFS can, tmpfs cannot)")
 
 
 async def open_store(path: Path, **kw: Any) -> MboxStore:
@@ -313,6 +324,7 @@ async def test_compaction_reclaims_space_and_keeps_contents_and_flags(tmp_path: 
 
 
 async def test_deleting_the_oldest_message_writes_a_few_kilobytes_however_large_the_mailbox(tmp_path: Path) -> None:
+    require_collapse(tmp_path)
     store = await store_with_user(tmp_path / "data", defrag=False)
     big = b"x" * 200_000 + b"\n"
     first = (await store.deliver(body_for(1, 9000), [Target(USER)]))[0]
@@ -519,6 +531,8 @@ CRASH_SETTINGS: dict[str, dict[str, Any]] = {
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["collapse", "rewrite"])
 async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path: Path, method: str) -> None:
+    if method == "collapse":
+        require_collapse(tmp_path)  # the collapse steps are among the crash points it must reach
     settings = CRASH_SETTINGS[method]
     base = tmp_path / "base"
     messages = await base_state(base, settings)
@@ -620,6 +634,78 @@ async def test_a_writer_waits_for_another_tools_fcntl_lock_and_gives_up_in_time(
     holder.wait()
     [message_id] = await store.deliver(b"after\n", [Target(USER)])
     assert await store.read_message(USER, INBOX, message_id) == b"after\n"
+    await store.close()
+
+
+#: Another mbox tool holding `<mbox>.lock` the classic way (O_EXCL create, its pid inside) until
+#: told to let go on stdin.
+DOTLOCK_HOLDER = r"""
+import os, sys
+lock = sys.argv[1]
+fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+os.write(fd, b"%d\n" % os.getpid())
+os.close(fd)
+print("locked", flush=True)
+sys.stdin.readline()
+os.unlink(lock)
+"""
+
+
+def hold_dotlock(lock: Path) -> subprocess.Popen[bytes]:
+    holder = subprocess.Popen([sys.executable, "-c", DOTLOCK_HOLDER, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+    return holder
+
+
+def release(holder: subprocess.Popen[bytes]) -> None:
+    assert holder.stdin is not None
+    holder.stdin.write(b"go\n")
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+
+
+async def test_a_delivery_waits_while_a_live_process_holds_the_dotlock(tmp_path: Path) -> None:
+    store = await store_with_user(tmp_path / "data", lock_timeout=30.0)
+    [before] = await store.deliver(b"before\n", [Target(USER)])
+    path = store.mailbox_paths(USER, INBOX)[0]
+    lock = Path(str(path) + ".lock")
+    holder = hold_dotlock(lock)
+    try:
+        delivery = asyncio.create_task(store.deliver(b"waited for the lock\n", [Target(USER)]))
+        await asyncio.sleep(1.0)
+        assert not delivery.done()  # still waiting: the holder is alive, its lock is not broken
+        assert lock.read_text() == f"{holder.pid}\n"
+        assert b"waited for the lock" not in path.read_bytes()
+    finally:
+        release(holder)
+    [message_id] = await asyncio.wait_for(delivery, 10)
+    assert [s.id for s in await listing(store)] == [before, message_id]
+    assert await store.read_message(USER, INBOX, message_id) == b"waited for the lock\n"
+    assert not lock.exists()  # the store released its own dot-lock too
+    assert [seen for seen, _ in python_mbox_view(path)] == [b"before\n", b"waited for the lock\n"]
+    await store.close()
+
+
+async def test_a_delivery_gives_up_after_lock_timeout_while_the_dotlock_is_held(tmp_path: Path) -> None:
+    store = await store_with_user(tmp_path / "data", lock_timeout=0.5)
+    [before] = await store.deliver(b"before\n", [Target(USER)])
+    path = store.mailbox_paths(USER, INBOX)[0]
+    lock = Path(str(path) + ".lock")
+    size = path.stat().st_size
+    holder = hold_dotlock(lock)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=rf"^mailbox busy: .*{re.escape(str(lock))} held for more than 0\.5 s$"):
+            await store.deliver(b"refused\n", [Target(USER)])
+        assert 0.5 <= time.monotonic() - started < 10
+        assert lock.read_text() == f"{holder.pid}\n"  # a live holder's lock is never broken
+        assert path.stat().st_size == size  # nothing was written
+    finally:
+        release(holder)
+    assert [s.id for s in await listing(store)] == [before]
+    [after] = await store.deliver(b"after\n", [Target(USER)])  # the sender's retry, once the lock is free
+    assert [s.id for s in await listing(store)] == [before, after]
     await store.close()
 
 

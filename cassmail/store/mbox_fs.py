@@ -152,7 +152,7 @@ def lock_file(fd: int, exclusive: bool, timeout: float) -> None:
         if _ofd(fd, kind, blocking=False):
             return
         if time.monotonic() > deadline:
-            raise LockTimeout(errno.EAGAIN, f"lock held by another process for more than {timeout:.0f} s")
+            raise LockTimeout(errno.EAGAIN, f"lock held by another process for more than {timeout:g} s")
         pause = min(pause * 2, 0.02)
 
 
@@ -191,7 +191,7 @@ def dotlock(path: str, timeout: float) -> None:
                     os.unlink(path)
                 continue
             if time.monotonic() > deadline:
-                raise LockTimeout(errno.EAGAIN, f"{path} held for more than {timeout:.0f} s") from None
+                raise LockTimeout(errno.EAGAIN, f"{path} held for more than {timeout:g} s") from None
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             continue
