@@ -39,8 +39,8 @@ def _factory(
             auth_require_tls=not listener.allow_plaintext_auth and not listener.implicit_tls,
             command_call_limit=listener.max_commands,
             authenticator=_unused_authenticator,
+            command_length=listener.max_command_length,
         )
-        protocol.command_size_limit = listener.max_command_length
         if not role.submission:
             # Only submission offers AUTH: MX and LMTP peers are other servers.
             protocol._auth_methods.clear()

@@ -92,6 +92,7 @@ class DeliveryHandler:
 
     async def handle_HELO(self, server: Any, session: Session, envelope: Envelope, hostname: str) -> str:
         session.host_name = hostname
+        server.in_ehlo_reply = True  # RFC 2034: no enhanced code in the reply to HELO
         return f"250 {server.hostname}"
 
     async def handle_EHLO(
@@ -192,10 +193,7 @@ class DeliveryHandler:
         if self.role.submission and session.auth_data:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
         message = self.trace_headers(server, session, envelope, queue_id) + body
-        fields = dict(
-            listener=self.role.name, peer=_peer(session), helo=session.host_name, user=session.auth_data,
-            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), size=len(body), id=queue_id,
-        )
+        fields = self._delivery_fields(session, envelope, len(body), queue_id)
         try:
             await self.store.deliver(message, targets)
         except MessageTooLarge:
@@ -210,6 +208,18 @@ class DeliveryHandler:
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
         return self._per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
+
+    def log_too_large(self, server: Any, size: int, ms: int) -> None:
+        """The delivery line of a message refused while DATA was read (past max_message_size):
+        nothing reached the store, but the attempt is logged like any other delivery."""
+        fields = self._delivery_fields(server.session, server.envelope, size, None)
+        log.info(kv("delivery", **fields, result="too-large", ms=ms))
+
+    def _delivery_fields(self, session: Session, envelope: Envelope, size: int, queue_id: str | None) -> dict[str, Any]:
+        return dict(
+            listener=self.role.name, peer=_peer(session), helo=session.host_name, user=session.auth_data,
+            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), size=size, id=queue_id,
+        )
 
     def _per_recipient(self, envelope: Envelope, status: str) -> str:
         """LMTP answers DATA once per accepted recipient (RFC 2033 4.2); SMTP once."""

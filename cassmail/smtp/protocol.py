@@ -11,20 +11,31 @@ AUTH: aiosmtpd parses PLAIN and LOGIN and calls a synchronous authenticator;
 checking a password here means a store read and a slow hash, so the check is
 awaited instead (the parsing stays aiosmtpd's).
 
+Replies: aiosmtpd's own replies carry no enhanced status code (RFC 3463); each
+gets a precise one from one table (`AIOSMTPD_CODES`).
+
+Command length: aiosmtpd keeps its per-command limits in a dict shared by every
+session of the process and adds the SIZE and SMTPUTF8 allowance to MAIL at every
+EHLO, so the limit grows; its line reader stops at 1001 bytes. Here each engine
+has its own fixed limits and a reader sized for them.
+
 Everything else (the command loop, EHLO, MAIL/RCPT parameters, STARTTLS,
-PIPELINING, limits on command length and repetitions) is aiosmtpd's.
+PIPELINING, the limit on repetitions) is aiosmtpd's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
 import re
 import time
+from base64 import b64decode, b64encode
+from collections.abc import Callable
 from typing import Any, AnyStr
 
 from aiosmtpd.lmtp import LMTP
-from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, LoginPassword
 
 from cassmail.logs import kv
 
@@ -35,27 +46,65 @@ READ_SIZE = 256 * 1024
 #: A 2xx/4xx/5xx reply line that has no enhanced status code (RFC 3463) yet.
 _PLAIN_REPLY = re.compile(r"([245])\d\d[ -](?!\d\.\d{1,3}\.\d{1,3}(?:\s|$))")
 
+#: The enhanced code (RFC 3463) of each reply aiosmtpd writes without one:
+#: (basic code, how the text starts, enhanced code); the first match wins. A reply
+#: not listed (none is known) gets the generic X.0.0 of its class.
+AIOSMTPD_CODES: tuple[tuple[str, str, str], ...] = (
+    ("250", "", "2.0.0"),  # NOOP, RSET, HELP
+    ("221", "", "2.0.0"),  # QUIT
+    ("220", "Ready to start TLS", "2.0.0"),  # STARTTLS (the greeting, also 220, has none)
+    ("454", "TLS not available", "4.7.0"),
+    ("500", "Command line too long", "5.5.2"),  # past max_command_length
+    ("500", "Error: bad syntax", "5.5.2"),  # an empty line, a command word that is not ASCII
+    ("500", "Error: strict ASCII mode", "5.5.2"),
+    ("500", "Error: command ", "5.5.1"),  # not recognized (also HELO/EHLO on LMTP, AUTH after HELO)
+    ("501", "", "5.5.4"),  # "Syntax: ...", bad BODY/SIZE/SMTPUTF8 values, AUTH without a mechanism
+    ("502", "EXPN", "5.5.1"),  # not implemented
+    ("502", "Could not VRFY", "5.1.3"),  # not an address
+    ("503", "", "5.5.1"),  # out of sequence: HELO first, nested MAIL, need MAIL, already authenticated
+    ("530", "Must issue a STARTTLS", "5.7.0"),
+    ("552", "Error: message size exceeds", "5.3.4"),  # MAIL FROM:<..> SIZE= past the limit
+    ("554", "Command refused due to lack of security", "5.7.0"),
+    ("555", "", "5.5.4"),  # MAIL/RCPT parameters not recognized
+)
+
+#: After EHLO, MAIL may be this much longer than other commands: SIZE=n (RFC 1870, 26 octets)
+#: and SMTPUTF8 (RFC 6531, 10 octets), as aiosmtpd allows.
+MAIL_EXTENSIONS_ALLOWANCE = 26 + 10
+
 
 class DataTooLarge(Exception):
     """The message went past the size limit; the rest of it was read and thrown away."""
 
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes of DATA")
+        #: Bytes the client sent before the end-of-data marker.
+        self.size = size
 
-async def read_data(reader: asyncio.StreamReader, limit: int) -> bytes:
+
+async def read_data(
+    reader: asyncio.StreamReader, limit: int, progress: Callable[[], None] | None = None
+) -> bytes:
     """Read a DATA payload up to CRLF . CRLF; return it with dot-stuffing undone.
 
     Bytes after the marker (commands a client pipelined) go back to the reader.
     Raises DataTooLarge (after draining to the marker) past `limit` bytes, and
-    ConnectionResetError if the client goes away in the middle.
+    ConnectionResetError if the client goes away in the middle. `progress` is
+    called for every block received (the idle timer counts from the last one,
+    so a large message on a slow link is not cut off).
     """
     # A virtual CRLF in front makes "a line that starts with a dot" the same
     # pattern everywhere, including the first line and an empty message.
     buf = bytearray(b"\r\n")
     scanned = 0
+    dropped = 0
     too_large = False
     while True:
         chunk = await reader.read(READ_SIZE)
         if not chunk:
             raise ConnectionResetError("client closed the connection during DATA")
+        if progress is not None:
+            progress()
         buf += chunk
         end = buf.find(END_OF_DATA, max(scanned - 4, 0))
         if end >= 0:
@@ -63,12 +112,13 @@ async def read_data(reader: asyncio.StreamReader, limit: int) -> bytes:
             if rest:
                 _unread(reader, bytes(rest))
             if too_large or end > limit + 2:
-                raise DataTooLarge
+                raise DataTooLarge(dropped + end)
             # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
             return bytes(buf[: end + 2]).replace(b"\r\n.", b"\r\n")[2:]
         if len(buf) > limit + 2 + len(END_OF_DATA):
             # Keep reading to the marker, but only its possible beginning.
             too_large = True
+            dropped += len(buf) - len(END_OF_DATA) - 2
             del buf[2 : len(buf) - len(END_OF_DATA)]
         scanned = len(buf)
 
@@ -79,11 +129,37 @@ def _unread(reader: asyncio.StreamReader, data: bytes) -> None:
 
 
 def with_enhanced_code(line: str) -> str:
-    """Give a reply line the generic enhanced code of its class (X.0.0) if it has none."""
+    """Give a reply line that has no enhanced status code the one `AIOSMTPD_CODES` names for it,
+    or the generic X.0.0 of its class. The greeting (220) is left as it is (RFC 2034)."""
     match = _PLAIN_REPLY.match(line)
-    if match is None or line.startswith("220"):
+    if match is None:
         return line
-    return f"{line[:4]}{match.group(1)}.0.0 {line[4:]}"
+    code, text = line[:3], line[4:]
+    for basic, start, enhanced in AIOSMTPD_CODES:
+        if code == basic and text.startswith(start):
+            return f"{line[:4]}{enhanced} {text}"
+    if code == "220":
+        return line
+    return f"{line[:4]}{match.group(1)}.0.0 {text}"
+
+
+class _CommandLimits(dict):  # type: ignore[type-arg]
+    """The longest line of each command after EHLO: `limit`, MAIL `MAIL_EXTENSIONS_ALLOWANCE` more.
+
+    Stands in for aiosmtpd's class-wide `command_size_limits`, whose EHLO adds the allowance to
+    MAIL again at every EHLO of every session of the process; here the limits are per engine and
+    fixed, so that adding is ignored.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __missing__(self, command: str) -> int:
+        return self.limit + (MAIL_EXTENSIONS_ALLOWANCE if command == "MAIL" else 0)
+
+    def __setitem__(self, command: str, value: int) -> None:
+        pass
 
 
 class _CassmailEngine:
@@ -92,13 +168,29 @@ class _CassmailEngine:
     event_handler: Any
     envelope: Any
     session: Any
+    hostname: str
+    transport: Any
     data_size_limit: int | None
     _reader: asyncio.StreamReader
-    #: Set by the EHLO hook: EHLO/LHLO reply lines carry no enhanced codes (RFC 2034).
+    #: Set by the HELO and EHLO hooks: replies to HELO/EHLO/LHLO carry no enhanced codes (RFC 2034).
     in_ehlo_reply = False
     #: Messages stored in this connection (for the session log line).
     deliveries = 0
+    #: How the session ended, for the session log line: quit, timeout, limit (closed by the
+    #: server after a 421 or too many unknown commands), busy (turned away) or dropped (the
+    #: client went away without QUIT).
+    result = "dropped"
     _opened_at: float | None = None
+
+    def __init__(self, handler: Any, *, command_length: int = 512, **options: Any) -> None:
+        """`command_length`: the longest command line, CRLF not counted, after HELO and after EHLO
+        alike (MAIL after EHLO may be MAIL_EXTENSIONS_ALLOWANCE longer). Lines past it get 500 5.5.2."""
+        self.command_size_limit = command_length
+        self.command_size_limits = _CommandLimits(command_length)
+        # aiosmtpd builds its line reader with this limit; a line past it is drained and refused
+        # like one past the command limits (+1: the CR before the LF is not counted).
+        self.line_length_limit = command_length + MAIL_EXTENSIONS_ALLOWANCE + 1
+        super().__init__(handler, **options)  # type: ignore[call-arg]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         new_connection = getattr(self, "transport", None) is None  # not the TLS layer after STARTTLS
@@ -110,6 +202,7 @@ class _CassmailEngine:
         handler.sessions += 1
         if handler.sessions > handler.settings.max_connections:
             # Turned away before the greeting, as RFC 5321 3.1 allows.
+            self.result = "busy"
             self._handler_coroutine.cancel()  # type: ignore[attr-defined]
             transport.write(b"421 4.7.0 Too many connections, try again later\r\n")  # type: ignore[attr-defined]
             transport.close()
@@ -122,21 +215,37 @@ class _CassmailEngine:
                 kv(
                     "session", listener=handler.role.name, peer=peer_ip(session.peer), helo=session.host_name,
                     user=session.auth_data, tls=bool(session.ssl), deliveries=self.deliveries,
-                    ms=int((time.monotonic() - self._opened_at) * 1000),
+                    result=self.result, ms=int((time.monotonic() - self._opened_at) * 1000),
                 )
             )
             self._opened_at = None
         super().connection_lost(error)  # type: ignore[misc]
 
+    def _timeout_cb(self) -> None:
+        """An idle session is closed with 421 4.4.2 (RFC 5321 4.5.3.2), not silently as aiosmtpd does."""
+        if self.transport is None:  # already closed
+            return
+        if not self.transport.is_closing():
+            self.result = "timeout"
+            self.transport.write(f"421 4.4.2 {self.hostname} Error: timeout exceeded\r\n".encode())
+        super()._timeout_cb()  # type: ignore[misc]
+
     async def push(self, status: AnyStr) -> None:
-        """Every reply but the greeting and EHLO's carries an enhanced status code, since
-        ENHANCEDSTATUSCODES is advertised; aiosmtpd's own replies get the generic X.0.0."""
+        """Every reply but the greeting and HELO's/EHLO's carries an enhanced status code, since
+        ENHANCEDSTATUSCODES is advertised; aiosmtpd's own replies get theirs from AIOSMTPD_CODES."""
         if isinstance(status, str):
             if self.in_ehlo_reply:
                 self.in_ehlo_reply = not status.startswith("250 ")
             else:
                 status = "\r\n".join(with_enhanced_code(line) for line in status.split("\r\n"))
+            if status.startswith("421") or status.startswith("502 5.5.1 Too many"):
+                self.result = "limit"  # the server closes the session after these
         await super().push(status)  # type: ignore[misc]
+
+    async def smtp_QUIT(self, arg: str) -> None:
+        if not arg:
+            self.result = "quit"
+        await super().smtp_QUIT(arg)  # type: ignore[misc]
 
     async def smtp_DATA(self, arg: str) -> None:
         if await self.check_helo_needed():  # type: ignore[attr-defined]
@@ -144,25 +253,37 @@ class _CassmailEngine:
         if await self.check_auth_needed("DATA"):  # type: ignore[attr-defined]
             return
         if not self.envelope.rcpt_tos:
-            await self.push("503 5.5.1 Error: need RCPT command")  # type: ignore[attr-defined]
+            await self.push("503 5.5.1 Error: need RCPT command")
             return
         if arg:
-            await self.push("501 5.5.4 Syntax: DATA")  # type: ignore[attr-defined]
+            await self.push("501 5.5.4 Syntax: DATA")
             return
-        await self.push("354 End data with <CR><LF>.<CR><LF>")  # type: ignore[attr-defined]
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        started = time.monotonic()
         try:
-            content = await read_data(self._reader, self.data_size_limit or (1 << 62))
-        except DataTooLarge:
+            content = await read_data(
+                self._reader, self.data_size_limit or (1 << 62), self._reset_timeout  # type: ignore[attr-defined]
+            )
+        except DataTooLarge as too_large:
+            self.event_handler.log_too_large(self, too_large.size, int((time.monotonic() - started) * 1000))
             self._set_post_data_state()  # type: ignore[attr-defined]
-            await self.push("552 5.3.4 Message too big for system")  # type: ignore[attr-defined]
+            await self.push("552 5.3.4 Message too big for system")
             return
         except ConnectionResetError:
             self._writer.close()  # type: ignore[attr-defined]
             return
         self.envelope.content = self.envelope.original_content = content
-        status = await self._call_handler_hook("DATA")  # type: ignore[attr-defined]
-        self._set_post_data_state()  # type: ignore[attr-defined]
-        await self.push(status)  # type: ignore[attr-defined]
+        # While the store writes, the client waits for us: that is not idleness.
+        self._timeout_handle.cancel()  # type: ignore[attr-defined]
+        try:
+            status = await self._call_handler_hook("DATA")  # type: ignore[attr-defined]
+        finally:
+            # Also when the hook failed (aiosmtpd then answers with handle_exception's 451): the
+            # transaction is over either way, and the next MAIL starts a new one.
+            self._set_post_data_state()  # type: ignore[attr-defined]
+            if self.transport is not None:  # not after connection_lost: nothing left to time out
+                self._reset_timeout()  # type: ignore[attr-defined]
+        await self.push(status)
 
     # ---------------------------------------------------------------- AUTH
     # aiosmtpd's auth_PLAIN/auth_LOGIN parse the exchange and then call
@@ -181,11 +302,47 @@ class _CassmailEngine:
             return result
         return await self.event_handler.authenticate(self, credentials.login, credentials.password)
 
+    async def challenge_auth(
+        self, challenge: str | bytes, encode_to_b64: bool = True, log_client_response: bool = False
+    ) -> Any:
+        """aiosmtpd's challenge_auth, but an answer longer than the line reader's limit is drained
+        to its end and refused with 500 5.5.6 (RFC 4954 6) instead of failing inside the reader."""
+        raw = challenge.encode() if isinstance(challenge, str) else challenge
+        await self.push(b"334 " + (b64encode(raw) if encode_to_b64 else raw))
+        try:
+            line = await self._reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError as overrun:
+            await _drain_line(self._reader, overrun.consumed)
+            await self.push("500 5.5.6 Authentication Exchange line is too long")
+            return MISSING
+        except asyncio.IncompleteReadError as eof:  # as readline: the client is gone, the session ends
+            line = eof.partial
+        blob = line.strip()
+        if blob == b"*":
+            await self.push("501 5.7.0 Auth aborted")
+            return MISSING
+        try:
+            return b64decode(blob, validate=True)
+        except binascii.Error:
+            await self.push("501 5.5.2 Can't decode base64")
+            return MISSING
+
     async def auth_PLAIN(self, _: Any, args: list[str]) -> AuthResult:
         return await self._checked(await super().auth_PLAIN(_, args))  # type: ignore[misc]
 
     async def auth_LOGIN(self, _: Any, args: list[str]) -> AuthResult:
         return await self._checked(await super().auth_LOGIN(_, args))  # type: ignore[misc]
+
+
+async def _drain_line(reader: asyncio.StreamReader, consumed: int) -> None:
+    """Throw away the rest of an over-long line (whose first `consumed` bytes are buffered)."""
+    await reader.read(consumed)
+    while True:
+        try:
+            await reader.readuntil(b"\n")
+            return
+        except asyncio.LimitOverrunError as more:
+            await reader.read(more.consumed)
 
 
 def peer_ip(peer: Any) -> str:
