@@ -86,6 +86,55 @@ async def test_listing_after_mass_deletion_does_not_walk_the_tombstones(make_sto
     assert unbounded.tombstones >= 4990
 
 
+async def test_a_listing_after_the_grace_moves_the_mark_past_recent_deletions(make_store) -> None:
+    """A delete cannot move the mark past mail younger than the grace; the first listing after
+    the grace does, once, and the next listing reads no tombstones (also in an emptied mailbox)."""
+    grace = 4.0
+    store = await make_store(tombstone_grace=grace)
+    user = await new_user(store)
+    await store.create_mailbox(user, "Emptied")
+    ids = await deliver_many(store, user, 300)
+    gone = await deliver_many(store, user, 200, "Emptied")
+    await store.delete_messages(user, INBOX, ids[:290])
+    await store.delete_messages(user, "Emptied", gone)
+    deleted_at = time.monotonic()
+
+    async def mark(mailbox: str) -> uuid.UUID | None:
+        return (await store._resolve(user, mailbox)).low_water
+
+    marks = {name: await mark(name) for name in (INBOX, "Emptied")}
+    with store.tracing() as within_grace:
+        assert [s.id for s in (await store.list_page(user, INBOX)).items] == ids[290:]
+        assert (await store.list_page(user, "Emptied")).items == []
+    assert within_grace.tombstones >= 490  # the grace holds the mark below the deleted mail
+    assert {name: await mark(name) for name in marks} == marks  # and a listing then writes nothing
+
+    await asyncio.sleep(max(0.0, grace + 0.5 - (time.monotonic() - deleted_at)))
+    for name in marks:
+        await store.list_page(user, name)  # moves the mark
+    moved = {name: await mark(name) for name in marks}
+    assert all(moved[name] != marks[name] for name in marks)
+
+    fresh = await new_user(store)
+    await deliver_many(store, fresh, 10)
+    with store.tracing() as ten_messages:
+        assert len((await store.list_page(fresh, INBOX)).items) == 10
+    with store.tracing() as inbox:
+        assert [s.id for s in (await store.list_page(user, INBOX)).items] == ids[290:]
+    with store.tracing() as emptied:
+        assert (await store.list_page(user, "Emptied")).items == []
+    assert inbox.live_rows == ten_messages.live_rows
+    assert inbox.tombstones <= ten_messages.tombstones + 2 and emptied.tombstones <= 2
+    # the mark stays put: the next listings read and write nothing more
+    await asyncio.sleep(0.2)
+    for name in marks:
+        await store.list_page(user, name)
+    assert {name: await mark(name) for name in marks} == moved
+    # mail arriving after the move is listed
+    late = await deliver_many(store, user, 5, "Emptied")
+    assert [s.id for s in (await store.list_page(user, "Emptied")).items] == late
+
+
 async def test_a_late_message_older_than_the_live_ones_is_still_listed_within_the_grace(make_store, monkeypatch) -> None:
     store = await make_store()  # default grace: hours
     user = await new_user(store)
@@ -232,7 +281,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     async with CassandraStore(cassandra_settings) as store:
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
         rows = await store._exec(store.session.prepare(query).bind(()))
-    assert [(r.version, r.name) for r in rows] == [(1, "initial")]
+    assert [(r.version, r.name) for r in rows] == [(1, "initial"), (2, "low_water_due")]
 
 
 async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_settings) -> None:

@@ -78,6 +78,9 @@ log = logging.getLogger(__name__)
 UID_BATCH = 256
 #: Ids per `IN (...)` read or delete.
 IN_BATCH = 100
+#: Smallest partial move of a low-water mark by a listing (100 ns units: one minute), so that
+#: listings of a mailbox with recent deletions write at most about once a minute.
+CATCH_UP_STEP_100NS = 60 * 10_000_000
 #: Attempts at one conditional write before giving up with StoreUnavailable.
 LWT_ATTEMPTS = 32
 _EPOCH_OFFSET_100NS = 0x01B21DD213814000
@@ -206,22 +209,23 @@ class CassandraStore(Store):
         ),
         "by_domain_domains": ("SELECT DISTINCT domain FROM users_by_domain", "r"),
         "mbox_list": (
-            "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users WHERE user = ?",
+            "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water, low_water_due "
+            "FROM users WHERE user = ?",
             "r",
         ),
         "mbox_get": (
-            "SELECT mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users "
+            "SELECT mailbox_id, uidvalidity, special_use, subscribed, low_water, low_water_due FROM users "
             "WHERE user = ? AND mailbox = ?",
             "r",
         ),
         "mbox_get_serial": (
-            "SELECT mailbox_id, uidvalidity, special_use, subscribed, low_water FROM users "
+            "SELECT mailbox_id, uidvalidity, special_use, subscribed, low_water, low_water_due FROM users "
             "WHERE user = ? AND mailbox = ?",
             "s",
         ),
         "mbox_insert": (
-            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water, "
+            "low_water_due) VALUES (?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
             "l",
         ),
         "mbox_insert_plain": (
@@ -236,7 +240,8 @@ class CassandraStore(Store):
         "mbox_subscribe": ("UPDATE users SET subscribed = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?", "l"),
         "mbox_delete_if": ("DELETE FROM users WHERE user = ? AND mailbox = ? IF mailbox_id = ?", "l"),
         "mbox_reassign": (
-            "UPDATE users SET mailbox_id = ?, uidvalidity = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+            "UPDATE users SET mailbox_id = ?, uidvalidity = ?, low_water = null, low_water_due = null "
+            "WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
             "l",
         ),
         "msg_insert": (
@@ -256,7 +261,7 @@ class CassandraStore(Store):
         "msg_first_live": ("SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16", "r"),
         "msg_first_live_all": ("SELECT id, size FROM messages WHERE mailbox_id = ? LIMIT 16", "r"),
         "mbox_set_low_water": (
-            "UPDATE users SET low_water = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+            "UPDATE users SET low_water = ?, low_water_due = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
             "l",
         ),
         "msg_body_info": (
@@ -555,7 +560,7 @@ class CassandraStore(Store):
         for _ in range(LWT_ATTEMPTS):
             batch, uidvalidity = await self._reserve_uidvalidity(key, 1, self._batch(conditional=True))
             mailbox_id = new_message_id()
-            batch.add(self._ps["mbox_insert"], (key, name, mailbox_id, uidvalidity, special_use, True, None))
+            batch.add(self._ps["mbox_insert"], (key, name, mailbox_id, uidvalidity, special_use, True, None, None))
             applied, row = await self._conditional(batch)
             if applied:
                 return MailboxInfo(name, uidvalidity, special_use, True)
@@ -587,7 +592,7 @@ class CassandraStore(Store):
                 r = rows[source]
                 batch.add(
                     self._ps["mbox_insert"],
-                    (key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed, r.low_water),
+                    (key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed, r.low_water, r.low_water_due),
                 )
                 if fresh and source == INBOX:
                     # RFC 3501: renaming INBOX moves its mail and leaves a new, empty INBOX.
@@ -678,8 +683,12 @@ class CassandraStore(Store):
     ) -> Page:
         if not 1 <= limit <= 10_000:
             raise InvalidInput(f"page limit must be 1..10000, got {limit}")
-        row = await self._resolve(address_key(user), mailbox)
-        return await self._page(row.mailbox_id, after or row.low_water, limit)
+        key, name = address_key(user), mailbox_name(mailbox)
+        row = await self._resolve(key, name)
+        page = await self._page(row.mailbox_id, after or row.low_water, limit)
+        if after is None and (page.items or page.cursor is None):
+            await self._catch_up_low_water(key, name, row, page.items[0].id if page.items else None)
+        return page
 
     async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
         rows = await (
@@ -759,11 +768,14 @@ class CassandraStore(Store):
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         if not wanted:
             return
+        newest: uuid.UUID | None = None
         for group in _groups(wanted, IN_BATCH):
             rows = [r for r in await self._run("msg_body_infos", mailbox_id, group) if r.body_id is not None]
             await self._run("msg_delete", mailbox_id, group)
+            for r in rows:
+                newest = _later(newest, r.id)
             await self._release_bodies(mailbox_id, rows)
-        await self._advance_low_water(key, name, row)
+        await self._advance_low_water(key, name, row, newest)
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""
@@ -780,10 +792,14 @@ class CassandraStore(Store):
             if r.shared:
                 await self._run("body_delete", r.body_id)
 
-    async def _advance_low_water(self, key: str, name: str, mailbox: Any) -> None:
+    async def _advance_low_water(self, key: str, name: str, mailbox: Any, deleted: uuid.UUID | None) -> None:
         """Move the low-water mark up to just below the oldest live message, but never past the grace
-        period: a message that turns up late (slow replica, slow clock) must stay above it."""
+        period: a message that turns up late (slow replica, slow clock) must stay above it. The
+        newest id deleted is kept as low_water_due, for listings to catch up with (see
+        `_catch_up_low_water`). Two deletes at once may each keep their own: the lower one only
+        stops the catching up early, and the next delete sets it again."""
         mailbox_id, current = mailbox.mailbox_id, mailbox.low_water
+        due = _later(mailbox.low_water_due, deleted)
         rows = await (
             self._run("msg_first_live", mailbox_id, current)
             if current
@@ -791,14 +807,45 @@ class CassandraStore(Store):
         )
         live = next((r.id for r in rows if r.size is not None), None)
         if live is None and len(rows) == 16:
-            return  # sixteen ghosts in a row: leave the mark where it is
+            candidate = None  # sixteen ghosts in a row: leave the mark where it is
+        else:
+            limit = _now_100ns() - int(self.settings.tombstone_grace * 10_000_000)
+            candidate = min(live.time - 1, limit) if live else limit
+            if current is not None and candidate <= current.time:
+                candidate = None
+        if candidate is None and due == mailbox.low_water_due:
+            return
+        mark = _floor_uuid(candidate) if candidate is not None else current
+        # Conditional, so a mailbox deleted or renamed meanwhile is not brought back as a ghost row.
+        await self._conditional(self._ps["mbox_set_low_water"].bind((mark, due, key, name, mailbox_id)))
+
+    async def _catch_up_low_water(self, key: str, name: str, mailbox: Any, first_live: uuid.UUID | None) -> None:
+        """After a listing from the start: move the mark past tombstones a delete had to leave
+        above it because they were younger than the grace, now that the grace allows.
+
+        Without this, a mailbox whose recent mail was deleted walks those tombstones on every
+        listing until the next delete after the grace. The listing has just read the oldest
+        live message, so the only extra cost is the write, and it is rare: none while the mark
+        is past low_water_due (the newest id ever deleted), the final move up to it as soon as
+        the grace and the oldest live message allow, and in between (the grace still holding
+        part of the deleted range back) at most one partial move per minute of progress (CATCH_UP_STEP_100NS).
+        Idempotent: a repeated or concurrent catch-up writes the same or a lower mark, which is
+        always safe (a lower mark only reads more tombstones)."""
+        due, current = mailbox.low_water_due, mailbox.low_water
+        if due is None or (current is not None and current.time > due.time):
+            return
         limit = _now_100ns() - int(self.settings.tombstone_grace * 10_000_000)
-        candidate = min(live.time - 1, limit) if live else limit
-        if current is None or candidate > current.time:
-            # Conditional, so a mailbox deleted or renamed meanwhile is not brought back as a ghost row.
+        target = min(due.time + 1, limit, first_live.time - 1 if first_live is not None else due.time + 1)
+        if current is not None and (
+            target <= current.time or (target <= due.time and target - current.time < CATCH_UP_STEP_100NS)
+        ):
+            return
+        try:
             await self._conditional(
-                self._ps["mbox_set_low_water"].bind((_floor_uuid(candidate), key, name, mailbox_id))
+                self._ps["mbox_set_low_water"].bind((_floor_uuid(target), due, key, name, mailbox.mailbox_id))
             )
+        except StoreUnavailable as exc:  # the listing itself succeeded; the next one tries again
+            log.info("low-water mark of %s %r not moved: %s", key, name, exc)
 
     # ================================================================= IMAP UIDs
 
@@ -917,6 +964,13 @@ def _summary(row: Any) -> MessageSummary:
     if when is not None and when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     return MessageSummary(row.id, row.size, frozenset(row.flags or ()), when, row.uid)
+
+
+def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:
+    """The later of two timeuuids (by time, then bytes); None counts as the earliest."""
+    if a is None or b is None:
+        return a or b
+    return max(a, b, key=lambda u: (u.time, u.bytes))
 
 
 def _ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
