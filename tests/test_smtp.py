@@ -803,6 +803,7 @@ async def test_one_message_to_k_recipients_is_one_store_delivery(flaky, store: S
     assert [len(c) for c in copies] == [1, 1, 1] and copies[0] == copies[1] == copies[2]
 
 
+@pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")  # clear-text AUTH on purpose here
 async def test_a_store_failure_during_auth_is_454(backend_settings: Settings, store: Store, users) -> None:
     async with in_process(backend_settings, store, "submission") as (failing, cmd):
         await cmd("EHLO client.test")
