@@ -379,3 +379,38 @@ async def test_an_index_row_without_an_account_is_ignored_by_every_reader(make_s
     assert await store.list_users(domain) == [] and user not in await store.list_users()
     await store.remove_domain(domain)  # not DomainInUse
     assert domain not in await store.list_domains()
+
+
+def _no_host(*_: object, **__: object) -> None:
+    """What the driver raises when every node went away: a plain Exception, not a DriverException."""
+    from cassandra.cluster import NoHostAvailable
+    from cassandra.connection import ConnectionShutdown
+
+    raise NoHostAvailable("Unable to complete the operation against any hosts", {"127.0.0.1": ConnectionShutdown("gone")})
+
+
+async def test_cassandra_dying_during_schema_apply_or_prepare_is_unavailable(cassandra_settings, monkeypatch) -> None:
+    from cassandra.cluster import Session
+
+    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmdie_{uuid.uuid4().hex[:8]}")
+    real_execute = Session.execute
+
+    def dies_after_the_keyspace(self: Session, query: object, *args: object, **kwargs: object) -> object:
+        if "schema_migrations" in str(query):
+            _no_host()
+        return real_execute(self, query, *args, **kwargs)
+
+    try:
+        monkeypatch.setattr(Session, "execute", dies_after_the_keyspace)
+        with pytest.raises(StoreUnavailable, match="schema apply failed: .*Unable to complete"):
+            await asyncio.to_thread(cassandra_schema.apply, settings)
+        monkeypatch.undo()
+        assert any("applied schema 001_initial" in line for line in cassandra_schema.apply(settings))  # a rerun finishes
+        monkeypatch.setattr(Session, "prepare", _no_host)
+        store = CassandraStore(settings)
+        with pytest.raises(StoreUnavailable, match="cannot prepare statements"):
+            await store.open()
+        assert store._cluster is None  # closed, no driver threads left behind
+    finally:
+        monkeypatch.undo()
+        cassandra_schema.drop(settings)

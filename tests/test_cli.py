@@ -157,3 +157,37 @@ def test_import_from_stdin_and_of_existing_hashes(run, domain) -> None:
     result = run("user", "import", "-", "--hashed", stdin=f"c@{domain} plaintext\na@{domain} {hashed}\n")
     assert result.returncode == 1
     assert "line 1: not a $scrypt$ hash" in result.stderr and "line 2: a@" in result.stderr and "already exists" in result.stderr
+
+
+def test_cassandra_dying_during_schema_apply_is_one_line(cassandra_settings, monkeypatch, capsys) -> None:
+    """Fault injection in-process: NoHostAvailable (not a DriverException) after the connection."""
+    from cassandra.cluster import NoHostAvailable, Session
+    from cassandra.connection import ConnectionShutdown
+
+    from cassmail import cli
+
+    keyspace = f"cmdie_{uuid.uuid4().hex[:8]}"
+    real_execute = Session.execute
+
+    def dies(self: Session, query: object, *args: object, **kwargs: object) -> object:
+        if "schema_migrations" in str(query):
+            raise NoHostAvailable("Unable to complete the operation against any hosts", {"x": ConnectionShutdown("gone")})
+        return real_execute(self, query, *args, **kwargs)
+
+    monkeypatch.delenv("CASSMAIL_CONFIG", raising=False)
+    monkeypatch.setattr(Session, "execute", dies)
+    host = cassandra_settings.contact_points[0]
+    try:
+        status = cli.main(["-o", f"store.cassandra.contact_points={host}", "-o", f"store.cassandra.port={cassandra_settings.port}",
+                           "-o", f"store.cassandra.keyspace={keyspace}", "schema", "apply"])
+        err = capsys.readouterr().err
+        assert status == 1
+        assert err.startswith("cassmail: error: schema apply failed: ") and err.count("\n") == 1
+    finally:
+        monkeypatch.undo()
+        cassandra_schema.drop(dataclasses.replace(cassandra_settings, keyspace=keyspace))
+
+
+def test_schema_apply_against_a_port_where_nothing_listens_is_one_line(run) -> None:
+    fails(run("-o", "store.cassandra.port=1", "-o", "store.cassandra.connect_timeout=2", "schema", "apply"),
+          "cannot reach Cassandra at ")

@@ -30,7 +30,7 @@ from typing import Any
 from cassandra import ConsistencyLevel, DriverException
 from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable, ResponseFuture, Session
-from cassandra.connection import ConnectionBusy
+from cassandra.connection import ConnectionBusy, ConnectionException
 from cassandra.pool import NoConnectionsAvailable
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
@@ -84,6 +84,16 @@ CATCH_UP_STEP_100NS = 60 * 10_000_000
 #: Attempts at one conditional write before giving up with StoreUnavailable.
 LWT_ATTEMPTS = 32
 _EPOCH_OFFSET_100NS = 0x01B21DD213814000
+#: What the driver raises when Cassandra fails: not all of it derives from DriverException
+#: (NoHostAvailable, the connection errors and the pool's are plain Exceptions), so code that
+#: turns driver failures into StoreUnavailable catches this whole tuple.
+DRIVER_FAILURES: tuple[type[Exception], ...] = (
+    DriverException,
+    NoHostAvailable,
+    ConnectionException,
+    ConnectionBusy,
+    NoConnectionsAvailable,
+)
 _READ_EVENT = re.compile(r"Read (\d+) live rows? and (\d+) tombstone cells?")
 
 
@@ -170,7 +180,11 @@ class CassandraStore(Store):
                 f"keyspace {self.settings.keyspace} does not exist on "
                 f"{','.join(self.settings.contact_points)}:{self.settings.port}: run `cassmail schema apply`"
             )
-        await self._prepare_all()
+        try:
+            await self._prepare_all()
+        except StoreUnavailable:
+            await self.close()
+            raise
 
     def _where(self) -> str:
         return f"{','.join(self.settings.contact_points)}:{self.settings.port} keyspace {self.settings.keyspace}"
@@ -318,7 +332,7 @@ class CassandraStore(Store):
 
         try:
             prepared = await asyncio.to_thread(prepare)
-        except DriverException as exc:
+        except DRIVER_FAILURES as exc:
             raise StoreUnavailable(
                 f"cannot prepare statements in keyspace {self.settings.keyspace} "
                 f"(has `cassmail schema apply` run?): {_brief(exc)}"

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cassandra import DriverException
 from cassandra.cluster import Cluster, Session
 
 from cassmail.config import CassandraSettings
 from cassmail.store.base import StoreUnavailable
-from cassmail.store.cassandra import CassandraStore, _brief
+from cassmail.store.cassandra import DRIVER_FAILURES, CassandraStore, _brief
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent.parent / "schema"
 _FILE = re.compile(r"(\d{3})_([a-z0-9_]+)\.cql\Z")
@@ -101,7 +100,7 @@ def apply(settings: CassandraSettings, directory: Path = SCHEMA_DIR) -> list[str
         if not cluster.control_connection.wait_for_schema_agreement(wait_time=60):
             done.append("warning: nodes did not agree on the schema within 60 s")
         return done
-    except DriverException as exc:
+    except DRIVER_FAILURES as exc:  # e.g. the node died mid-way: NoHostAvailable is no DriverException
         raise StoreUnavailable(f"schema apply failed: {_brief(exc)}") from exc
     finally:
         cluster.shutdown()
@@ -115,10 +114,14 @@ def _current(session: Session, keyspace: str) -> dict[str, str]:
 
 
 def drop(settings: CassandraSettings) -> None:
-    """Drop the keyspace and all mail in it (tests and `cassmail schema drop --yes`)."""
-    cluster = CassandraStore(settings)._make_cluster()
+    """Drop the keyspace and all mail in it. For tests and benchmarks that made their own
+    keyspace; deliberately not a `cassmail` command, since it destroys every user's mail."""
+    store = CassandraStore(settings)
+    cluster = store._make_cluster()
     try:
         cluster.connect().execute(f"DROP KEYSPACE IF EXISTS {settings.keyspace}", timeout=120)
+    except DRIVER_FAILURES as exc:
+        raise StoreUnavailable(f"cannot drop keyspace {settings.keyspace} at {store._where()}: {_brief(exc)}") from exc
     finally:
         cluster.shutdown()
 
