@@ -7,11 +7,18 @@ naming the key and what is wrong (`ConfigError`).
 Environment overrides are `CASSMAIL_<SECTION>_<KEY>` with dots as underscores,
 e.g. `CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2`; flags are
 `--set store.cassandra.keyspace=mail` (TOML syntax for the value, or a bare word).
+A variable that starts like a section (`CASSMAIL_STORE_...`, `CASSMAIL_SMTP_...`) but
+names no setting is refused like an unknown key in the file, so a typo cannot pass
+unnoticed; other `CASSMAIL_*` variables (CASSMAIL_CONFIG, CASSMAIL_CLUSTER,
+CASSMAIL_CACHE, CASSMAIL_TEST_*, CASSMAIL_LOADTEST_*, the load tests' bare
+CASSMAIL_SMTP / CASSMAIL_POP3 / CASSMAIL_IMAP, compose's CASSMAIL_RF, ...) are not
+settings and are left alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import socket
@@ -500,7 +507,18 @@ def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str]]:
                 paths[ENV_PREFIX + dotted.replace(".", "_").upper()] = dotted
 
     walk(Settings, "")
-    return [(paths[name], value) for name, value in sorted(env.items()) if name in paths]
+    sections = {f.name.upper() for f in dataclasses.fields(Settings)}
+    found = []
+    for name, value in sorted(env.items()):
+        if name in paths:
+            found.append((paths[name], value))
+            continue
+        section, sep, _ = name[len(ENV_PREFIX) :].partition("_") if name.startswith(ENV_PREFIX) else ("", "", "")
+        if sep and section.upper() in sections:
+            close = difflib.get_close_matches(name.upper(), list(paths), n=1, cutoff=0.8)
+            hint = f"did you mean {close[0]}?" if close else f"no setting of [{section.lower()}] has this name"
+            raise ConfigError(f"{name}: unknown setting in the environment ({hint})")
+    return found
 
 
 def _assign(settings: Settings, dotted: str, value: str, from_text: bool) -> None:

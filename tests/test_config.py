@@ -101,6 +101,41 @@ def test_bad_environment_and_flag_values_name_their_key() -> None:
         config.load(env={}, overrides=["store.cassandra=1"])
 
 
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("CASSMAIL_STORE_CASANDRA_PORT", "did you mean CASSMAIL_STORE_CASSANDRA_PORT?"),
+        ("CASSMAIL_SMTP_LISEN", "did you mean CASSMAIL_SMTP_LISTEN?"),
+        ("CASSMAIL_store_backend", "did you mean CASSMAIL_STORE_BACKEND?"),
+        ("CASSMAIL_AUTH_SOMETHING_ELSE_ENTIRELY", "no setting of [auth] has this name"),
+        ("CASSMAIL_STORE_CASSANDRA", "unknown setting"),  # a section, not a key
+    ],
+)
+def test_an_unknown_setting_in_the_environment_is_refused_naming_the_variable(name: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.load(env={name: "29042"})
+    assert str(err.value).startswith(f"{name}: unknown setting in the environment") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_the_projects_own_variables_that_are_not_settings_are_left_alone() -> None:
+    """Found with `grep -r CASSMAIL_`: the settings file, the local cluster, the launcher's cache,
+    the tests, the load tests (their targets are bare section names) and docker compose's knobs."""
+    env = {
+        name: "x"
+        for name in (
+            "CASSMAIL_CONFIG", "CASSMAIL_CLUSTER", "CASSMAIL_CACHE", "CASSMAIL_TEST_CASSANDRA", "CASSMAIL_TEST_KEEP",
+            "CASSMAIL_TEST_WHEELFS_CUES", "CASSMAIL_LOADTEST_PROFILE", "CASSMAIL_LOADTEST_USERS", "CASSMAIL_SMTP",
+            "CASSMAIL_POP3", "CASSMAIL_IMAP", "CASSMAIL_RF", "CASSMAIL_KEYSPACE", "CASSMAIL_WORKERS",
+            "CASSMAIL_PUBLISH_ADDRESS", "CASSMAIL_ALLOW_PLAINTEXT_AUTH", "CASSMAIL_READ_CONSISTENCY",
+            "CASSMAIL_WRITE_CONSISTENCY", "CASSMAIL_MBOX_CRASH_AT",
+        )
+    }
+    env.pop("CASSMAIL_CONFIG")  # would name a file
+    env["CASSMAIL_STORE_CASSANDRA_PORT"] = "29042"
+    assert config.load(env=env).store.cassandra.port == 29042
+
+
 def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found: .*nothere.toml"):
         config.load(tmp_path / "nothere.toml", env={})
