@@ -16,6 +16,7 @@ import subprocess
 import time
 from datetime import datetime, timezone
 from email import policy
+from email.header import decode_header, make_header
 from email.mime.application import MIMEApplication
 from email.mime.message import MIMEMessage
 from email.mime.multipart import MIMEMultipart
@@ -263,6 +264,9 @@ def corpus() -> list[bytes]:
     attachment.add_header("Content-Disposition", "attachment", filename="data.bin")
     mixed.attach(attachment)
     mixed.attach(MIMEMessage(inner))
+    latin = MIMEText("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e " * 8 + "\nend\n", "plain", "iso-8859-1")  # quoted-printable
+    latin.add_header("Content-Disposition", "inline", filename="notes.txt")
+    mixed.attach(latin)
     out.append(mixed.as_bytes(policy=policy.SMTP))
     eight = MIMEText("caf\u00e9 cr\u00e8me\n", "plain", "utf-8")
     eight.replace_header("Content-Transfer-Encoding", "8bit")
@@ -307,22 +311,148 @@ def _structure_leaves(structure: list) -> list[str]:
     return [ctype]
 
 
+def _pairs(value: list | None) -> dict[str, str]:
+    """A BODYSTRUCTURE parameter list ("key" "value" ...) as a dict with lower-case keys."""
+    value = value or []
+    return {value[i].decode().lower(): value[i + 1].decode() for i in range(0, len(value), 2)}
+
+
+def _email_params(msg: email.message.Message) -> dict[str, str]:
+    """Content-Type parameters as the email package reads them (RFC 2231 values collapsed)."""
+    if msg.get("content-type") is None:
+        return {"charset": "us-ascii"} if msg.get_content_maintype() == "text" else {}
+    return {k.lower(): email.utils.collapse_rfc2231_value(v) for k, v in (msg.get_params() or [])[1:]}
+
+
+def _email_disposition(msg: email.message.Message) -> tuple[str, dict[str, str]] | None:
+    if msg.get("content-disposition") is None:
+        return None
+    params = msg.get_params(header="content-disposition") or []
+    return params[0][0].lower(), {k.lower(): email.utils.collapse_rfc2231_value(v) for k, v in params[1:]}
+
+
+def _disposition(value: list | None) -> tuple[str, dict[str, str]] | None:
+    return None if value is None else (value[0].decode().lower(), _pairs(value[1]))
+
+
+def _check_structure(got: list, msg: email.message.Message, path: tuple[int, ...], sections: dict) -> None:
+    """BODYSTRUCTURE of one entity against the email package's reading of it: type and subtype,
+    parameters (charset, boundary, name), encoding, size and line count, disposition; into the
+    parts of a multipart and the message of a message/rfc822. `sections` gives the bytes of a
+    message/rfc822 body as the server hands them out (the email package does not keep them)."""
+    where = ".".join(map(str, path)) or "top"
+    if msg.get_content_maintype() == "multipart":
+        parts = msg.get_payload()
+        assert all(isinstance(p, list) for p in got[: len(parts)]) and not isinstance(got[len(parts)], list), where
+        for i, (sub, part) in enumerate(zip(got, parts), 1):
+            _check_structure(sub, part, path + (i,), sections)
+        subtype, params, disposition = got[len(parts) : len(parts) + 3]
+        assert subtype.decode().lower() == msg.get_content_subtype(), where
+        assert _pairs(params) == _email_params(msg) and "boundary" in _pairs(params), where
+        assert _disposition(disposition) == _email_disposition(msg), where
+        return
+    maintype, subtype, params, _cid, _description, encoding, size = got[:7]
+    assert f"{maintype.decode()}/{subtype.decode()}".lower() == msg.get_content_type(), where
+    assert _pairs(params) == _email_params(msg), (where, params)
+    assert encoding.decode().lower() == str(msg.get("content-transfer-encoding", "7bit")).lower(), where
+    if msg.get_content_type() == "message/rfc822":
+        body = sections[path]
+        assert int(size) == len(body) and int(got[9]) == len(body.splitlines()), where
+        _check_structure(got[8], msg.get_payload(0), path, sections)
+        extension = got[10:]
+    else:
+        # the part's bytes as stored: an encoded payload is ASCII; decoding 7bit/8bit returns the bytes
+        cte = str(msg.get("content-transfer-encoding", "7bit")).lower()
+        body = msg.get_payload().encode("ascii") if cte in ("base64", "quoted-printable") else msg.get_payload(decode=True)
+        assert int(size) == len(body), (where, size, len(body))
+        if maintype.lower() == b"text":
+            assert int(got[7]) == len(body.splitlines()), where
+            extension = got[8:]
+        else:
+            extension = got[7:]
+    assert _disposition(extension[1]) == _email_disposition(msg), where
+
+
+def _fetch_values(lines: list[bytes]) -> dict[int, dict[str, object]]:
+    """The FETCH responses among a command's lines: sequence number -> item name -> value."""
+    out: dict[int, dict[str, object]] = {}
+    stream = parse_values(b"".join(lines[:-1]))
+    for i in range(len(stream) - 3):
+        if stream[i] == b"*" and stream[i + 2] == b"FETCH" and isinstance(stream[i + 3], list):
+            items = stream[i + 3]
+            out[int(stream[i + 1])] = {items[j].decode(): items[j + 1] for j in range(0, len(items), 2)}
+    return out
+
+
+def parse_values(data: bytes) -> list:
+    """IMAP response data as Python values: parenthesised lists as lists, atoms, quoted strings
+    and literals as bytes, NIL as None. Atoms keep their brackets (BODY[HEADER.FIELDS (A B)])."""
+    pos = 0
+
+    def values(nested: bool) -> list:
+        nonlocal pos
+        out: list = []
+        while pos < len(data):
+            c = data[pos : pos + 1]
+            if c in (b" ", b"\r", b"\n"):
+                pos += 1
+            elif c == b")":
+                pos += 1
+                assert nested, "unbalanced )"
+                return out
+            elif c == b"(":
+                pos += 1
+                out.append(values(True))
+            elif c == b'"':
+                text = bytearray()
+                pos += 1
+                while data[pos : pos + 1] != b'"':
+                    if data[pos : pos + 1] == b"\\":
+                        pos += 1
+                    text += data[pos : pos + 1]
+                    pos += 1
+                pos += 1
+                out.append(bytes(text))
+            elif c == b"{":
+                m = re.compile(rb"\{(\d+)\}\r\n").match(data, pos)
+                assert m, data[pos : pos + 20]
+                out.append(data[m.end() : m.end() + int(m.group(1))])
+                pos = m.end() + int(m.group(1))
+            else:
+                start = pos
+                while pos < len(data) and data[pos : pos + 1] not in (b" ", b"(", b")", b"\r", b"\n"):
+                    if data[pos : pos + 1] == b"[":
+                        pos = data.index(b"]", pos)
+                    pos += 1
+                atom = data[start:pos]
+                out.append(None if atom == b"NIL" else atom)
+        assert not nested, "unbalanced ("
+        return out
+
+    return values(False)
+
+
 async def test_bodystructure_and_sections_agree_with_the_email_package(plain_node: Node, store: Store, users) -> None:
     messages = corpus()
     await deliver(store, users["bob"], messages)
     client = imap(plain_node)
     client.login(users["bob"], "bob")
     client.select("INBOX")
+    raw = Raw(plain_node.port("imap"))
+    raw.login(users["bob"], "bob")
+    raw.cmd("EXAMINE INBOX")
+    checked = 0
     for n, raw_message in enumerate(messages, 1):
-        typ, data = client.fetch(str(n), "(BODYSTRUCTURE)")
-        assert typ == "OK"
-        text = data[0] if isinstance(data[0], bytes) else data[0][0] + data[0][1] + data[1]
-        structure = _parse_list(text[text.index(b"BODYSTRUCTURE ") + 14 :])
+        [structure] = [v["BODYSTRUCTURE"] for v in _fetch_values(raw.cmd(f"FETCH {n} (BODYSTRUCTURE)")).values()]
         parsed = email.message_from_bytes(raw_message, policy=policy.compat32)
         expected = [t for t, _ in _leaves(parsed)]
         got = _structure_leaves(structure)
-        if parsed.is_multipart() and parsed.defects == []:
+        if not any(part.defects or "/" not in part.get("content-type", "/").split(";")[0] for part in parsed.walk()):
             assert got == expected, (n, got, expected)
+            entity = mime.parse(raw_message)
+            sections = {path: _section_bytes(raw, n, path) for path in _message_paths(entity)}
+            _check_structure(structure, parsed, (), sections)
+            checked += 1
         else:  # malformed MIME: described, never an error
             assert got and all("/" in t for t in got)
         # every leaf section, decoded by its Content-Transfer-Encoding, is what the email package decodes
@@ -341,6 +471,7 @@ async def test_bodystructure_and_sections_agree_with_the_email_package(plain_nod
             # (the email package drops the last line end of a part that no close delimiter ends)
             assert part.replace(b"\r\n", b"\n").rstrip(b"\n") == payload.replace(b"\r\n", b"\n").rstrip(b"\n"), (
                 n, section, ctype)
+    assert checked == 5  # every well-formed message: the nested one, the 8-bit one, the random trees
     # ENVELOPE of the nested message names its encoded subject as sent
     typ, data = client.fetch("1", "(BODY.PEEK[3.HEADER.FIELDS (SUBJECT)] BODY.PEEK[3.TEXT] BODY.PEEK[1.2.MIME])")
     assert data[0][1].startswith(b"Subject: =?utf-8?q?h=C3=A9llo?=")
@@ -360,21 +491,100 @@ def _leaf_paths(entity: mime.Entity, path: tuple[int, ...] = ()) -> list[tuple[i
     return [path]
 
 
-def _parse_list(data: bytes) -> list:
-    """A parenthesised IMAP list (strings, NIL, numbers) as nested Python lists of bytes."""
-    tokens = re.findall(rb'\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+', data)
-    stack: list[list] = [[]]
-    for tok in tokens:
-        if tok == b"(":
-            stack.append([])
-        elif tok == b")":
-            done = stack.pop()
-            stack[-1].append(done)
-            if len(stack) == 1:
-                break
-        else:
-            stack[-1].append(tok.strip(b'"'))
-    return stack[0][0]
+def _message_paths(entity: mime.Entity, path: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+    """Section numbers of the message/rfc822 parts."""
+    if entity.message is not None:
+        return [path] + _message_paths(entity.message, path)
+    return [p for i, part in enumerate(entity.parts, 1) for p in _message_paths(part, path + (i,))]
+
+
+def _section_bytes(raw: Raw, n: int, path: tuple[int, ...]) -> bytes:
+    [values] = _fetch_values(raw.cmd(f"FETCH {n} (BODY.PEEK[{'.'.join(map(str, path))}])")).values()
+    return next(iter(values.values()))
+
+
+ENVELOPE_MESSAGE = (
+    b"Date: Tue, 03 Nov 2026 09:08:07 +0100\r\n"
+    b'From: "Doe, Jane" <jane@a.example>\r\n'
+    b"Sender: list-bounces@lists.example\r\n"
+    b"To: =?utf-8?q?J=C3=B6rg?= <joerg@b.example>,\r\n plain@c.example\r\n"
+    b"Cc: Carol <carol@d.example>\r\n"
+    b"Bcc: hidden@e.example\r\n"
+    b"Subject: =?utf-8?q?Gr=C3=BC=C3=9Fe?= and more\r\n"
+    b"Message-ID: <abc@a.example>\r\n"
+    b"In-Reply-To: <prev@a.example>\r\n"
+    b"X-Mailer: test\r\n"
+    b"\r\n"
+    b"line one\r\nline two\r\n"
+)
+
+
+def _decoded(value: bytes | None) -> str | None:
+    return None if value is None else str(make_header(decode_header(value.decode())))
+
+
+def _envelope_addresses(value: list | None) -> list[tuple[str, str]] | None:
+    """ENVELOPE addresses as (display name decoded, mailbox@host)."""
+    if value is None:
+        return None
+    return [(_decoded(name) or "", f"{mailbox.decode()}@{host.decode()}") for name, _route, mailbox, host in value]
+
+
+async def test_fetch_envelope_body_rfc822_and_macros(plain_node: Node, store: Store, users) -> None:
+    user = users["anne"]
+    when = datetime(2026, 11, 3, 8, 8, 9, tzinfo=timezone.utc)
+    await store.deliver(ENVELOPE_MESSAGE, [Target(user, "Drafts")], when)
+    expected = email.message_from_bytes(ENVELOPE_MESSAGE, policy=policy.default)
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "anne")
+    raw.cmd("SELECT Drafts")
+    [items] = _fetch_values(raw.cmd("FETCH 1 (ENVELOPE)")).values()
+    date, subject, from_, sender, reply_to, to, cc, bcc, in_reply_to, message_id = items["ENVELOPE"]
+    assert date.decode() == expected["date"] and subject.startswith(b"=?utf-8?q?")  # as written ...
+    assert _decoded(subject) == expected["subject"] == "Gr\u00fc\u00dfe and more"  # ... decoding to the same text
+
+    def addresses(name: str) -> list[tuple[str, str]]:
+        return [(a.display_name, a.addr_spec) for a in expected[name].addresses]
+
+    assert _envelope_addresses(from_) == addresses("from") == [("Doe, Jane", "jane@a.example")]
+    assert _envelope_addresses(sender) == addresses("sender")
+    assert _envelope_addresses(reply_to) == addresses("from")  # no Reply-To: the From
+    assert _envelope_addresses(to) == addresses("to") == [("J\u00f6rg", "joerg@b.example"), ("", "plain@c.example")]
+    assert _envelope_addresses(cc) == addresses("cc") and _envelope_addresses(bcc) == addresses("bcc")
+    assert (in_reply_to, message_id) == (b"<prev@a.example>", b"<abc@a.example>")
+
+    header, text = ENVELOPE_MESSAGE.split(b"\r\n\r\n", 1)
+    # BODY without a section is BODYSTRUCTURE without the extension data
+    [items] = _fetch_values(raw.cmd("FETCH 1 (BODY BODYSTRUCTURE)")).values()
+    assert items["BODY"] == [b"text", b"plain", [b"charset", b"us-ascii"], None, None, b"7BIT", str(len(text)).encode(), b"2"]
+    assert items["BODYSTRUCTURE"][:8] == items["BODY"] and len(items["BODYSTRUCTURE"]) == 12
+    # RFC822.HEADER and BODY[HEADER.FIELDS.NOT] do not set \Seen ...
+    [items] = _fetch_values(raw.cmd("FETCH 1 (RFC822.HEADER BODY.PEEK[HEADER.FIELDS.NOT (Bcc X-Mailer Subject)])")).values()
+    assert items["RFC822.HEADER"] == header + b"\r\n\r\n"
+    assert items["BODY[HEADER.FIELDS.NOT (Bcc X-Mailer Subject)]"] == b"".join(
+        line + b"\r\n" for line in header.split(b"\r\n") if not line.startswith((b"Bcc:", b"X-Mailer:", b"Subject:"))
+    ) + b"\r\n"
+    assert b"\\Seen" not in b"".join(raw.cmd("FETCH 1 (FLAGS)"))
+    # ... RFC822.TEXT does, and says so; RFC822 is the whole message
+    out = raw.cmd("FETCH 1 (RFC822.TEXT)")
+    [items] = _fetch_values(out).values()
+    assert items["RFC822.TEXT"] == text and b"\\Seen" in items["FLAGS"]
+    [items] = _fetch_values(raw.cmd("FETCH 1 (RFC822)")).values()
+    assert items["RFC822"] == ENVELOPE_MESSAGE
+    assert "\\Seen" in (await store.get_summaries(user, "Drafts", await _ids(store, user, "Drafts"))).popitem()[1].flags
+    # the macros
+    macro_items = {"FAST": {"FLAGS", "INTERNALDATE", "RFC822.SIZE"}}
+    macro_items["ALL"] = macro_items["FAST"] | {"ENVELOPE"}
+    macro_items["FULL"] = macro_items["ALL"] | {"BODY"}
+    for macro, names in macro_items.items():
+        [items] = _fetch_values(raw.cmd(f"FETCH 1 {macro}")).values()
+        assert set(items) == names, (macro, items)
+        assert items["FLAGS"] == [b"\\Recent", b"\\Seen"] and items["RFC822.SIZE"] == str(len(ENVELOPE_MESSAGE)).encode()
+        assert items["INTERNALDATE"] == b"03-Nov-2026 08:08:09 +0000"
+        if "ENVELOPE" in items:
+            assert items["ENVELOPE"][9] == b"<abc@a.example>"
+        if "BODY" in items:
+            assert items["BODY"][:2] == [b"text", b"plain"]
 
 
 async def test_search_keys(plain_node: Node, store: Store, users) -> None:
@@ -431,6 +641,55 @@ async def test_search_keys(plain_node: Node, store: Store, users) -> None:
     assert raw.cmd("SEARCH SUBJECT {99999}")[-1] == b"t%d NO [TOOBIG] Literal too large\r\n" % raw.n
     assert raw.cmd('SEARCH SUBJECT "unterminated')[-1].split(b" ", 2)[1] == b"BAD"
     assert raw.cmd("NOOP")[-1].endswith(b"OK NOOP completed\r\n")
+
+
+def _dated(n: int, date: str, to: str, cc: str | None = None, bcc: str | None = None) -> bytes:
+    extra = (f"Cc: {cc}\r\n" if cc else "") + (f"Bcc: {bcc}\r\n" if bcc else "")
+    return (f"From: s{n}@remote.test\r\nTo: {to}\r\n{extra}Subject: dated {n}\r\nDate: {date}\r\n\r\nbody {n}\r\n").encode()
+
+
+async def test_search_flag_recent_date_and_address_keys(plain_node: Node, store: Store, users) -> None:
+    user = users["bob"]
+    box = "Archive"
+    await deliver(store, user, [
+        _dated(1, "Mon, 01 Jan 2024 12:00:00 +0000", "anne@x.example", cc="bob@y.example"),
+        _dated(2, "Sun, 15 Jun 2025 12:00:00 +0000", "carol@z.example", bcc="dave@w.example"),
+        _dated(3, "Sun, 20 Dec 2026 23:30:00 -0500", "anne@x.example", cc="Erin <erin@v.example>"),
+    ], box)
+    first = imap(plain_node)  # numbers messages 1-3, so they are not \Recent for the session below
+    first.login(user, "bob")
+    first.select(box)
+    first.store("1", "+FLAGS", "(\\Answered \\Seen)")
+    first.store("2", "+FLAGS", "(\\Deleted)")
+    first.store("3", "+FLAGS", "(\\Draft $Work)")
+    await deliver(store, user, [_dated(4, "Mon, 02 Feb 2026 08:00:00 +0100", "frank@u.example")], box)
+    await store.deliver(_dated(5, "Tue, 03 Feb 2026 08:00:00 +0000", "gina@t.example"), [Target(user, box)],
+                        datetime(2020, 1, 5, 10, 0, tzinfo=timezone.utc))
+    client = imap(plain_node)
+    client.login(user, "bob")
+    client.select(box)  # numbers 4 and 5: its \Recent messages
+    client.store("4", "+FLAGS", "(\\Seen)")
+
+    def search(*keys: str) -> list[int]:
+        typ, data = client.search(None, *keys)
+        assert typ == "OK", data
+        return [int(n) for n in data[0].split()]
+
+    assert search("ANSWERED") == [1] and search("UNANSWERED") == [2, 3, 4, 5]
+    assert search("DELETED") == [2] and search("UNDELETED") == [1, 3, 4, 5]
+    assert search("DRAFT") == [3] and search("UNDRAFT") == [1, 2, 4, 5]
+    assert search("SEEN") == [1, 4] and search("UNSEEN") == [2, 3, 5]
+    assert search("RECENT") == [4, 5] and search("NEW") == [5] and search("OLD") == [1, 2, 3]
+    assert search("KEYWORD", "$Work") == [3] and search("UNKEYWORD", "$Work") == [1, 2, 4, 5]
+    assert search("ON", "5-Jan-2020") == [5] and search("ON", "6-Jan-2020") == []  # internal date
+    assert search("SENTBEFORE", "1-Jan-2025") == [1] and search("SENTBEFORE", "15-Jun-2025") == [1]
+    assert search("SENTSINCE", "1-Jan-2026") == [3, 4, 5] and search("SENTSINCE", "15-Jun-2025") == [2, 3, 4, 5]
+    assert search("SENTON", "20-Dec-2026") == [3]  # the date as written in the header, zone and all
+    assert search("TO", "anne@x") == [1, 3] and search("TO", "GINA") == [5]
+    assert search("CC", "erin") == [3] and search("CC", "bob@y.example") == [1] and search("CC", "nobody") == []
+    assert search("BCC", "dave") == [2]
+    assert search("NOT", "TO", "anne", "UNSEEN", "SENTSINCE", "1-Jan-2026") == [5]
+    assert first.search(None, "RECENT") == ("OK", [b"1 2 3"])
 
 
 async def test_only_one_idling_session_gets_a_new_message_as_recent(plain_node: Node, store: Store, users) -> None:
@@ -516,6 +775,51 @@ async def test_store_flags_and_expunge_in_descending_order(plain_node: Node, sto
     assert [s.uid async for s in store.list_messages(user, "Archive")] == []
 
 
+async def test_check_store_variants_examine_and_uid_copy_move(plain_node: Node, store: Store, users) -> None:
+    user = users["carol"]
+    await deliver(store, user, [message(i) for i in range(4)], "Sent")
+    validity = {box: (await store.mailbox_info(user, box)).uidvalidity for box in ("Archive", "Trash")}
+    raw = Raw(plain_node.port("imap"))
+    raw.login(user, "carol")
+    raw.cmd("SELECT Sent")
+    # CHECK brings the view up to date like NOOP
+    await deliver(store, user, [message(4)], "Sent")
+    assert raw.cmd("CHECK") == [b"* 5 EXISTS\r\n", b"* 5 RECENT\r\n", b"t3 OK CHECK completed\r\n"]
+    # -FLAGS takes away only what it names; .SILENT answers no FETCH, yet the flags are stored
+    raw.cmd("STORE 1:3 FLAGS (\\Seen \\Flagged)")
+    assert raw.cmd("STORE 2 -FLAGS (\\Flagged)")[0] == b"* 2 FETCH (FLAGS (\\Recent \\Seen))\r\n"
+    assert raw.cmd("UID STORE 1,3 -FLAGS (\\Seen)")[:2] == [b"* 1 FETCH (FLAGS (\\Flagged \\Recent) UID 1)\r\n",
+                                                            b"* 3 FETCH (FLAGS (\\Flagged \\Recent) UID 3)\r\n"]
+    assert raw.cmd("STORE 4:5 +FLAGS.SILENT (\\Answered $Done)") == [b"t7 OK STORE completed\r\n"]
+    assert raw.cmd("STORE 5 -FLAGS.SILENT ($Done)") == [b"t8 OK STORE completed\r\n"]
+    flags = {s.uid: s.flags async for s in store.list_messages(user, "Sent")}
+    assert flags == {1: {"\\Flagged"}, 2: {"\\Seen"}, 3: {"\\Flagged"}, 4: {"\\Answered", "$Done"}, 5: {"\\Answered"}}
+    # UID COPY: COPYUID names the source UIDs and the new ones; the source is untouched
+    out = raw.cmd("UID COPY 2,4:5 Archive")
+    dest = re.fullmatch(rb"t9 OK \[COPYUID (\d+) 2,4:5 (\d+):(\d+)\] UID COPY completed\r\n", out[-1])
+    assert dest and int(dest.group(1)) == validity["Archive"], out
+    copied = {s.uid: s.flags async for s in store.list_messages(user, "Archive")}
+    assert sorted(copied) == list(range(int(dest.group(2)), int(dest.group(3)) + 1)) and len(copied) == 3
+    assert list(copied.values()) == [{"\\Seen"}, {"\\Answered", "$Done"}, {"\\Answered"}]
+    assert await inbox(store, user, "Archive") == [message(i) for i in (1, 3, 4)]
+    # UID MOVE: COPYUID first, then EXPUNGE of the moved messages (descending), then the tagged OK
+    out = raw.cmd("UID MOVE 1,3 Trash")
+    assert re.fullmatch(rb"\* OK \[COPYUID %d 1,3 1:2\] Moved\r\n" % validity["Trash"], out[0]), out
+    assert out[1:] == [b"* 3 EXPUNGE\r\n", b"* 1 EXPUNGE\r\n", b"t10 OK UID MOVE completed\r\n"]
+    assert await inbox(store, user, "Trash") == [message(0), message(2)]
+    assert [s.uid async for s in store.list_messages(user, "Sent")] == [2, 4, 5]
+    assert raw.cmd("UID MOVE 99 Trash")[-1] == b"t11 OK UID MOVE completed\r\n"  # nothing to move
+    # EXAMINE: read-only, and STORE, EXPUNGE and MOVE are refused
+    out = raw.cmd("EXAMINE Sent")
+    assert b"* OK [PERMANENTFLAGS ()] Limited\r\n" in out and out[-1] == b"t12 OK [READ-ONLY] EXAMINE completed\r\n"
+    assert raw.cmd("STORE 1 +FLAGS (\\Deleted)")[-1] == b"t13 NO [READ-ONLY] Mailbox is read-only\r\n"
+    assert raw.cmd("EXPUNGE")[-1] == b"t14 NO [READ-ONLY] Mailbox is read-only\r\n"
+    assert raw.cmd("MOVE 1 Trash")[-1] == b"t15 NO [READ-ONLY] Mailbox is read-only\r\n"
+    [items] = _fetch_values(raw.cmd("FETCH 2 (UID BODY[TEXT])")).values()  # no \Seen in a read-only mailbox
+    assert items["UID"] == b"4" and items["BODY[TEXT]"] == b"body of 3\r\n" and "FLAGS" not in items
+    assert "\\Seen" not in {s.uid: s.flags async for s in store.list_messages(user, "Sent")}[4]
+
+
 async def test_append_copy_and_move_answer_with_uids(plain_node: Node, store: Store, users) -> None:
     user = users["bob"]
     client = imap(plain_node)
@@ -548,6 +852,9 @@ def test_mailbox_management_with_special_use_and_utf7_names(plain_node: Node, us
     typ, data = client.list()
     special = {re.search(rb'"/" (.+)$', line).group(1): line for line in data}
     assert b"\\Sent" in special[b"Sent"] and b"\\Trash" in special[b"Trash"] and b"\\Junk" in special[b"Junk"]
+    assert special[b"Drafts"] == b'(\\HasNoChildren \\Drafts) "/" Drafts'
+    assert special[b"Archive"] == b'(\\HasNoChildren \\Archive) "/" Archive'
+    assert special[b"INBOX"] == b'(\\HasNoChildren) "/" INBOX'  # no special use
     name = "Caf\u00e9/R\u00e9sum\u00e9s".encode("imap4-utf-7")
     assert client.create(name)[0] == "OK"
     assert client.create(name)[1][0].startswith(b"[ALREADYEXISTS]")
@@ -656,6 +963,22 @@ async def test_two_nodes_assign_each_uid_once_and_idle_hears_the_other_node(back
         assert out[-1].endswith(b"OK IDLE terminated\r\n")
         fetched = watcher.cmd("UID FETCH 121:122 (BODY.PEEK[HEADER.FIELDS (SUBJECT)])")
         assert b"Subject: message 900\r\n\r\n" in fetched and b"Subject: message 901\r\n\r\n" in fetched
+        # IDLE on one node hears of a flag change and an expunge made on the other
+        watcher.n += 1
+        watcher.send(b"t%d IDLE\r\n" % watcher.n)
+        assert watcher.file.readline().startswith(b"+ ")
+        mover.select("Archive")
+        mover.store("5", "+FLAGS", "(\\Flagged)")
+        assert watcher.file.readline() == b"* 5 FETCH (FLAGS (\\Flagged) UID 5)\r\n"
+        mover.store("7", "+FLAGS", "(\\Deleted)")
+        assert mover.expunge() == ("OK", [b"7"])
+        line = watcher.file.readline()
+        if line.startswith(b"* 7 FETCH"):  # the flag change, when a look fell between STORE and EXPUNGE
+            line = watcher.file.readline()
+        assert line == b"* 7 EXPUNGE\r\n"
+        watcher.send(b"DONE\r\n")
+        assert watcher.until(b"t%d" % watcher.n)[-1].endswith(b"OK IDLE terminated\r\n")
+        assert b"* 7 FETCH (UID 8)\r\n" in watcher.cmd("FETCH 7 (UID)")
     finally:
         for n in nodes:
             assert n.stop() == 0
@@ -749,6 +1072,34 @@ def test_bad_input_gets_bad_or_no_and_the_session_goes_on(plain_node: Node, user
     raw.n += 1
     raw.send(b"t19 CREATE {9000000+}\r\n")  # too large and already on its way: the session ends
     assert raw.file.readline().startswith(b"* BYE")
+
+
+async def test_a_short_literal_then_silence_or_a_closed_connection(plain_node: Node, store: Store, users) -> None:
+    """A client that announces more literal bytes than it sends: the session waits for them (as
+    it must, they may be slow) and, when the client leaves instead, ends quietly; nothing is
+    stored and no traceback is logged."""
+    user = users["anne"]
+    waiting = Raw(plain_node.port("imap"))
+    waiting.login(user, "anne")
+    waiting.send(b"a1 APPEND Junk {100}\r\n")
+    assert waiting.file.readline().startswith(b"+ ")
+    waiting.send(b"Subject: short\r\n\r\nonly this\r\n")
+    waiting.sock.settimeout(1.5)
+    with pytest.raises(TimeoutError):
+        waiting.file.readline()  # no answer: the literal is not complete
+    for opening in (b"a1 LOGIN {20}\r\n", b"a1 LOGIN {20+}\r\nanne", b"a1 CREATE {30+}\r\nabc"):
+        leaving = Raw(plain_node.port("imap"))
+        leaving.send(opening)
+        if b"+}" not in opening:
+            assert leaving.file.readline().startswith(b"+ ")
+            leaving.send(b"ab")
+        leaving.sock.close()
+    waiting.sock.close()
+    await asyncio.sleep(0.5)
+    client = imap(plain_node)
+    client.login(user, "anne")
+    assert client.select("Junk") == ("OK", [b"0"]) and await inbox(store, user, "Junk") == []
+    assert "Traceback" not in plain_node.log_text()
 
 
 def test_pipelined_commands_are_answered_in_order(plain_node: Node, users) -> None:

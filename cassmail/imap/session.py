@@ -853,7 +853,8 @@ class ImapSession(imap4.IMAP4Server):
         if uid and not any(p.type == "uid" for p in query):
             query = list(query) + [imap4._FetchParser.UID()]
         sets_seen = not view.readonly and any(
-            (p.type == "body" and not p.peek) or p.type in ("rfc822", "rfc822text") for p in query
+            (p.type == "body" and not p.peek and not _body_structure(p)) or p.type in ("rfc822", "rfc822text")
+            for p in query
         )
         if sets_seen:
             unseen = [u for u in uids if "\\Seen" not in view.messages[u].flags]
@@ -943,7 +944,7 @@ class ImapSession(imap4.IMAP4Server):
         if kind == "rfc822":
             return b"RFC822 " + wire.literal(entity.raw)
         # BODY[...] and BODY
-        if not part.empty and part.header is None and part.text is None and part.mime is None and not part.part:
+        if _body_structure(part):
             return b"BODY " + wire.encode(mime.bodystructure(entity, False))
         data = _section(entity, part)
         name = _section_name(part)
@@ -1122,6 +1123,13 @@ def _syntax_error(exc: BaseException) -> bytes:
         text = str(exc).splitlines()[0].encode("ascii", "replace")[:200]
         return b"Syntax error: " + text if isinstance(exc, wire.ParseError) else text
     return b"Invalid argument" if isinstance(exc, InvalidInput) else b"Syntax error"
+
+
+def _body_structure(part: Any) -> bool:
+    """BODY without a section: the structure (BODYSTRUCTURE without extension data), which reads
+    no content and so sets no \\Seen."""
+    return (part.type == "body" and not part.empty and part.header is None and part.text is None
+            and part.mime is None and not part.part)
 
 
 def _streamable(part: Any) -> bool:
