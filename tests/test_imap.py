@@ -1135,8 +1135,30 @@ def _mbsync(tmp_path: Path, node: Node, user: str, password: str, *flags: str) -
     return subprocess.run(["mbsync", *flags, "-c", str(config), "sync"], capture_output=True, text=True, timeout=300)
 
 
-async def test_mbsync_syncs_500_messages_both_ways_and_then_nothing(plain_node: Node, store: Store, users,
-                                                                     tmp_path: Path) -> None:
+def _maildir(local: Path) -> dict[bytes, tuple[Path, str]]:
+    """The messages of a Maildir folder by Subject line: (file, Maildir flags such as "FS")."""
+    out = {}
+    for f in list((local / "cur").iterdir()) + list((local / "new").iterdir()):
+        subject = re.search(rb"^Subject: ([^\r\n]*)", f.read_bytes(), re.M).group(1)
+        out[subject] = (f, f.name.partition(":2,")[2])
+    return out
+
+
+def _set_maildir_flags(path: Path, flags: str) -> None:
+    """What a mail client does to mark a message: move it to cur/ with the flags in its name."""
+    path.rename(path.parent.parent / "cur" / (path.name.partition(":2,")[0] + ":2," + "".join(sorted(flags))))
+
+
+async def _flags_by_subject(store: Store, user: str) -> dict[bytes, set[str]]:
+    out = {}
+    async for s in store.list_messages(user, "INBOX"):
+        head = await store.read_message(user, "INBOX", s.id)
+        out[re.search(rb"^Subject: ([^\r\n]*)", head, re.M).group(1)] = set(s.flags)
+    return out
+
+
+async def test_mbsync_syncs_500_messages_flags_and_deletions_both_ways_and_then_nothing(
+        plain_node: Node, store: Store, users, tmp_path: Path) -> None:
     user = users["carol"]
     for mailbox in ("INBOX",):
         ids = await _ids(store, user, mailbox)
@@ -1156,9 +1178,48 @@ async def test_mbsync_syncs_500_messages_both_ways_and_then_nothing(plain_node: 
     second = _mbsync(tmp_path, plain_node, user, "carol")
     assert second.returncode == 0, second.stdout + second.stderr
     assert b"Subject: from the laptop\r\n\r\nup\r\n" in [re.sub(rb"X-TUID: [^\r]*\r\n", b"", m) for m in await inbox(store, user)]
-    # nothing changed: the third run fetches and uploads nothing (its IMAP dialogue, -Dn, shows it)
+
+    # local changes go up: messages 0-9 read, 10-11 flagged and read, 20-24 deleted
+    box = _maildir(local)
+    for i in range(12):
+        _set_maildir_flags(box[b"message %d" % i][0], "FS" if i >= 10 else "S")
+    for i in range(20, 25):
+        box[b"message %d" % i][0].unlink()
+    up = _mbsync(tmp_path, plain_node, user, "carol")
+    assert up.returncode == 0, up.stdout + up.stderr
+    server = await _flags_by_subject(store, user)
+    assert len(server) == 496 and not any(b"message %d" % i in server for i in range(20, 25))
+    assert all(server[b"message %d" % i] == {"\\Seen"} for i in range(10))
+    assert all(server[b"message %d" % i] == {"\\Seen", "\\Flagged"} for i in range(10, 12))
+    assert all(not server[b"message %d" % i] for i in range(12, 500) if not 20 <= i < 25)
+
+    # server changes come down: flags set and cleared, messages expunged
+    client = imap(plain_node)
+    client.login(user, "carol")
+    client.select("INBOX")
+    seqs = {int(re.search(rb"Subject: message (\d+)", d[1]).group(1)): int(d[0].split()[0])
+            for d in client.fetch("1:*", "(BODY.PEEK[HEADER.FIELDS (SUBJECT)])")[1] if isinstance(d, tuple)
+            and b"message" in d[1]}
+    assert client.store(",".join(str(seqs[i]) for i in (30, 31)), "+FLAGS", "(\\Answered \\Seen)")[0] == "OK"
+    assert client.store(str(seqs[10]), "-FLAGS", "(\\Flagged)")[0] == "OK"
+    assert client.store(",".join(str(seqs[i]) for i in (40, 41, 42)), "+FLAGS", "(\\Deleted)")[0] == "OK"
+    assert client.expunge()[0] == "OK"
+    client.logout()
+    down = _mbsync(tmp_path, plain_node, user, "carol")
+    assert down.returncode == 0, down.stdout + down.stderr
+    box = _maildir(local)
+    assert len(box) == 493 and not any(b"message %d" % i in box for i in (20, 21, 22, 23, 24, 40, 41, 42))
+    assert box[b"message 30"][1] == box[b"message 31"][1] == "RS"
+    assert box[b"message 10"][1] == "S" and box[b"message 11"][1] == "FS" and box[b"message 0"][1] == "S"
+    assert box[b"message 99"][1] == "" and box[b"from the laptop"][0].read_bytes().endswith(b"\r\n\r\nup\r\n")
+
+    # nothing changed: the last run fetches, uploads, flags and deletes nothing (its IMAP dialogue,
+    # -Dn, shows it) and leaves the Maildir as it was, file names (flags) and contents
+    before = {f.relative_to(local): f.read_bytes() for f in local.rglob("*") if f.is_file()}
     third = _mbsync(tmp_path, plain_node, user, "carol", "-Dn")
     assert third.returncode == 0, third.stdout + third.stderr
     sent = [line for line in third.stdout.splitlines() if line.startswith(">>> ")]
     assert sent and not [line for line in sent if re.search(r"APPEND|BODY\.PEEK\[\]|STORE|EXPUNGE", line)], sent
     assert any("LOGOUT" in line for line in sent)
+    assert {f.relative_to(local): f.read_bytes() for f in local.rglob("*") if f.is_file()} == before
+    assert len(await _flags_by_subject(store, user)) == 493

@@ -115,3 +115,15 @@ def test_envelope_addresses() -> None:
     assert env[2] == [["Ann, B.", None, "ann", "x.example"]] and env[3] == env[2] and env[4] == env[2]
     assert env[5] == [[None, None, "bob", "y.example"], ["Carol", None, "c", "z.example"]]
     assert env[0] is None and env[6] is None
+
+
+def test_search_keys_parse_across_literals() -> None:
+    from cassmail.imap import search
+
+    # text and literals alternate; a literal is one string whatever its bytes (spaces, quotes, parens)
+    assert search.parse_keys([b'OR (SUBJECT "a \\"b" FROM ', "r\u00e9 (x)".encode(), b") NOT 1:3"]) == [
+        b"OR", [b"SUBJECT", b'a "b', b"FROM", "r\u00e9 (x)".encode()], b"NOT", b"1:3"]
+    assert search.parse_keys([b"HEADER ", b"Subject", b" ", b"", b""]) == [b"HEADER", b"Subject", b""]
+    for bad in ([b"(SEEN"], [b"SEEN)"], [b'SUBJECT "open'], [b"(SUBJECT ", b"x", b""]):
+        with pytest.raises(wire.ParseError):
+            search.parse_keys(bad)
