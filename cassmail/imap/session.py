@@ -411,8 +411,8 @@ class ImapSession(imap4.IMAP4Server):
             return
         # Whatever the client sent after STARTTLS before the handshake came in clear text, where
         # anyone on the path could have put it (a LOGIN, say): it must not run as if it came over
-        # TLS. Drop the rest of the line buffer and any line waiting its turn (RFC 3207 5.1 / RFC
-        # 2595 3.1: the session starts afresh once TLS is up).
+        # TLS (the command injection of CVE-2011-0411). Drop the rest of the line buffer and any
+        # line waiting its turn: the session starts afresh once TLS is up.
         dropped = len(self._buffer) + sum(len(line) for line in self._queue)
         self._buffer = b""
         self._queue.clear()
