@@ -316,10 +316,18 @@ class ListenerSettings:
 class SmtpSettings(ListenerSettings):
     #: Recipients accepted per message (more get 452 4.5.3).
     max_recipients: int = 100
-    #: Longest command line in bytes (RFC 5321: 512); longer ones get 500 5.5.2.
+    #: Longest command line in bytes (RFC 5321: 512), CRLF not counted; after EHLO, MAIL may be
+    #: 36 bytes longer (SIZE, SMTPUTF8). Longer ones get 500 5.5.2.
     max_command_length: int = 512
     #: Times one command may be sent in a session before it is closed with 421 (e.g. RCPT, NOOP).
     max_commands: int = 1000
+    #: Commands one connection may send per minute, as a token bucket that holds a minute's worth
+    #: (so a pipelined burst passes); past it 421 4.7.0 and the session is closed. DATA content
+    #: is not commands. 0 = no limit.
+    max_command_rate: int = 600
+    #: Connections one peer IP address may open per minute to one worker process (a token bucket
+    #: like max_command_rate); past it 421 4.7.0 before the greeting and closed. 0 = no limit.
+    max_connection_rate: int = 300
     #: Seconds the list of local domains is cached for RCPT checks.
     domain_cache_seconds: float = 10.0
 
@@ -330,6 +338,16 @@ class SmtpSettings(ListenerSettings):
             512 <= self.max_command_length <= 65536, f"{prefix}.max_command_length", "must be 512..65536 bytes"
         )
         _check(self.max_commands >= 10, f"{prefix}.max_commands", "must be >= 10")
+        _check(
+            self.max_command_rate == 0 or self.max_command_rate >= 10,
+            f"{prefix}.max_command_rate",
+            f"must be 0 (no limit) or >= 10 commands per minute, got {self.max_command_rate}",
+        )
+        _check(
+            self.max_connection_rate >= 0,
+            f"{prefix}.max_connection_rate",
+            f"must be 0 (no limit) or >= 1 connections per minute, got {self.max_connection_rate}",
+        )
         _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
 
 
@@ -341,11 +359,19 @@ class Pop3Settings(ListenerSettings):
     max_line_length: int = 1024
     #: Message summaries read from the store per request when a session opens its maildrop.
     page_size: int = 500
+    #: Bytes of pipelined commands held while a long operation (login, RETR, TOP, QUIT) runs;
+    #: past it the server stops reading from that client until they are answered.
+    max_pipelined_bytes: int = 64 * 1024
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
         _check(self.timeout >= 600, f"{prefix}.timeout", "must be at least 600 seconds (RFC 1939)")
         _check(255 <= self.max_line_length <= 65536, f"{prefix}.max_line_length", "must be 255..65536 bytes")
+        _check(
+            1024 <= self.max_pipelined_bytes <= 1 << 24,
+            f"{prefix}.max_pipelined_bytes",
+            f"must be 1024..16777216 bytes, got {self.max_pipelined_bytes}",
+        )
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
 
 
