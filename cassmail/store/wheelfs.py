@@ -843,12 +843,9 @@ class WheelFSStore(Store):
             with cache.lock:
                 cache.dead.update(doomed)
             doomed_set = set(doomed)
-            flag_names = [n for n in self.fs.listdir(os.path.join(box, "flags")) if leading_sid(n) in doomed_set]
-            for sid in doomed:
-                self.fs.unlink(os.path.join(box, "msg", live[sid].marker_name), missing_ok=True)
-                self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
-            for flag_name in flag_names:
-                self.fs.unlink(os.path.join(box, "flags", flag_name), missing_ok=True)
+            self._remove_entries(box, "msg", self._entries(box, "msg", doomed_set))
+            self._remove_entries(box, "body", self._entries(box, "body", doomed_set))
+            self._remove_entries(box, "flags", self._entries(box, "flags", doomed_set))
             if self.settings.tombstone_grace:
                 self._collect_tombstones(box, cache)
 
@@ -875,13 +872,31 @@ class WheelFSStore(Store):
                 cache.young[name] = deleted + grace
         if not stale:
             return
-        markers = {leading_sid(n): n for n in self.fs.listdir(os.path.join(box, "msg"))}
+        sids = {sid for _, sid in stale}
+        markers = self._entries(box, "msg", sids)
+        bodies = self._entries(box, "body", sids)
+        self._remove_entries(box, "msg", markers)
+        self._remove_entries(box, "body", bodies)
         for name, sid in stale:
-            if sid in markers:  # a replica brought it back: remove it again, keep the tombstone
-                self.fs.unlink(os.path.join(box, "msg", markers[sid]), missing_ok=True)
-                continue
-            self.fs.unlink(os.path.join(box, "body", sid), missing_ok=True)
-            self.fs.unlink(os.path.join(dead_dir, name), missing_ok=True)
+            if sid not in markers:  # else a replica brought it back: removed again, the tombstone kept
+                self.fs.unlink(os.path.join(dead_dir, name), missing_ok=True)
+
+    def _entries(self, box: str, part: str, sids: set[str]) -> dict[str, list[str]]:
+        """Every name in a mailbox directory (body, msg or flags) that belongs to one of `sids`,
+        by its leading id. A replica merge may have listed an entry under a second name or renamed
+        it (`<sid>#conflict-1`): a deletion that removed only the name it wrote would leave those
+        on disk for ever, unseen by any listing but taking space."""
+        found: dict[str, list[str]] = {}
+        for name in self.fs.listdir(os.path.join(box, part)):
+            sid = leading_sid(name)
+            if sid in sids:
+                found.setdefault(sid, []).append(name)
+        return found
+
+    def _remove_entries(self, box: str, part: str, entries: Mapping[str, list[str]]) -> None:
+        for names in entries.values():
+            for name in names:
+                self.fs.unlink(os.path.join(box, part, name), missing_ok=True)
 
     # ================================================================= IMAP UIDs
 
