@@ -398,6 +398,19 @@ class ImapSettings(ListenerSettings):
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
 
 
+@dataclass
+class MetricsSettings:
+    """The Prometheus endpoint (cassmail.metrics): node-wide totals over every worker, at /metrics."""
+
+    #: Serve counters and histograms in the Prometheus text format over HTTP.
+    enabled: bool = False
+    #: Address of the HTTP endpoint; keep it on a private interface (it needs no password).
+    listen: str = "127.0.0.1:9150"
+
+    def validate(self, prefix: str) -> None:
+        host_port(self.listen, f"{prefix}.listen")
+
+
 def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings) -> Any:
     return field(default_factory=lambda: kind(enabled=enabled, listen=f"127.0.0.1:{port}"))
 
@@ -412,6 +425,7 @@ class Settings:
     lmtp: SmtpSettings = _listener(2424, enabled=False, kind=SmtpSettings)
     pop3: Pop3Settings = _listener(1110, kind=Pop3Settings)
     imap: ImapSettings = _listener(1143, kind=ImapSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
 def host_port(text: str, key: str = "listen") -> tuple[str, int]:
