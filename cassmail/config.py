@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import json
 import os
 import socket
@@ -328,6 +329,10 @@ class SmtpSettings(ListenerSettings):
     #: Connections one peer IP address may open per minute to one worker process (a token bucket
     #: like max_command_rate); past it 421 4.7.0 before the greeting and closed. 0 = no limit.
     max_connection_rate: int = 300
+    #: Client networks (CIDR or single addresses) that max_command_rate and max_connection_rate
+    #: do not apply to: local relays and load generators; like Postfix's
+    #: smtpd_client_event_limit_exceptions. [] = limit everyone.
+    rate_limit_exempt: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     #: Seconds the list of local domains is cached for RCPT checks.
     domain_cache_seconds: float = 10.0
 
@@ -348,6 +353,13 @@ class SmtpSettings(ListenerSettings):
             f"{prefix}.max_connection_rate",
             f"must be 0 (no limit) or >= 1 connections per minute, got {self.max_connection_rate}",
         )
+        for i, network in enumerate(self.rate_limit_exempt):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"{prefix}.rate_limit_exempt[{i}]: must be an IP address or network like 10.0.0.0/8, got {network!r}"
+                ) from None
         _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
 
 
