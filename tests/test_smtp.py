@@ -36,8 +36,11 @@ def smtp(node: Node, listener: str = "smtp") -> smtplib.SMTP:
 class Raw:
     """A line-level SMTP client for what smtplib will not send."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    def __init__(self, port: int, source: str | None = None) -> None:
+        """`source`: the client's own address (another 127.x.y.z is another peer to the server)."""
+        self.sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=30, source_address=(source, 0) if source else None
+        )
         self.file = self.sock.makefile("rb")
         self.greeting = self.reply()
 
@@ -91,6 +94,26 @@ def tight(backend_settings: Settings, tmp_path_factory: pytest.TempPathFactory) 
         smtp={"max_command_length": 2000, "max_commands": 10},
         submission={"enabled": False},
         lmtp={"enabled": True, "timeout": 2.0},
+        pop3={"enabled": False},
+        imap={"enabled": False},
+    ).start()
+    yield running
+    assert running.stop() == 0
+    assert "Traceback" not in running.log_text()
+
+
+@pytest.fixture(scope="module")
+def rated(backend_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """A node with low rates and no exempt networks: MX with max_command_rate 10 a minute, LMTP
+    with max_connection_rate 10 a minute; submission with both at 10 but loopback exempt, the
+    default. (Node.start's probes connect from 127.0.0.1, so connection-rate tests use other
+    127.x addresses, each a peer of its own.)"""
+    running = Node(
+        node_settings(backend_settings),
+        tmp_path_factory.mktemp("rated"),
+        smtp={"max_command_rate": 10, "rate_limit_exempt": []},
+        submission={"max_command_rate": 10, "max_connection_rate": 1, "allow_plaintext_auth": True},
+        lmtp={"enabled": True, "max_connection_rate": 10, "max_command_rate": 0, "rate_limit_exempt": []},
         pop3={"enabled": False},
         imap={"enabled": False},
     ).start()
@@ -294,6 +317,87 @@ def test_an_idle_session_is_closed_with_421_but_a_slow_message_is_not(tight: Nod
     assert 1.5 < time.monotonic() - started < 10
     assert raw.closed()
     wait_for_log(tight, r"event=session listener=lmtp peer=127\.0\.0\.1 helo=mta\.test .*deliveries=1 result=timeout ")
+
+
+async def test_a_session_within_the_command_rate_delivers_and_data_lines_are_not_commands(
+    rated: Node, store: Store, users
+) -> None:
+    """Ten commands a minute: a transaction whose DATA has 20,000 lines uses 4 of them, six more
+    pass, the eleventh is 421 4.7.0 and the session is closed. (The bucket refills one command
+    every 6 s; the test takes well under that.)"""
+    body = b"Subject: many lines\r\n\r\n" + b"".join(b"NOOP line %d\r\n" % n for n in range(20_000))
+    helo = f"rated-{uuid.uuid4().hex[:8]}.test"
+    raw = Raw(rated.port("smtp"))
+    assert raw.cmd(f"EHLO {helo}").startswith("250-")
+    assert raw.cmd("MAIL FROM:<x@remote.test>").startswith("250 2.1.0")
+    assert raw.cmd(f"RCPT TO:<{users['anne']}>").startswith("250 2.1.5")
+    assert raw.cmd("DATA").startswith("354")
+    assert raw.cmd(body + b".").startswith("250 2.0.0")
+    for _ in range(6):
+        assert raw.cmd("NOOP") == "250 2.0.0 OK"
+    assert raw.cmd("NOOP") == "421 4.7.0 Too many commands, slow down"
+    assert raw.closed()
+    [stored] = await inbox(store, users["anne"])
+    assert strip_trace(stored)[1] == body
+    wait_for_log(rated, rf"event=session listener=smtp peer=127\.0\.0\.1 helo={helo} .*deliveries=1 result=limit ")
+    assert "event=command-rate listener=smtp peer=127.0.0.1 limit=10" in rated.log_text()
+
+
+def test_pipelined_commands_past_the_command_rate_get_nothing_after_the_421(rated: Node) -> None:
+    raw = Raw(rated.port("smtp"))
+    raw.send(b"EHLO client.test\r\n" + b"NOOP\r\n" * 20)
+    assert raw.reply().startswith("250-")
+    for _ in range(9):
+        assert raw.reply() == "250 2.0.0 OK"
+    assert raw.reply() == "421 4.7.0 Too many commands, slow down"
+    assert raw.closed()  # the ten NOOPs behind it are never answered
+
+
+def test_over_long_lines_and_unknown_commands_count_against_the_command_rate(rated: Node) -> None:
+    raw = Raw(rated.port("smtp"))
+    assert raw.cmd("EHLO client.test").startswith("250-")
+    for _ in range(3):
+        assert raw.cmd("NOOP " + "x" * 5000) == "500 5.5.2 Command line too long"
+        assert raw.cmd("") == "500 5.5.2 Error: bad syntax"
+    assert raw.cmd("XFOO") == '500 5.5.1 Error: command "XFOO" not recognized'
+    assert raw.cmd("XFOO") == '500 5.5.1 Error: command "XFOO" not recognized'
+    assert raw.cmd("NOOP") == "250 2.0.0 OK"  # the tenth line; an over-long one counted once
+    assert raw.cmd("NOOP") == "421 4.7.0 Too many commands, slow down"
+    assert raw.closed()
+
+
+def test_a_peer_over_the_connection_rate_is_turned_away_before_the_greeting(rated: Node) -> None:
+    """Ten connections a minute per address (LMTP here): the eleventh from 127.0.0.2 gets 421 4.7.0
+    instead of the greeting, another address is still served, and the bucket refills (one
+    connection every 6 s)."""
+    port = rated.port("lmtp")
+    first = [Raw(port, source="127.0.0.2") for _ in range(10)]
+    assert all(raw.greeting.startswith("220 ") for raw in first)
+    for raw in first:
+        raw.close()
+    refused = Raw(port, source="127.0.0.2")
+    assert refused.greeting == "421 4.7.0 Too many connections from your address, try again later"
+    assert refused.closed()
+    other = Raw(port, source="127.0.0.3")
+    assert other.greeting.startswith("220 ") and other.cmd("LHLO mta.test").startswith("250")
+    wait_for_log(rated, r"event=session listener=lmtp peer=127\.0\.0\.2 .*result=throttled ")
+    time.sleep(6.5)
+    again = Raw(port, source="127.0.0.2")
+    assert again.greeting.startswith("220 ") and again.cmd("LHLO mta.test").startswith("250")
+    assert again.cmd("QUIT").startswith("221")
+
+
+def test_exempt_networks_are_not_rate_limited(rated: Node) -> None:
+    """Submission of `rated` has both rates low, but 127.0.0.0/8 is exempt by default."""
+    clients = [Raw(rated.port("submission")) for _ in range(5)]
+    assert all(raw.greeting.startswith("220 ") for raw in clients)
+    raw = clients[0]
+    assert raw.cmd("EHLO client.test").startswith("250-")
+    for _ in range(30):
+        assert raw.cmd("NOOP") == "250 2.0.0 OK"
+    assert raw.cmd("QUIT").startswith("221")
+    for other in clients:
+        other.close()
 
 
 def test_recipients_past_the_limit_get_452(node: Node, users) -> None:

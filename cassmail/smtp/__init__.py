@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from cassmail.config import Settings, SmtpSettings, host_port
 from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, DeliveryHandler, Role
-from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP
+from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP, RateLimits
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
@@ -24,6 +24,8 @@ def _factory(
     engine = CassmailLMTP if role.lmtp else CassmailSMTP
     starttls = tls if (tls is not None and not listener.implicit_tls) else None
     limit = settings.store.max_message_size
+    # One table of peer addresses per listener and worker, shared by its sessions.
+    rates = RateLimits(listener.max_command_rate, listener.max_connection_rate, listener.rate_limit_exempt)
 
     def make() -> asyncio.Protocol:
         protocol = engine(
@@ -40,6 +42,7 @@ def _factory(
             command_call_limit=listener.max_commands,
             authenticator=_unused_authenticator,
             command_length=listener.max_command_length,
+            rates=rates,
         )
         if not role.submission:
             # Only submission offers AUTH: MX and LMTP peers are other servers.

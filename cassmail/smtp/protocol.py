@@ -19,6 +19,13 @@ session of the process and adds the SIZE and SMTPUTF8 allowance to MAIL at every
 EHLO, so the limit grows; its line reader stops at 1001 bytes. Here each engine
 has its own fixed limits and a reader sized for them.
 
+Rates: each command line the command loop reads takes a token from the
+connection's bucket (`max_command_rate` per minute; DATA content and AUTH answers
+are not commands), and each connection one from its peer address's bucket
+(`max_connection_rate` per minute in this worker); an empty bucket is answered
+421 4.7.0 and the connection closed. The count sits in the engine's stream
+reader (`_CommandReader`), the one place every command line passes, valid or not.
+
 Everything else (the command loop, EHLO, MAIL/RCPT parameters, STARTTLS,
 PIPELINING, the limit on repetitions) is aiosmtpd's.
 """
@@ -27,11 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import ipaddress
 import logging
 import re
 import time
 from base64 import b64decode, b64encode
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, AnyStr
 
 from aiosmtpd.lmtp import LMTP
@@ -143,6 +151,106 @@ def with_enhanced_code(line: str) -> str:
     return f"{line[:4]}{match.group(1)}.0.0 {text}"
 
 
+class TokenBucket:
+    """`per_minute` events a minute on average, in bursts of up to a minute's worth.
+
+    Starts full, so a client's first burst (a pipelined transaction, a batch of
+    connections) is never refused; after that it refills at per_minute / 60 a second."""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.capacity = float(per_minute)
+        self.tokens = self.capacity
+        self.refill = per_minute / 60.0
+        self.stamp = now
+
+    def take(self, now: float) -> bool:
+        """Take one token if there is one; False when the bucket is empty (nothing is taken)."""
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.refill)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+    def full(self, now: float) -> bool:
+        """Whether the bucket has refilled completely (it is then the same as a new one)."""
+        return self.tokens + (now - self.stamp) * self.refill >= self.capacity
+
+
+class RateLimits:
+    """One listener's rates in one worker process: commands a minute per connection, and
+    connections a minute per peer IP address (0 = no limit), neither for `exempt` networks.
+
+    Connection buckets that have refilled are forgotten (a new one is the same) once the
+    table has doubled since the last sweep, so a scan from many addresses costs memory only
+    while those addresses are actually over a minute's worth of connections."""
+
+    def __init__(self, command_rate: int, connection_rate: int, exempt: Sequence[str] = ()) -> None:
+        self.command_rate = command_rate
+        self.connection_rate = connection_rate
+        self.exempt_networks = tuple(ipaddress.ip_network(n, strict=False) for n in exempt)
+        self.peers: dict[str, TokenBucket] = {}
+        self._sweep_at = 1024
+
+    def exempt(self, peer: str) -> bool:
+        """Whether `peer` is in an exempt network (an address that is not IP, such as a Unix
+        socket's, is local and so exempt)."""
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return True
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a dual-stack socket's view of an IPv4 client
+        return any(address in network for network in self.exempt_networks)
+
+    def admit(self, peer: str) -> bool:
+        """Count a new connection from `peer` (not exempt); False when it is over the rate."""
+        if not self.connection_rate:
+            return True
+        now = time.monotonic()
+        bucket = self.peers.get(peer)
+        if bucket is None:
+            bucket = self.peers[peer] = TokenBucket(self.connection_rate, now)
+        admitted = bucket.take(now)
+        if len(self.peers) >= self._sweep_at:
+            self.peers = {ip: b for ip, b in self.peers.items() if not b.full(now)}
+            self._sweep_at = max(1024, 2 * len(self.peers))
+        return admitted
+
+    def commands(self, now: float) -> TokenBucket | None:
+        """A new connection's command budget (None: no limit)."""
+        return TokenBucket(self.command_rate, now) if self.command_rate else None
+
+
+class _CommandReader(asyncio.StreamReader):
+    """The engine's stream reader: every line aiosmtpd's command loop reads counts as a command.
+
+    The loop calls `readuntil()` without a separator (also to drain a line that is too long,
+    which so counts once); DATA is read with `read` and AUTH answers with an explicit
+    separator, and neither is a command."""
+
+    def __init__(self, engine: _CassmailEngine, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self._engine = engine
+
+    async def readuntil(self, separator: bytes | None = None) -> bytes:  # type: ignore[override]
+        if separator is not None:
+            return await super().readuntil(separator)
+        line = await super().readuntil(b"\n")
+        await self._engine.command_read()
+        return line
+
+
+class _CountingReaderProtocol(asyncio.StreamReaderProtocol):
+    """Sits after aiosmtpd's SMTP in the engines' MRO, so the reader aiosmtpd builds in its
+    __init__ is replaced by a `_CommandReader` with the same limit before anything uses it."""
+
+    def __init__(self, stream_reader: asyncio.StreamReader, *args: Any, **kwargs: Any) -> None:
+        engine: Any = self
+        reader = _CommandReader(engine, engine.line_length_limit, engine.loop)
+        super().__init__(reader, *args, **kwargs)
+
+
 class _CommandLimits(dict):  # type: ignore[type-arg]
     """The longest line of each command after EHLO: `limit`, MAIL `MAIL_EXTENSIONS_ALLOWANCE` more.
 
@@ -177,14 +285,27 @@ class _CassmailEngine:
     #: Messages stored in this connection (for the session log line).
     deliveries = 0
     #: How the session ended, for the session log line: quit, timeout, limit (closed by the
-    #: server after a 421 or too many unknown commands), busy (turned away) or dropped (the
-    #: client went away without QUIT).
+    #: server after a 421, e.g. over the command rate, or too many unknown commands), busy
+    #: (turned away: max_connections), throttled (turned away: its address went past
+    #: max_connection_rate) or dropped (the client went away without QUIT).
     result = "dropped"
     _opened_at: float | None = None
+    #: This connection's command budget (None: no limit).
+    _commands: TokenBucket | None = None
 
-    def __init__(self, handler: Any, *, command_length: int = 512, **options: Any) -> None:
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        command_length: int = 512,
+        rates: RateLimits | None = None,
+        **options: Any,
+    ) -> None:
         """`command_length`: the longest command line, CRLF not counted, after HELO and after EHLO
-        alike (MAIL after EHLO may be MAIL_EXTENSIONS_ALLOWANCE longer). Lines past it get 500 5.5.2."""
+        alike (MAIL after EHLO may be MAIL_EXTENSIONS_ALLOWANCE longer). Lines past it get 500 5.5.2.
+        `rates`: the listener's command and connection rates in this worker (shared by its
+        sessions; None = no limits)."""
+        self.rates = rates
         self.command_size_limit = command_length
         self.command_size_limits = _CommandLimits(command_length)
         # aiosmtpd builds its line reader with this limit; a line past it is drained and refused
@@ -200,12 +321,37 @@ class _CassmailEngine:
         self._opened_at = time.monotonic()
         handler = self.event_handler
         handler.sessions += 1
-        if handler.sessions > handler.settings.max_connections:
-            # Turned away before the greeting, as RFC 5321 3.1 allows.
-            self.result = "busy"
-            self._handler_coroutine.cancel()  # type: ignore[attr-defined]
-            transport.write(b"421 4.7.0 Too many connections, try again later\r\n")  # type: ignore[attr-defined]
-            transport.close()
+        peer = peer_ip(self.session.peer)
+        rates = self.rates if self.rates is not None and not self.rates.exempt(peer) else None
+        if rates is not None:
+            self._commands = rates.commands(self._opened_at)
+        # Turned away before the greeting, as RFC 5321 3.1 allows.
+        if rates is not None and not rates.admit(peer):
+            self._refuse("throttled", b"421 4.7.0 Too many connections from your address, try again later\r\n")
+        elif handler.sessions > handler.settings.max_connections:
+            self._refuse("busy", b"421 4.7.0 Too many connections, try again later\r\n")
+
+    def _refuse(self, result: str, reply: bytes) -> None:
+        """Close a new connection with `reply` instead of the greeting."""
+        self.result = result
+        self._handler_coroutine.cancel()  # type: ignore[attr-defined]
+        self.transport.write(reply)
+        self.transport.close()
+
+    async def command_read(self) -> None:
+        """Called by the reader for each command line: take a token, or answer 421 4.7.0 and close.
+
+        Past the limit this never returns: the command loop must not go on to the lines the
+        client pipelined behind (nothing may follow the 421), and closing the transport ends
+        the session, which cancels the loop waiting here."""
+        if self._commands is None or self._commands.take(time.monotonic()):
+            return
+        log.warning(kv("command-rate", listener=self.event_handler.role.name, peer=peer_ip(self.session.peer),
+                       limit=int(self._commands.capacity)))
+        await self.push("421 4.7.0 Too many commands, slow down")
+        if self.transport is not None:
+            self.transport.close()
+        await asyncio.get_running_loop().create_future()
 
     def connection_lost(self, error: Exception | None) -> None:
         if self._opened_at is not None:
@@ -350,9 +496,9 @@ def peer_ip(peer: Any) -> str:
     return peer[0] if isinstance(peer, tuple) else str(peer)
 
 
-class CassmailSMTP(_CassmailEngine, SMTP):
+class CassmailSMTP(_CassmailEngine, SMTP, _CountingReaderProtocol):
     """SMTP for the MX and submission listeners."""
 
 
-class CassmailLMTP(_CassmailEngine, LMTP):
+class CassmailLMTP(_CassmailEngine, LMTP, _CountingReaderProtocol):
     """LMTP (RFC 2033): LHLO instead of EHLO, and one reply per recipient after DATA."""
