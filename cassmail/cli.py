@@ -1,4 +1,4 @@
-"""The `cassmail` command: administration of users, domains, mailboxes, the schema and a local Cassandra.
+"""The `cassmail` command: administration of users, aliases, domains, mailboxes, the schema and a local Cassandra.
 
 Every command reads the same settings (`--config FILE` or $CASSMAIL_CONFIG,
 then $CASSMAIL_* variables, then `--set key=value`) and talks to the store
@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from cassmail import auth, config
 from cassmail.model import InvalidInput, address_key, normalize_domain
 from cassmail.server import make_store
-from cassmail.store.base import Store, StoreError, UserExists
+from cassmail.store.base import Store, StoreError, UserExists, check_alias
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO_ROOT / "deploy" / "cassandra" / "launcher.py"
@@ -82,6 +82,20 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("file")
     u.add_argument("--hashed", action="store_true", help="the second field is already a $scrypt$ hash")
     u.set_defaults(run=cmd_user_import)
+
+    alias = sub.add_parser("alias", help="manage aliases: addresses that deliver to local users").add_subparsers(
+        metavar="ACTION"
+    )
+    a = alias.add_parser("add", help="create an alias, or replace the users of an existing one")
+    a.add_argument("alias", help="an address in a local domain that is not a user")
+    a.add_argument("users", nargs="+", metavar="user", help="local users it delivers to")
+    a.set_defaults(run=cmd_alias_add)
+    a = alias.add_parser("del", help="delete an alias (its users stay)")
+    a.add_argument("alias")
+    a.set_defaults(run=cmd_alias_del)
+    a = alias.add_parser("list", help="list aliases and their users")
+    a.add_argument("--domain")
+    a.set_defaults(run=cmd_alias_list)
 
     domain = sub.add_parser("domain", help="manage local domains").add_subparsers(metavar="ACTION")
     for action, fn, needs in (("add", cmd_domain_add, True), ("del", cmd_domain_del, True), ("list", cmd_domain_list, False)):
@@ -211,6 +225,26 @@ def cmd_user_del(settings: config.Settings, args: argparse.Namespace) -> int:
 def cmd_user_list(settings: config.Settings, args: argparse.Namespace) -> int:
     for user in _with_store(settings, lambda s: s.list_users(args.domain)):
         print(user)
+    return 0
+
+
+def cmd_alias_add(settings: config.Settings, args: argparse.Namespace) -> int:
+    key, users = check_alias(args.alias, args.users)  # addresses checked before connecting
+    _with_store(settings, lambda s: s.set_alias(key, users))
+    print(f"alias {key} -> {', '.join(users)}")
+    return 0
+
+
+def cmd_alias_del(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.alias)
+    _with_store(settings, lambda s: s.delete_alias(key))
+    print(f"deleted alias {key}")
+    return 0
+
+
+def cmd_alias_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    for alias in _with_store(settings, lambda s: s.list_aliases(args.domain)):
+        print(f"{alias.address} -> {', '.join(alias.users)}")
     return 0
 
 

@@ -149,8 +149,16 @@ class DeliveryHandler:
                 return sender
         elif self.role.submission:
             return "553 5.7.1 The null sender is not allowed for submission"
-        if self.role.submission and (null or sender.key != session.auth_data):
-            return f"553 5.7.1 Sender address <{address}> is not owned by the authenticated user {session.auth_data}"
+        if self.role.submission and not null and sender.key != session.auth_data:
+            # Not their own address: one read, whether it is an alias that lists them.
+            try:
+                owners = await self.store.get_alias(sender.key)
+            except StoreError as exc:
+                log.warning(kv("mail", listener=self.role.name, peer=_peer(session), sender=sender.key,
+                               result="tempfail", error=exc))
+                return TEMPORARY
+            if session.auth_data not in (owners or ()):
+                return f"553 5.7.1 Sender address <{address}> is not owned by the authenticated user {session.auth_data}"
         envelope.mail_from = "<>" if null else address
         envelope.mail_options.extend(mail_options)
         return "250 2.1.0 Sender OK"
@@ -169,12 +177,19 @@ class DeliveryHandler:
                 if session.authenticated:
                     return "550 5.7.1 Delivery to other domains is not available on this server"
                 return "550 5.7.1 Relaying denied"
-            if not await self.store.user_exists(rcpt.key):
-                return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
+            if await self.store.user_exists(rcpt.key):
+                users = [rcpt.key]
+            else:  # the common case costs nothing more: an alias is looked up only on a miss
+                users = await self.store.get_alias(rcpt.key) or []
+                if not users:
+                    return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
         except StoreError as exc:
             log.warning(kv("rcpt", listener=self.role.name, peer=_peer(session), rcpt=rcpt.key, result="tempfail", error=exc))
             return TEMPORARY
+        # The envelope keeps the address as given (one LMTP reply per RCPT, `for <...>` in the
+        # trace); the users it reaches are kept beside it for DATA.
         envelope.rcpt_tos.append(rcpt.key)
+        _expansions(envelope)[rcpt.key] = users
         envelope.rcpt_options.extend(rcpt_options)
         return "250 2.1.5 Recipient OK"
 
@@ -189,7 +204,8 @@ class DeliveryHandler:
         queue_id = uuid.uuid4().hex[:16]
         body = envelope.original_content
         assert isinstance(body, bytes)
-        targets = [Target(rcpt) for rcpt in envelope.rcpt_tos]
+        recipients = _recipients(envelope)
+        targets = [Target(user) for user in recipients]
         if self.role.submission and session.auth_data:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
         message = self.trace_headers(server, session, envelope, queue_id) + body
@@ -216,9 +232,12 @@ class DeliveryHandler:
         log.info(kv("delivery", **fields, result="too-large", ms=ms))
 
     def _delivery_fields(self, session: Session, envelope: Envelope, size: int, queue_id: str | None) -> dict[str, Any]:
+        expansions = _expansions(envelope)
+        aliased = any(expansions.get(r, [r]) != [r] for r in envelope.rcpt_tos)
+        expanded = len(_recipients(envelope)) if aliased else None  # users reached, logged when an alias was named
         return dict(
             listener=self.role.name, peer=_peer(session), helo=session.host_name, user=session.auth_data,
-            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), size=size, id=queue_id,
+            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), users=expanded, size=size, id=queue_id,
         )
 
     def _per_recipient(self, envelope: Envelope, status: str) -> str:
@@ -257,6 +276,23 @@ class DeliveryHandler:
         """A bug must not reach the client as a traceback; a temporary error makes it retry."""
         log.error(kv("session-error", error=type(error).__name__), exc_info=error)
         return "451 4.3.0 Internal error, try again later"
+
+
+def _expansions(envelope: Envelope) -> dict[str, list[str]]:
+    """Recipient key -> the users it delivers to (itself, or an alias's users), kept on the
+    envelope so that a new transaction (a new Envelope) starts without any."""
+    found: dict[str, list[str]] | None = getattr(envelope, "cassmail_expansions", None)
+    if found is None:
+        found = {}
+        envelope.cassmail_expansions = found  # type: ignore[attr-defined]
+    return found
+
+
+def _recipients(envelope: Envelope) -> list[str]:
+    """The users a message goes to, each once in the order first named: a user named directly
+    and through an alias, or by two aliases, gets one copy."""
+    expansions = _expansions(envelope)
+    return list(dict.fromkeys(user for rcpt in envelope.rcpt_tos for user in expansions.get(rcpt, [rcpt])))
 
 
 def _path(address: str, envelope: Envelope, syntax_error: str) -> Address | str:

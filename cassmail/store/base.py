@@ -49,9 +49,26 @@ class NoSuchUser(StoreError):
 
 
 class UserExists(StoreError):
-    def __init__(self, user: str) -> None:
-        super().__init__(f"user already exists: {user}")
+    """The address is taken by a user: creating a user there, or an alias at a user's address
+    (`reason` then says so)."""
+
+    def __init__(self, user: str, reason: str = "") -> None:
+        super().__init__(f"user already exists: {user}" + (f"; {reason}" if reason else ""))
         self.user = user
+
+
+class NoSuchAlias(StoreError):
+    def __init__(self, alias: str) -> None:
+        super().__init__(f"no such alias: {alias}")
+        self.alias = alias
+
+
+class AliasExists(StoreError):
+    """A user cannot be created at an alias's address: mail to it would have two meanings."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__(f"{alias} is an alias; delete the alias before creating a user at its address")
+        self.alias = alias
 
 
 class NoSuchDomain(StoreError):
@@ -61,9 +78,13 @@ class NoSuchDomain(StoreError):
 
 
 class DomainInUse(StoreError):
-    def __init__(self, domain: str, users: int) -> None:
-        super().__init__(f"domain {domain} still has {users} user(s); delete them first")
-        self.domain, self.users = domain, users
+    """A domain still has users or aliases: removing it would leave them unreachable."""
+
+    def __init__(self, domain: str, users: int, aliases: int = 0) -> None:
+        held = [f"{users} user(s)"] if users else []
+        held += [f"{aliases} alias(es)"] if aliases else []
+        super().__init__(f"domain {domain} still has {' and '.join(held) or 'users'}; delete them first")
+        self.domain, self.users, self.aliases = domain, users, aliases
 
 
 class NoSuchMailbox(StoreError):
@@ -117,6 +138,15 @@ class Target:
 
 
 @dataclass(frozen=True, slots=True)
+class Alias:
+    """An address of a local domain that delivers to local users: `address` and every user are
+    user keys (model.address_key); `users` is sorted, without repeats, never empty."""
+
+    address: str
+    users: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class MessageRef:
     """A message as a protocol names it: user, mailbox and id."""
 
@@ -156,7 +186,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def remove_domain(self, domain: str) -> None:
-        """Stop accepting mail for a domain. Raises NoSuchDomain, DomainInUse while it has users."""
+        """Stop accepting mail for a domain. Raises NoSuchDomain, DomainInUse while it has users
+        or aliases."""
 
     @abc.abstractmethod
     async def list_domains(self) -> list[str]:
@@ -170,12 +201,14 @@ class Store(abc.ABC):
     async def create_user(self, user: str, password_hash: str) -> None:
         """Create a user with the default mailboxes (model.DEFAULT_MAILBOXES).
 
-        Raises UserExists, NoSuchDomain when the domain is not local, InvalidAddress.
+        Raises UserExists, AliasExists when an alias has the address, NoSuchDomain when the
+        domain is not local, InvalidAddress.
         """
 
     @abc.abstractmethod
     async def delete_user(self, user: str) -> None:
-        """Remove a user, their mailboxes and their mail. Raises NoSuchUser."""
+        """Remove a user, their mailboxes and their mail, and take them out of every alias (an
+        alias left without users goes too). Raises NoSuchUser."""
 
     @abc.abstractmethod
     async def get_password_hash(self, user: str) -> str:
@@ -195,6 +228,33 @@ class Store(abc.ABC):
         except NoSuchUser:
             return False
         return True
+
+    # ----------------------------------------------------------------- aliases
+    # An alias is an address of a local domain that delivers to one or more local users: SMTP
+    # accepts it as a recipient (the user lookup missed, then one read of the alias) and a user
+    # it lists may send as it. Addresses are user keys (model.address_key), like users'.
+
+    @abc.abstractmethod
+    async def set_alias(self, alias: str, users: Iterable[str]) -> None:
+        """Create an alias or replace its users.
+
+        Raises NoSuchDomain when the alias's domain is not local, UserExists when a user has
+        the address, NoSuchUser naming the first target that is not a user (an alias is not a
+        user: aliases do not nest), InvalidInput for no users or a bad address. Nothing is
+        written unless every check passed."""
+
+    @abc.abstractmethod
+    async def delete_alias(self, alias: str) -> None:
+        """Remove an alias (its users stay). Raises NoSuchAlias."""
+
+    @abc.abstractmethod
+    async def get_alias(self, alias: str) -> list[str] | None:
+        """The users an alias delivers to, sorted; None when the address is no alias. One
+        small read: it is on the path of every RCPT TO that is not a user."""
+
+    @abc.abstractmethod
+    async def list_aliases(self, domain: str | None = None) -> list[Alias]:
+        """Aliases sorted by address, optionally of one domain."""
 
     # ----------------------------------------------------------------- mailboxes
     @abc.abstractmethod
@@ -342,6 +402,18 @@ def needs_uid(current: int | None, message_id: uuid.UUID, renumber: Mapping[uuid
     if not current:
         return True
     return renumber is not None and renumber.get(message_id) == current
+
+
+def check_alias(alias: str, users: Iterable[str]) -> tuple[str, tuple[str, ...]]:
+    """The alias key and its canonical users (sorted, once each), or InvalidInput; backends call
+    this before any check against the store."""
+    if isinstance(users, str):
+        raise InvalidInput("an alias's users must be a list of addresses, not one string")
+    key = address_key(alias)
+    targets = tuple(sorted({address_key(u) for u in users}))
+    if not targets:
+        raise InvalidInput(f"alias {key} needs at least one user")
+    return key, targets
 
 
 def check_targets(targets: Sequence[Target]) -> list[Target]:

@@ -2,7 +2,9 @@
 
 Data model (schema/001_initial.cql): a user is a partition listing its
 mailboxes; a mailbox is a partition of small message rows clustered by
-timeuuid; bodies are cut into chunks, each chunk its own partition.
+timeuuid; bodies are cut into chunks, each chunk its own partition. Aliases
+(schema/003_aliases.cql) are a partition per domain, a row per alias, with
+an index of the aliases that list each user.
 
 Delivery is plain idempotent writes at the write consistency level, in an
 order that never shows a half-written message: chunks first, then (for a
@@ -51,12 +53,15 @@ from cassmail.model import (
     normalize_domain,
 )
 from cassmail.store.base import (
+    Alias,
+    AliasExists,
     Body,
     DomainInUse,
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
     MessageTooLarge,
+    NoSuchAlias,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -66,6 +71,7 @@ from cassmail.store.base import (
     Target,
     UserExists,
     body_view,
+    check_alias,
     check_flag_mode,
     check_targets,
     needs_uid,
@@ -222,6 +228,15 @@ class CassandraStore(Store):
             "r",
         ),
         "by_domain_domains": ("SELECT DISTINCT domain FROM users_by_domain", "r"),
+        "alias_get": ("SELECT users FROM aliases WHERE domain = ? AND alias = ?", "r"),
+        "alias_list": ("SELECT alias, users FROM aliases WHERE domain = ?", "r"),
+        "alias_set": ("INSERT INTO aliases (domain, alias, users) VALUES (?, ?, ?)", "w"),
+        "alias_del": ("DELETE FROM aliases WHERE domain = ? AND alias = ?", "w"),
+        "alias_drop_user": ("UPDATE aliases SET users = users - ? WHERE domain = ? AND alias = ?", "w"),
+        "alias_of_add": ("INSERT INTO aliases_by_user (user, alias) VALUES (?, ?)", "w"),
+        "alias_of_del": ("DELETE FROM aliases_by_user WHERE user = ? AND alias = ?", "w"),
+        "alias_of_list": ("SELECT alias FROM aliases_by_user WHERE user = ?", "r"),
+        "alias_of_purge": ("DELETE FROM aliases_by_user WHERE user = ?", "w"),
         "mbox_list": (
             "SELECT mailbox, mailbox_id, uidvalidity, special_use, subscribed, low_water, low_water_due "
             "FROM users WHERE user = ?",
@@ -426,8 +441,9 @@ class CassandraStore(Store):
         if not await self._run("domain_get", domain):
             raise NoSuchDomain(domain)
         users = await self._domain_users(domain)
-        if users:
-            raise DomainInUse(domain, len(users))
+        aliases = await self._domain_aliases(domain)
+        if users or aliases:
+            raise DomainInUse(domain, len(users), len(aliases))
         await self._run("domain_del", domain)
 
     async def list_domains(self) -> list[str]:
@@ -455,6 +471,8 @@ class CassandraStore(Store):
         domain = key.rpartition("@")[2]
         if not await self.is_local_domain(domain):
             raise NoSuchDomain(domain)
+        if await self.get_alias(key) is not None:
+            raise AliasExists(key)
         await self._run("by_domain_add", domain, key)
         base = int(time.time())
         # Account and default mailboxes in one conditional batch of the user's partition: all or nothing.
@@ -499,11 +517,16 @@ class CassandraStore(Store):
         (see create_user), so a user is never half listed."""
         key = address_key(user)
         await self._account(key)
+        # Out of every alias before the account goes: a failure here leaves the user whole, and
+        # deleting again finishes; the other order could leave aliases naming nobody.
+        for alias in [row.alias for row in await self._run("alias_of_list", key)]:
+            await self._drop_from_alias(alias, key)
         for info in await self._mailbox_rows(key):
             await self._purge_mailbox(info.mailbox_id)
         batch = self._batch(BatchType.LOGGED)
         batch.add(self._ps["user_del"], (key,))
         batch.add(self._ps["by_domain_del"], (key.rpartition("@")[2], key))
+        batch.add(self._ps["alias_of_purge"], (key,))
         await self._exec(batch)
 
     async def list_users(self, domain: str | None = None) -> list[str]:
@@ -526,6 +549,76 @@ class CassandraStore(Store):
             rows = await self._run("users_alive", group)
             alive.update(r.user for r in rows if r.password_hash is not None)
         return [u for u in listed if u in alive]
+
+    # ================================================================= aliases
+
+    async def set_alias(self, alias: str, users: Iterable[str]) -> None:
+        """Checks, then the aliases_by_user rows, then the alias row (so the index never misses
+        an alias that lists a user), then the index rows of users it no longer lists.
+
+        Nothing here is a lightweight transaction: aliases are changed by an operator, and the
+        delivery path only reads them. A user created at the same address at the same moment
+        on another node is caught by looking again after the write (the alias is taken back)."""
+        key, targets = check_alias(alias, users)
+        domain = key.rpartition("@")[2]
+        if not await self._run("domain_get", domain):
+            raise NoSuchDomain(domain)
+        await self._refuse_user_address(key)
+        alive: set[str] = set()
+        for group in _groups(list(targets), IN_BATCH):
+            alive.update(r.user for r in await self._run("users_alive", group) if r.password_hash is not None)
+        for target in targets:
+            if target not in alive:
+                raise NoSuchUser(target)
+        before = await self.get_alias(key) or []
+        await asyncio.gather(*(self._run("alias_of_add", target, key) for target in targets))
+        await self._run("alias_set", domain, key, set(targets))
+        try:
+            await self._refuse_user_address(key)
+        except UserExists:
+            await self._run("alias_del", domain, key)
+            raise
+        await asyncio.gather(*(self._run("alias_of_del", old, key) for old in before if old not in targets))
+
+    async def _refuse_user_address(self, key: str) -> None:
+        if await self.user_exists(key):
+            raise UserExists(key, "an alias cannot have a user's address")
+
+    async def delete_alias(self, alias: str) -> None:
+        key = address_key(alias)
+        users = await self.get_alias(key)
+        if users is None:
+            raise NoSuchAlias(key)
+        await self._run("alias_del", key.rpartition("@")[2], key)
+        await asyncio.gather(*(self._run("alias_of_del", user, key) for user in users))
+
+    async def get_alias(self, alias: str) -> list[str] | None:
+        key = address_key(alias)
+        rows = await self._run("alias_get", key.rpartition("@")[2], key)
+        return sorted(rows[0].users) if rows and rows[0].users else None
+
+    async def list_aliases(self, domain: str | None = None) -> list[Alias]:
+        domains = [normalize_domain(domain)] if domain is not None else await self.list_domains()
+        found: list[Alias] = []
+        for d in domains:
+            found.extend(await self._domain_aliases(d))
+        return sorted(found, key=lambda a: a.address)
+
+    async def _domain_aliases(self, domain: str) -> list[Alias]:
+        """A domain's aliases: rows whose set of users is empty are none (see schema 003)."""
+        return [Alias(r.alias, tuple(sorted(r.users))) for r in await self._run("alias_list", domain) if r.users]
+
+    async def _drop_from_alias(self, alias: str, user: str) -> None:
+        """Take a user out of an alias; the alias goes with its last user."""
+        domain = alias.rpartition("@")[2]
+        rows = await self._run("alias_get", domain, alias)
+        users = set(rows[0].users or ()) if rows else set()
+        if user not in users:
+            return  # an index row left by a replaced alias
+        if users == {user}:
+            await self._run("alias_del", domain, alias)
+        else:
+            await self._run("alias_drop_user", {user}, domain, alias)
 
     # ================================================================= mailboxes
 

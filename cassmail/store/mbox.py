@@ -3,7 +3,8 @@
 Layout under `store.mbox.path`::
 
     domains.json                          local domains (written atomically)
-    lock                                  OFD lock: domains, user creation and deletion
+    aliases.json                          aliases: {"aliases": {alias: [user, ...]}} (written atomically)
+    lock                                  OFD lock: domains, aliases, user creation and deletion
     users/<user>/account.json             address and password hash
     users/<user>/uidvalidity              the user's next UIDVALIDITY (never repeats)
     users/<user>/lock                     OFD lock: the user's mailbox list and counter
@@ -65,11 +66,14 @@ from cassmail.model import (
 )
 from cassmail.store import mbox_fs
 from cassmail.store.base import (
+    Alias,
+    AliasExists,
     Body,
     DomainInUse,
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
+    NoSuchAlias,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -78,6 +82,7 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
+    check_alias,
     check_flag_mode,
     check_rename,
     checked_password_hash,
@@ -197,8 +202,9 @@ class MboxStore(Store):
             if domain not in domains:
                 raise NoSuchDomain(domain)
             users = self._users_sync(domain)
-            if users:
-                raise DomainInUse(domain, len(users))
+            aliases = [a for a in self._aliases_sync() if a.rpartition("@")[2] == domain]
+            if users or aliases:
+                raise DomainInUse(domain, len(users), len(aliases))
             return domains - {domain}
 
         await self._call(self._change_domains, remove)
@@ -233,6 +239,8 @@ class MboxStore(Store):
                 raise NoSuchDomain(domain)
             if (final / "account.json").exists():
                 raise UserExists(key)
+            if key in self._aliases_sync():
+                raise AliasExists(key)
             # Built aside and renamed into place: a user exists with all six mailboxes or not at all.
             staging = self.root / "users" / f".new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             (staging / "mail").mkdir(parents=True)
@@ -292,6 +300,10 @@ class MboxStore(Store):
     def _delete_user_sync(self, key: str) -> None:
         with self._store_lock():
             user_dir = self._existing_user(key)
+            # Out of every alias first: a failure after it leaves the user, and deleting again finishes.
+            aliases = self._aliases_sync()
+            kept = {a: [u for u in users if u != key] for a, users in aliases.items()}
+            self._write_aliases(aliases, {a: users for a, users in kept.items() if users})
             self._forget_under(user_dir)
             self._discard(user_dir)
 
@@ -330,6 +342,69 @@ class MboxStore(Store):
             if domain is None or key.rpartition("@")[2] == domain:
                 keys.append(key)
         return sorted(keys)
+
+    # ================================================================= aliases
+
+    def _aliases_sync(self) -> dict[str, list[str]]:
+        """alias -> its users, as the file has them (replaced atomically: no lock needed to read)."""
+        try:
+            return dict(mbox_fs.read_json(self.root / "aliases.json")["aliases"])
+        except FileNotFoundError:
+            return {}
+
+    def _write_aliases(self, before: dict[str, list[str]], after: dict[str, list[str]]) -> None:
+        """Replace aliases.json when something changed; the caller holds the store lock."""
+        if after != before:
+            mbox_fs.write_json(self.root / "aliases.json", {"aliases": after}, self.settings.fsync)
+
+    def _is_user(self, key: str) -> bool:
+        return (self._user_dir(key) / "account.json").exists()
+
+    async def set_alias(self, alias: str, users: Iterable[str]) -> None:
+        key, targets = check_alias(alias, users)
+
+        def change() -> None:
+            # Under the store lock, like user creation and deletion: an alias and a user can never
+            # take one address, and an alias never names a user being deleted.
+            with self._store_lock():
+                domain = key.rpartition("@")[2]
+                if domain not in self._domains_sync():
+                    raise NoSuchDomain(domain)
+                if self._is_user(key):
+                    raise UserExists(key, "an alias cannot have a user's address")
+                for target in targets:
+                    if not self._is_user(target):
+                        raise NoSuchUser(target)
+                aliases = self._aliases_sync()
+                self._write_aliases(aliases, {**aliases, key: list(targets)})
+
+        await self._call(change)
+
+    async def delete_alias(self, alias: str) -> None:
+        key = address_key(alias)
+
+        def delete() -> None:
+            with self._store_lock():
+                aliases = self._aliases_sync()
+                if key not in aliases:
+                    raise NoSuchAlias(key)
+                self._write_aliases(aliases, {a: u for a, u in aliases.items() if a != key})
+
+        await self._call(delete)
+
+    async def get_alias(self, alias: str) -> list[str] | None:
+        key = address_key(alias)
+        users = (await self._call(self._aliases_sync)).get(key)
+        return sorted(users) if users else None
+
+    async def list_aliases(self, domain: str | None = None) -> list[Alias]:
+        wanted = normalize_domain(domain) if domain is not None else None
+        aliases = await self._call(self._aliases_sync)
+        return [
+            Alias(a, tuple(sorted(users)))
+            for a, users in sorted(aliases.items())
+            if users and (wanted is None or a.rpartition("@")[2] == wanted)
+        ]
 
     def _next_uidvalidity(self, user_dir: Path, count: int = 1) -> int:
         """Reserve `count` UIDVALIDITY values; the caller holds the user's lock."""

@@ -13,7 +13,7 @@ that keep mail safe on a file system whose replicas may disagree are:
   tombstones), so replicas merged by union (what WheelFS does with
   `.EventualConsistency` directories) lose nothing and resurrect nothing: a
   marker that comes back after its deletion is hidden by its tombstone.
-- Accounts, mailbox lists and UIDs live in a tree without
+- Accounts, aliases, mailbox lists and UIDs live in a tree without
   `.EventualConsistency`, where an exclusive create (O_EXCL) succeeds for one
   node only. That is the compare-and-set: UID n is claimed by creating
   `uids/<mailbox>/<n>` holding the message id, and a claimer walks the claims
@@ -64,11 +64,14 @@ from cassmail.model import (
 )
 from cassmail.store import wheelfs_cues
 from cassmail.store.base import (
+    Alias,
+    AliasExists,
     Body,
     DomainInUse,
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
+    NoSuchAlias,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -77,6 +80,7 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
+    check_alias,
     check_flag_mode,
     check_rename,
     checked_password_hash,
@@ -176,7 +180,7 @@ class WheelFSStore(Store):
             recorded = json.loads(data)
             if (recorded["strong"], recorded["mail"]) != (layout.strong_components, layout.mail_components):
                 self._cues_changed(recorded, record_path)
-        for path in (layout.domains, layout.users, layout.mail_root):
+        for path in (layout.domains, layout.aliases, layout.users, layout.mail_root):
             fs.makedirs(path)
         # Left by a node that stopped mid-way: a removed user, or a creation older than any can take.
         for name in fs.listdir(layout.users):
@@ -295,8 +299,9 @@ class WheelFSStore(Store):
             if not self.fs.exists(path):
                 raise NoSuchDomain(domain)
             users = self._users_sync(domain)
-            if users:
-                raise DomainInUse(domain, len(users))
+            aliases = [a for a in self._alias_keys() if a.rpartition("@")[2] == domain]
+            if users or aliases:
+                raise DomainInUse(domain, len(users), len(aliases))
             self.fs.unlink(path, missing_ok=True)
 
         await self._call(remove)
@@ -322,6 +327,8 @@ class WheelFSStore(Store):
             raise NoSuchDomain(domain)
         if fs.exists(os.path.join(final, "account")):
             raise UserExists(key)
+        if fs.exists(self.layout.alias(user_file)):
+            raise AliasExists(key)
         # Built aside and renamed into place: a user exists with all six mailboxes or not at all.
         staging = self.layout.user(f".new-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         made: list[str] = []
@@ -398,7 +405,16 @@ class WheelFSStore(Store):
 
         def delete() -> None:
             user_file = self._user_file(key)
-            user_dir = self.layout.user(user_file)
+            user_dir = self._require_user(key)
+            # Out of every alias before the account goes: a failure here leaves the user whole,
+            # and deleting again finishes; the other order could leave aliases naming nobody.
+            try:
+                listed = self.fs.listdir(self.layout.aliases_of(user_file))
+            except FileNotFoundError:
+                listed = []  # in no alias
+            for name in listed:
+                if not name.startswith("."):
+                    self._drop_from_alias(name, key)
             try:
                 self.fs.unlink(os.path.join(user_dir, "account"))
             except FileNotFoundError:
@@ -449,6 +465,101 @@ class WheelFSStore(Store):
             if self.fs.exists(os.path.join(self.layout.users, name, "account")):
                 keys.append(key)
         return sorted(keys)
+
+    # ================================================================= aliases
+
+    def _alias_keys(self) -> list[str]:
+        return sorted(decode_name(n) for n in self.fs.listdir(self.layout.aliases) if not n.startswith("."))
+
+    def _read_alias(self, alias_file: str) -> list[str] | None:
+        try:
+            return [str(u) for u in self._read_json(self.layout.alias(alias_file))["users"]]
+        except FileNotFoundError:
+            return None
+
+    def _write_alias(self, alias_file: str, key: str, users: Sequence[str]) -> None:
+        data = json.dumps({"alias": key, "users": sorted(users)}).encode() + b"\n"
+        self.fs.replace_file(self.layout.alias(alias_file), data, self.settings.fsync)
+
+    async def set_alias(self, alias: str, users: Iterable[str]) -> None:
+        key, targets = check_alias(alias, users)
+        await self._call(self._set_alias_sync, key, targets)
+
+    def _set_alias_sync(self, key: str, targets: tuple[str, ...]) -> None:
+        """Checks, then a mark in each user's `aliases/` (so deleting the user finds the alias),
+        then the alias file, replaced atomically, then the marks of users it no longer lists.
+        There is no lock service: a user created at the same address at the same moment on
+        another node is caught by looking again after the write (the alias is taken back)."""
+        fs = self.fs
+        domain = key.rpartition("@")[2]
+        alias_file = self._user_file(key)
+        if not fs.exists(os.path.join(self.layout.domains, file_name(domain))):
+            raise NoSuchDomain(domain)
+        if fs.exists(self._account_path(key)):
+            raise UserExists(key, "an alias cannot have a user's address")
+        for target in targets:
+            self._require_user(target)
+        before = self._read_alias(alias_file) or []
+        for target in targets:
+            marks = self.layout.aliases_of(self._user_file(target))
+            fs.makedirs(marks)
+            fs.write_file(os.path.join(marks, alias_file), b"", False, self.settings.fsync)
+        self._write_alias(alias_file, key, targets)
+        if fs.exists(self._account_path(key)):
+            fs.unlink(self.layout.alias(alias_file), missing_ok=True)
+            raise UserExists(key, "an alias cannot have a user's address")
+        for old in before:
+            if old not in targets:
+                fs.unlink(os.path.join(self.layout.aliases_of(self._user_file(old)), alias_file), missing_ok=True)
+
+    async def delete_alias(self, alias: str) -> None:
+        key = address_key(alias)
+
+        def delete() -> None:
+            alias_file = self._user_file(key)
+            users = self._read_alias(alias_file)
+            if users is None:
+                raise NoSuchAlias(key)
+            self.fs.unlink(self.layout.alias(alias_file), missing_ok=True)
+            for user in users:
+                self.fs.unlink(os.path.join(self.layout.aliases_of(self._user_file(user)), alias_file), missing_ok=True)
+
+        await self._call(delete)
+
+    async def get_alias(self, alias: str) -> list[str] | None:
+        key = address_key(alias)
+        try:
+            alias_file = self._user_file(key)
+        except InvalidAddress:
+            return None  # too long for a file name: no alias can have been stored under it
+        users = await self._call(self._read_alias, alias_file)
+        return sorted(users) if users else None
+
+    async def list_aliases(self, domain: str | None = None) -> list[Alias]:
+        wanted = normalize_domain(domain) if domain is not None else None
+
+        def listing() -> list[Alias]:
+            found = []
+            for key in self._alias_keys():
+                if wanted is not None and key.rpartition("@")[2] != wanted:
+                    continue
+                users = self._read_alias(file_name(key))
+                if users:  # None: removed meanwhile
+                    found.append(Alias(key, tuple(sorted(users))))
+            return found
+
+        return await self._call(listing)
+
+    def _drop_from_alias(self, alias_file: str, user: str) -> None:
+        """Take a user out of an alias (named by its file); the alias goes with its last user."""
+        users = self._read_alias(alias_file)
+        if users is None or user not in users:
+            return  # a mark left by a replaced alias
+        rest = [u for u in users if u != user]
+        if rest:
+            self._write_alias(alias_file, decode_name(alias_file), rest)
+        else:
+            self.fs.unlink(self.layout.alias(alias_file), missing_ok=True)
 
     # ================================================================= mailboxes
 

@@ -7,8 +7,10 @@ user's files are kept together while users spread over the servers::
 
     <root>/cassmail-wheelfs.json                      the cue prefixes the store was created with
     <root>/cassmail/domains/<strong cues>/<domain>    one empty file per local domain
+    <root>/cassmail/aliases/<strong cues>/<alias>     an alias: its address and users (JSON)
     <root>/cassmail/users/<strong cues>/<user>/       never .EventualConsistency:
         account                                       address and password hash (JSON)
+        aliases/<alias>                               empty: an alias that may list this user
         boxes/<mailbox>                               mailbox id, UIDVALIDITY, special-use (JSON)
         validity/<n>                                  UIDVALIDITY values ever handed out
         uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
@@ -143,6 +145,7 @@ class Layout:
         self.strong_components, self.mail_components = strong, mail
         base = os.path.join(root, "cassmail")
         self.domains = os.path.join(base, "domains", *strong)
+        self.aliases = os.path.join(base, "aliases", *strong)
         self.users = os.path.join(base, "users", *strong)
         self.mail_root = os.path.join(base, "mail", *mail)
 
@@ -151,6 +154,13 @@ class Layout:
 
     def user(self, user_file: str) -> str:
         return os.path.join(self.users, user_file)
+
+    def alias(self, alias_file: str) -> str:
+        return os.path.join(self.aliases, alias_file)
+
+    def aliases_of(self, user_file: str) -> str:
+        """Where a user's reverse index of aliases lives (removed with the user)."""
+        return os.path.join(self.users, user_file, "aliases")
 
     def user_mail(self, user_file: str) -> str:
         return os.path.join(self.mail_root, user_file)

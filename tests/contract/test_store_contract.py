@@ -16,10 +16,13 @@ import pytest
 from cassmail.auth import verify_password
 from cassmail.model import DEFAULT_MAILBOXES, INBOX, InvalidAddress, InvalidInput, InvalidMailboxName, message_id_time
 from cassmail.store.base import (
+    Alias,
+    AliasExists,
     DomainInUse,
     MailboxExists,
     MailboxNotAllowed,
     MessageTooLarge,
+    NoSuchAlias,
     NoSuchDomain,
     NoSuchMailbox,
     NoSuchMessage,
@@ -122,6 +125,98 @@ async def test_deleting_a_user_removes_their_mail_and_mailboxes(store: Store, us
     # the address can be used again, from scratch
     await store.create_user(user, hash_password("pw", FAST_HASH))
     assert await listing(store, user) == []
+
+
+# ----------------------------------------------------------------------------- aliases
+
+
+async def test_an_alias_is_set_read_listed_replaced_and_deleted(store: Store, users: dict[str, str], domain: str) -> None:
+    anne, bob, carol = users["anne"], users["bob"], users["carol"]
+    assert await store.get_alias(f"team@{domain}") is None
+    # canonical like users: case of the alias, of the users and repeats do not matter
+    await store.set_alias(f"Team@{domain.upper()}", [bob.upper(), anne, anne])
+    assert await store.get_alias(f"TEAM@{domain}") == [anne, bob]
+    await store.set_alias(f"sales@{domain}", [carol])
+    assert await store.list_aliases(domain) == [Alias(f"sales@{domain}", (carol,)), Alias(f"team@{domain}", (anne, bob))]
+    assert Alias(f"team@{domain}", (anne, bob)) in await store.list_aliases()
+    assert await store.list_aliases(f"other-{domain}") == []
+    # adding again replaces the users
+    await store.set_alias(f"team@{domain}", [carol])
+    assert await store.get_alias(f"team@{domain}") == [carol]
+    await store.delete_alias(f"TEAM@{domain}")
+    assert await store.get_alias(f"team@{domain}") is None
+    assert await store.list_aliases(domain) == [Alias(f"sales@{domain}", (carol,))]
+    with pytest.raises(NoSuchAlias):
+        await store.delete_alias(f"team@{domain}")
+    assert await store.get_alias(anne) is None  # a user is not an alias
+    assert await store.user_exists(carol)  # deleting an alias leaves its users alone
+
+
+async def test_alias_rules_give_precise_errors_and_write_nothing(store: Store, users: dict[str, str], domain: str) -> None:
+    anne = users["anne"]
+    elsewhere = f"not-local-{uuid.uuid4().hex[:6]}.example"
+    with pytest.raises(NoSuchDomain) as no_domain:
+        await store.set_alias(f"team@{elsewhere}", [anne])
+    assert no_domain.value.domain == elsewhere
+    with pytest.raises(UserExists, match="an alias cannot have a user's address"):
+        await store.set_alias(anne.upper(), [users["bob"]])
+    with pytest.raises(NoSuchUser) as missing:
+        await store.set_alias(f"team@{domain}", [anne, f"ghost@{domain}"])
+    assert missing.value.user == f"ghost@{domain}"
+    assert await store.get_alias(f"team@{domain}") is None  # nothing written
+    await store.set_alias(f"team@{domain}", [anne])
+    with pytest.raises(NoSuchUser):  # aliases do not nest: a target must be a user
+        await store.set_alias(f"all@{domain}", [f"team@{domain}"])
+    with pytest.raises(NoSuchUser):  # a failed replacement keeps the alias as it was
+        await store.set_alias(f"team@{domain}", [f"ghost@{domain}"])
+    assert await store.get_alias(f"team@{domain}") == [anne]
+    with pytest.raises(InvalidInput, match="at least one user"):
+        await store.set_alias(f"empty@{domain}", [])
+    for bad in ("no-at-sign", "two words@x.example", "a@"):
+        with pytest.raises(InvalidAddress):
+            await store.set_alias(bad, [anne])
+        with pytest.raises(InvalidAddress):
+            await store.set_alias(f"team@{domain}", [bad])
+    # and a user cannot be created at an alias's address
+    with pytest.raises(AliasExists, match="is an alias"):
+        await store.create_user(f"Team@{domain}", hash_password("pw", FAST_HASH))
+    assert not await store.user_exists(f"team@{domain}")
+    assert await store.list_aliases(domain) == [Alias(f"team@{domain}", (anne,))]
+
+
+async def test_deleting_a_user_takes_them_out_of_every_alias(store: Store, users: dict[str, str], domain: str) -> None:
+    anne, bob = users["anne"], users["bob"]
+    other = f"t{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(other)
+    await store.set_alias(f"team@{domain}", [anne, bob])
+    await store.set_alias(f"anne@{other}", [anne])  # an alias of another domain, anne its only user
+    await store.set_alias(f"bob@{other}", [bob])
+    await store.delete_user(anne)
+    assert await store.get_alias(f"team@{domain}") == [bob]
+    assert await store.get_alias(f"anne@{other}") is None  # left without users: gone
+    assert await store.list_aliases(other) == [Alias(f"bob@{other}", (bob,))]
+    # a user made again at that address is in no alias, and the freed alias address can be a user
+    await store.create_user(anne, hash_password("pw", FAST_HASH))
+    assert await store.get_alias(f"team@{domain}") == [bob]
+    await store.create_user(f"anne@{other}", hash_password("pw", FAST_HASH))
+    # a replaced alias no longer counts its old users: deleting one of them changes nothing
+    await store.set_alias(f"team@{domain}", [users["carol"]])
+    await store.delete_user(bob)
+    assert await store.get_alias(f"team@{domain}") == [users["carol"]]
+    assert await store.get_alias(f"bob@{other}") is None
+
+
+async def test_a_domain_with_aliases_cannot_be_removed(store: Store, users: dict[str, str]) -> None:
+    other = f"t{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(other)
+    await store.set_alias(f"info@{other}", [users["anne"]])
+    with pytest.raises(DomainInUse, match=r"still has 1 alias\(es\)") as err:
+        await store.remove_domain(other)
+    assert (err.value.users, err.value.aliases) == (0, 1)
+    assert await store.is_local_domain(other)
+    await store.delete_alias(f"info@{other}")
+    await store.remove_domain(other)
+    assert not await store.is_local_domain(other)
 
 
 # ----------------------------------------------------------------------------- mailboxes
