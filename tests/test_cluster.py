@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import imaplib
 import json
 import os
 import poplib
@@ -272,9 +273,24 @@ class Experiment:
     pop3_during: list[Outcome]
     imap_during: list[Outcome]
     held_session: list[str]
+    held_imap: list[str]
     matrix: Matrix
     read_back: dict[int, dict[str, Outcome]]
     timings: dict[str, float]
+
+
+def held_imap_steps(session: imaplib.IMAP4, exists: int) -> list[str]:
+    """Commands on an IMAP session that was selected before the failure: each as "NAME: status"."""
+    steps = []
+    for n in range(1, exists + 1):
+        typ, data = session.fetch(str(n), "(UID BODY.PEEK[])")
+        whole = typ == "OK" and isinstance(data[0], tuple) and data[0][1].startswith(b"From:")
+        steps.append(f"FETCH {n}: {typ if whole else f'{typ} {data!r:.200}'}")
+    steps.append(f"SEARCH: {session.search(None, 'ALL')[0]}")
+    flagged = session.store("1", "+FLAGS", r"(\Flagged)")[0]
+    steps.append(f"STORE: {flagged}")
+    steps.append(f"NOOP: {session.noop()[0]}")
+    return steps
 
 
 def _wait_for_log(cluster: Cluster, nodes: list[int], pattern: str, since: dict[int, int], timeout: float = 60) -> float:
@@ -347,6 +363,10 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         held.user(read_users[0])
         held.pass_(_password(read_users[0]))
         held_count = held.stat()[0]
+        # And an IMAP session, selected before the failure and used during it.
+        held_imap = imaplib.IMAP4(cluster.address(1), cluster.ports["imap"], timeout=60)
+        held_imap.login(read_users[1], _password(read_users[1]))
+        held_imap_exists = int(held_imap.select("INBOX")[1][0])
         time.sleep(3)
 
         marks = {i: len(cluster.system_log(i)) for i in (1, 2)}
@@ -360,6 +380,7 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             except poplib.error_proto as exc:
                 held_session.append(f"RETR {n}: {exc.args[0].decode()}")
         held_session.append(f"NOOP: {held.noop().decode()}")
+        imap_steps = held_imap_steps(held_imap, held_imap_exists)
         pop3_during = [pop3_read(cluster.address(1), cluster.ports["pop3"], u, _password(u)) for u in read_users]
         imap_during = [imap_read(cluster.address(1), cluster.ports["imap"], u, _password(u)) for u in read_users]
         matrix_start = time.monotonic()
@@ -368,6 +389,7 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
                                                  frontends.items())))
         matrix_done = time.monotonic()
         held_session.append(f"QUIT: {held.quit().decode()}")
+        imap_steps.append(f"LOGOUT: {held_imap.logout()[0]}")
 
         marks = {i: len(cluster.system_log(i)) for i in (1, 2)}
         cluster.must("cluster", "start", str(DOWN))
@@ -388,6 +410,7 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
                             load_users + all_users)
         timings["missing_at_one"] = _missing(at_one, acked)
         yield Experiment(killed, detected, back, loads, all_load, pop3_during, imap_during, held_session,
+                         imap_steps,
                          Matrix(cells), read_back, timings)
     finally:
         for node in started:
@@ -478,7 +501,11 @@ def test_pop3_at_read_quorum_with_rf2_refuses_mailboxes_that_lost_a_replica(expe
 
 
 def test_imap_on_a_surviving_node_keeps_working_at_read_one(experiment: Experiment) -> None:
+    """New sessions, and a session selected before the failure (FETCH, SEARCH, STORE, NOOP during
+    the outage, LOGOUT after it), all answer OK."""
     assert all(o.ok and len(o.messages) == 2 for o in experiment.imap_during), [o.text for o in experiment.imap_during]
+    assert len(experiment.held_imap) == 2 + 3 + 1, experiment.held_imap  # FETCH x2, SEARCH, STORE, NOOP; LOGOUT
+    assert all(step.split(": ", 1)[1] in ("OK", "BYE") for step in experiment.held_imap), experiment.held_imap
 
 
 def _cell_text(outcomes: list[Outcome]) -> str:
