@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable, Mapping
 
 
 def _quote(value: object) -> str:
@@ -19,8 +20,34 @@ def _quote(value: object) -> str:
     return text
 
 
+#: Called with (event, fields) for every event `kv` formats (cassmail.metrics counts from them).
+Observer = Callable[[str, Mapping[str, object]], None]
+_observers: list[Observer] = []
+
+
+def add_observer(observer: Observer) -> None:
+    """Have `observer` see every event from now on, in this process and the workers it forks.
+
+    Events are seen where `kv` formats them, before the logger's level is checked: a node
+    logging at WARNING still counts its deliveries. An observer must be cheap and must not log."""
+    _observers.append(observer)
+
+
+def remove_observer(observer: Observer) -> None:
+    """Undo `add_observer` (a no-op when it was not added)."""
+    if observer in _observers:
+        _observers.remove(observer)
+
+
 def kv(event: str, **fields: object) -> str:
-    """`event=NAME k=v ...`, values quoted when they contain spaces, quotes or control characters."""
+    """`event=NAME k=v ...`, values quoted when they contain spaces, quotes or control characters.
+
+    Each call is one event: the observers (see `add_observer`) see it too."""
+    for observer in _observers:
+        try:
+            observer(event, fields)
+        except Exception:  # noqa: BLE001 - counting an event must never fail the work it describes
+            pass
     parts = [f"event={event}"]
     parts += [f"{key}={_quote(value)}" for key, value in fields.items() if value is not None]
     return " ".join(parts)

@@ -8,17 +8,24 @@ the workers and no state is shared between them. The supervisor restarts a
 worker that dies and, on SIGTERM/SIGINT, asks every worker to stop: a worker
 stops accepting, lets sessions in progress finish for a grace period, then
 closes the store.
+
+With `[metrics] enabled`, the supervisor makes a private directory for
+prometheus_client's multiprocess mode before it forks, binds the HTTP endpoint
+and forks an exporter process that serves /metrics from it (cassmail.metrics);
+each worker counts its events and times its store calls into that directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 from cassmail import logs
 from cassmail.config import ConfigError, Settings, host_port
@@ -92,15 +99,81 @@ def serve(settings: Settings) -> int:
         host, port = sock.getsockname()[:2]
         setattr(getattr(settings, name), "listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     workers = settings.node.workers or os.cpu_count() or 1
+    metrics_sock = _bind_metrics(settings) if settings.metrics.enabled else None
     listening = " ".join(f"{name}={getattr(settings, name).listen}" for name in reserved)
+    if metrics_sock is not None:
+        listening += f" metrics={settings.metrics.listen}"
     log.info(kv("start", node=settings.node.name, workers=workers, backend=settings.store.backend, listen=listening))
     print(f"cassmail: serving {listening} with {workers} worker(s)", flush=True)
-    if workers == 1:
-        return asyncio.run(run_worker(settings))
-    return _supervise(settings, workers)
+    exporter = _Exporter(settings, metrics_sock) if metrics_sock is not None else None
+    try:
+        if workers == 1:
+            return asyncio.run(run_worker(settings))
+        return _supervise(settings, workers, exporter)
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
-def _supervise(settings: Settings, workers: int) -> int:
+def _bind_metrics(settings: Settings) -> socket.socket:
+    """The metrics endpoint, bound and listening before anything forks; port 0 gets its number."""
+    from cassmail import metrics
+
+    host, port = host_port(settings.metrics.listen)
+    try:
+        sock = metrics.bind(host, port)
+    except OSError as exc:
+        raise ConfigError(f"metrics.listen: cannot listen on {host}:{port}: {exc.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    settings.metrics.listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return sock
+
+
+class _Exporter:
+    """The node's metrics: the multiprocess directory, the counters of this process (inherited
+    by the workers it forks) and the process serving /metrics."""
+
+    def __init__(self, settings: Settings, sock: socket.socket) -> None:
+        from cassmail import metrics
+
+        self.path = metrics.prepare()  # before any metric exists, so every value goes to a file
+        metrics.install(enabled_listeners(settings))
+        self.sock = sock
+        self.pid: int | None = metrics.start_exporter(sock, self.path)
+
+    def exited(self, pid: int, code: int, stopping: bool) -> bool:
+        """True when `pid` was the exporter; it is started again unless the node is stopping."""
+        from cassmail import metrics
+
+        if pid != self.pid:
+            return False
+        self.pid = None
+        if not stopping:
+            log.error(kv("metrics-exit", pid=pid, code=code))
+            time.sleep(RESTART_PAUSE)
+            self.pid = metrics.start_exporter(self.sock, self.path)
+        return True
+
+    def worker_exited(self, pid: int) -> None:
+        from cassmail import metrics
+
+        metrics.process_dead(pid, self.path)
+
+    def close(self) -> None:
+        """Stop the exporter and remove the directory."""
+        from cassmail import metrics
+
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self.pid = None
+        self.sock.close()
+        metrics.cleanup(self.path)
+
+
+def _supervise(settings: Settings, workers: int, exporter: _Exporter | None = None) -> int:
     children: dict[int, float] = {}
     stopping = False
 
@@ -138,10 +211,14 @@ def _supervise(settings: Settings, workers: int) -> int:
             break
         except InterruptedError:
             continue
+        code = os.waitstatus_to_exitcode(status)
+        if exporter is not None and exporter.exited(pid, code, stopping):
+            continue
         started = children.pop(pid, None)
         if started is None:
             continue
-        code = os.waitstatus_to_exitcode(status)
+        if exporter is not None:
+            exporter.worker_exited(pid)
         if stopping:
             continue
         log.error(kv("worker-exit", worker=pid, code=code))
@@ -169,6 +246,10 @@ async def run_worker(settings: Settings) -> int:
         # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
         reactor = twisted_asyncio.install(loop)
     store = make_store(settings)
+    if settings.metrics.enabled:
+        from cassmail import metrics
+
+        store = metrics.TimedStore(store, metrics.installed())
     try:
         await store.open()
     except StoreError as exc:
@@ -177,15 +258,26 @@ async def run_worker(settings: Settings) -> int:
         return 3
     servers = await smtp.start(settings, store)
     ports: list = []
+    counts: dict[str, Callable[[], int]] = {}
+    for _, handler in servers:
+        counts[handler.role.name] = lambda handler=handler: handler.sessions
     if reactor is not None:
         from cassmail import imap, pop3
 
-        ports += pop3.start(settings, store, reactor)
-        ports += imap.start(settings, store, reactor)
+        started = [("pop3", pop3.start(settings, store, reactor)), ("imap", imap.start(settings, store, reactor))]
+        for name, listening in started:
+            for port, factory in listening:
+                ports.append((port, factory))
+                counts[name] = lambda factory=factory: factory.sessions
+    sampler = None
+    if settings.metrics.enabled:
+        from cassmail import metrics
+
+        sampler = asyncio.ensure_future(metrics.sample_sessions(metrics.installed(), counts))
     log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
 
     def sessions() -> int:
-        return sum(handler.sessions for _, handler in servers) + sum(factory.sessions for _, factory in ports)
+        return sum(count() for count in counts.values())
 
     try:
         await stop.wait()
@@ -200,5 +292,7 @@ async def run_worker(settings: Settings) -> int:
             await asyncio.sleep(0.05)
         if sessions():
             log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
+        if sampler is not None:
+            sampler.cancel()
         await store.close()
     return 0

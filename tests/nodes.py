@@ -40,12 +40,16 @@ class Node:
             setattr(self.settings, name, listener)
         for key, value in listeners.get("node", {}).items():
             setattr(self.settings.node, key, value)
+        self.settings.metrics = dataclasses.replace(settings.metrics, listen=f"127.0.0.1:{free_port()}")
+        for key, value in listeners.get("metrics", {}).items():
+            setattr(self.settings.metrics, key, value)
         self.config = directory / f"node-{os.getpid()}-{time.monotonic_ns()}.toml"
         self.config.write_text(to_toml(self.settings))
         self.log = self.config.with_suffix(".log")
         self.process: subprocess.Popen[bytes] | None = None
 
     def port(self, name: str) -> int:
+        """The port of a listener, or of the metrics endpoint ("metrics")."""
         return int(getattr(self.settings, name).listen.rsplit(":", 1)[1])
 
     def start(self, timeout: float = 60) -> Node:
