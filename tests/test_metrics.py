@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import imaplib
+import logging
 import os
 import poplib
 import re
@@ -34,7 +35,7 @@ from cassmail.metrics import CONTRACT_OPS, Metrics, TimedStore
 from cassmail.server import make_store
 from cassmail.store.base import NoSuchMailbox, NoSuchUser, Store, Target
 from tests.conftest import FAST_HASH, backend_settings_for
-from tests.nodes import CASSMAIL, Node, free_port, node_settings
+from tests.nodes import CASSMAIL, Node, node_settings
 
 #: Messages larger than this are refused while DATA is read (result too-large).
 LIMIT = 64 * 1024
@@ -285,14 +286,40 @@ def test_metrics_are_off_by_default(tmp_path: Path, request: pytest.FixtureReque
         assert node.stop() == 0
 
 
-def test_one_worker_serves_metrics_too(tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """Without a supervisor (workers = 1) the serving process counts and the exporter still runs."""
-    node = Node(node_settings(backend_settings_for("mbox", request)), tmp_path, metrics={"enabled": True}).start()
+async def test_one_worker_counts_a_store_failure(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Without a supervisor (workers = 1) the serving process counts and the exporter still runs.
+    Fault injection: a dot-lock held on the mailbox makes the mbox store give up (lock_timeout),
+    so the delivery is a tempfail, a store error and a failed store call."""
+    settings = node_settings(backend_settings_for("mbox", request))
+    settings.store.mbox.lock_timeout = 0.5
+    store = make_store(settings)
+    await store.open()
+    domain = f"f{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    await store.create_user(f"anne@{domain}", hash_password("anne", FAST_HASH))
+    mbox, _ = store.mailbox_paths(f"anne@{domain}", "INBOX")
+    await store.close()
+    node = Node(settings, tmp_path, metrics={"enabled": True}).start()
     try:
         probed = value(settled(node), "cassmail_sessions_total", listener="smtp")
-        with smtplib.SMTP("127.0.0.1", node.port("smtp"), timeout=30) as client:
-            assert client.noop()[0] == 250
-        wait_for(node, {key("cassmail_sessions_total", listener="smtp"): probed + 1})
+        lock = Path(f"{mbox}.lock")
+        lock.write_text(f"{os.getpid()}\n")  # a live process holds it: never taken as stale
+        try:
+            with pytest.raises(smtplib.SMTPDataError) as refused:
+                await asyncio.to_thread(send, node, f"anne@{domain}", message(1))
+            assert refused.value.smtp_code == 451
+        finally:
+            lock.unlink()
+        await asyncio.to_thread(send, node, f"anne@{domain}", message(2))
+        await asyncio.to_thread(wait_for, node, {
+            key("cassmail_sessions_total", listener="smtp"): probed + 2,
+            key("cassmail_deliveries_total", listener="smtp", result="tempfail"): 1,
+            key("cassmail_deliveries_total", listener="smtp", result="ok"): 1,
+            key("cassmail_errors_total", listener="smtp", kind="store"): 1,
+            key("cassmail_errors_total", listener="smtp", kind="internal"): 0,
+            key("cassmail_store_errors_total", op="deliver", kind="StoreUnavailable"): 1,
+            key("cassmail_store_seconds_count", op="deliver"): 2,
+        })
     finally:
         assert node.stop() == 0
     assert metrics_dirs(node) == [] and "Traceback" not in node.log_text()
@@ -369,3 +396,51 @@ async def _timed_calls(store: Store, anne: str) -> None:
     assert sample("cassmail_store_errors_total", {"op": "deliver", "kind": "NoSuchMailbox"}) == 1
     assert sample("cassmail_store_seconds_count", {"op": "deliver"}) == 2  # a failed call is timed too
     assert await timed.user_exists(anne) and sample("cassmail_store_seconds_count", {"op": "user_exists"}) == 1
+
+
+# ----------------------------------------------------------------------------- events to counters
+
+
+def test_events_become_bounded_counters() -> None:
+    """The mapping from log events for the failures a test cannot provoke from outside (a bug
+    caught in a front end): each failure counted once, labels only from bounded sets."""
+    from cassmail.logs import add_observer, kv, remove_observer
+    from cassmail.metrics import _UnstructuredErrors
+
+    registry = CollectorRegistry()
+    counted = Metrics(registry)
+    handler = _UnstructuredErrors(counted)
+    add_observer(counted.on_event)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        kv("session-error", error="KeyError")  # aiosmtpd's handler errors say no listener
+        kv("pop3-error", peer="192.0.2.1", user="anne@x.test", command="retr")
+        kv("auth", listener="pop3", peer="192.0.2.1", user="anne@x.test", error="down")  # then the result line:
+        kv("auth", listener="pop3", peer="192.0.2.1", user="anne@x.test", result="tempfail", ms=3)
+        kv("imap-syntax", peer="192.0.2.1", error="bad literal")  # the client's mistake, not ours
+        kv("imap-closed", peer="192.0.2.1", reason="gone")
+        kv("session", listener="anne@x.test", ms=5)  # never a user as a label value
+        kv("delivery", listener="lmtp", result="weird", ms=7, size=10, rcpts=1)
+        logging.getLogger("cassmail.imap.session").error("imap command failed")  # not an event: counted here
+        logging.getLogger("cassmail.pop3.server").error(kv("pop3-error", command="quit"))  # an event: counted once
+        logging.getLogger("cassandra.cluster").error("control connection lost")  # the driver's, not ours
+    finally:
+        remove_observer(counted.on_event)
+        root.removeHandler(handler)
+    kv("session-error", error="after")  # no longer observed
+
+    def count(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert count("cassmail_errors_total", listener="smtp", kind="internal") == 1
+    assert count("cassmail_errors_total", listener="pop3", kind="internal") == 2
+    assert count("cassmail_errors_total", listener="pop3", kind="store") == 1
+    assert count("cassmail_errors_total", listener="imap", kind="internal") == 1
+    assert count("cassmail_errors_total", listener="imap", kind="store") is None
+    assert count("cassmail_auth_total", listener="pop3", result="tempfail") == 1
+    assert count("cassmail_sessions_total", listener="other") == 1
+    assert count("cassmail_deliveries_total", listener="lmtp", result="other") == 1
+    assert count("cassmail_delivery_bytes_total", listener="lmtp") is None  # only delivered mail
+    assert sum(s.value for f in registry.collect() if f.name == "cassmail_errors" for s in f.samples
+               if s.name == "cassmail_errors_total") == 5
