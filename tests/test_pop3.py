@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import poplib
+import re
 import socket
 import subprocess
 import sys
@@ -469,6 +470,84 @@ def test_a_line_of_any_length_gets_err_and_the_session_goes_on(node: Node, users
     assert raw.line() == b"-ERR Line too long\r\n"
     assert raw.line() == b"+OK 0 0\r\n"
     assert raw.cmd("QUIT").startswith(b"+OK")
+
+
+def _workers_rss(node: Node) -> int:
+    """Resident bytes of the node's forked processes (its worker), from /proc."""
+    assert node.process is not None
+    pid = node.process.pid
+    total = 0
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        status = Path(f"/proc/{child}/status").read_text()
+        total += int(re.search(r"^VmRSS:\s+(\d+) kB$", status, re.M).group(1)) * 1024  # type: ignore[union-attr]
+    return total
+
+
+async def test_a_client_that_stops_reading_during_retr_backs_up_instead_of_growing_the_queue(
+    second_node: Node, store: Store, users
+) -> None:
+    """RETR of 8 MB, not read, then 16 MB of pipelined commands: once max_pipelined_bytes (64 KiB)
+    wait, the worker stops reading, so the client's send blocks after a few hundred KiB (kernel
+    buffers) and the worker's memory does not grow by the 16 MB. Once the client reads, every
+    command is answered, in order, none dropped."""
+    big = b"Subject: big\r\n\r\n" + (b"x" * 76 + b"\r\n") * (8 * 1024 * 1024 // 78)
+    small = b"Subject: small\r\n\r\nsmall\r\n"
+    await store.deliver(big, [Target(users["carol"])])
+    await store.deliver(small, [Target(users["carol"])])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # RETR cannot finish unread
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", second_node.port("pop3")))
+    file = sock.makefile("rb")
+    assert file.readline().startswith(b"+OK")
+    # NOOP, STAT, LIST 2 and UIDL 1 with numbers padded to ~1000 bytes, and a line too long.
+    cycle = [b"NOOP", b"STAT", b"LIST " + b"0" * 1000 + b"2", b"UIDL " + b"0" * 1000 + b"1", b"NOOP " + b"y" * 1500]
+    sock.sendall(f"USER {users['carol']}\r\nPASS carol\r\n".encode() + b"".join(c + b"\r\n" for c in cycle))
+    assert file.readline().startswith(b"+OK") and file.readline().startswith(b"+OK")
+    answers = [file.readline() for _ in cycle]
+    assert answers[2] == b"+OK 2 %d\r\n" % len(small) and answers[4] == b"-ERR Line too long\r\n"
+    cycles = 16 * 1024 * 1024 // len(b"".join(c + b"\r\n" for c in cycle))
+    flood = b"".join(c + b"\r\n" for c in cycle) * cycles + b"RETR 2\r\nQUIT\r\n"
+
+    sock.sendall(b"RETR 1\r\n")
+    await asyncio.sleep(1.5)  # the RETR fills the socket buffers and waits
+    before = _workers_rss(second_node)
+    sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        for start in range(0, len(flood), 64 * 1024):
+            sock.sendall(flood[start : start + 64 * 1024])
+            sent = start + len(flood[start : start + 64 * 1024])
+
+    sender = asyncio.ensure_future(asyncio.to_thread(send))
+    last, stalled_since = -1, time.monotonic()
+    while time.monotonic() - stalled_since < 2.0:
+        assert not sender.done(), f"all {len(flood)} bytes were read by the server, nothing backed up"
+        if sent != last:
+            last, stalled_since = sent, time.monotonic()
+        await asyncio.sleep(0.1)
+    assert sent < 4 * 1024 * 1024, sent  # the client's sends back up
+    grown = _workers_rss(second_node) - before
+    assert grown < 8 * 1024 * 1024, f"the worker grew by {grown} bytes"
+
+    def read_all() -> bytes:
+        chunks = []
+        while chunk := sock.recv(1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    received = await asyncio.to_thread(read_all)  # until the QUIT closes the connection
+    await sender
+    head = b"+OK %d octets\r\n" % len(big)
+    assert received.startswith(head + big + b".\r\n")
+    rest = received[len(head) + len(big) + 3 :]
+    tail = b"+OK %d octets\r\n" % len(small) + small + b".\r\n+OK Bye, 0 message(s) removed\r\n"
+    assert rest.endswith(tail)
+    replies = rest[: -len(tail)]
+    assert replies == b"".join(answers) * cycles  # every command answered, in order
+    assert "Traceback" not in second_node.log_text()
 
 
 def test_a_session_is_closed_after_max_auth_failures(second_node: Node, users) -> None:

@@ -9,6 +9,9 @@ here where cassmail needs more than it does:
 - pipelining (RFC 2449): lines that arrive while a long operation (login, RETR,
   TOP, QUIT) runs wait in order, and each is then handled exactly like a line read
   from the socket, errors included (Twisted's own replay skips the error handling);
+  once more than `max_pipelined_bytes` wait, the session stops reading from the
+  socket (the client's sends back up in TCP) until they are answered, so a client
+  that stops reading during a RETR and keeps sending cannot grow the queue;
 - the maildrop (`Maildrop`) is read from the store at login, in pages of summaries,
   and stays fixed for the session (RFC 1939): numbers never shift;
 - RETR and TOP stream the body from the store chunk by chunk, with flow control,
@@ -36,6 +39,7 @@ import binascii
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -114,7 +118,7 @@ class Pop3Session(pop3.POP3):
     mbox: Maildrop | None
 
     #: Lines read while a long operation runs, in order; None stands for a line that was too long.
-    blocked: list[bytes | None] | None
+    blocked: deque[bytes | None] | None
 
     def __init__(self) -> None:
         self._opened_at: float | None = None
@@ -125,6 +129,8 @@ class Pop3Session(pop3.POP3):
         self._overlong = False  # skipping the rest of a line that is too long
         self._drop_rest = False  # STLS: whatever follows it in clear text is dropped
         self._answering = False  # from a RETR's or TOP's +OK to its end: an error cannot be -ERR then
+        self._queued = 0  # bytes of the lines waiting (in `blocked` or on their way back to it)
+        self._reading_paused = False  # the transport was told to stop reading (too much queued)
 
     # ------------------------------------------------------------------ connection
 
@@ -191,8 +197,19 @@ class Pop3Session(pop3.POP3):
         self.resetTimeout()
         if self.blocked is not None:
             self.blocked.append(line)
+            self._queued += self._queued_size(line)
+            if self._queued > self.factory.settings.max_pipelined_bytes and not self._reading_paused:
+                # Bytes already read are still cut into lines and queued (at most one read more);
+                # nothing new is read until _unblock has answered enough of them.
+                self._reading_paused = True
+                self.transport.pauseProducing()
             return
         self._handle(line)
+
+    def _queued_size(self, line: bytes | None) -> int:
+        """What a waiting line counts against max_pipelined_bytes: the bytes the client sent for
+        it (an over-long line, kept as None, counts as the longest line allowed)."""
+        return (len(line) if line is not None else self.factory.settings.max_line_length) + 2
 
     def _handle(self, line: bytes | None) -> None:
         if line is None:
@@ -221,25 +238,33 @@ class Pop3Session(pop3.POP3):
         `processCommand`: an error there escaped as an unhandled Deferred failure, the
         rest of the queue was lost and the idle timer stayed off."""
         self.setTimeout(None)
-        self.blocked = []
+        self.blocked = deque()
         d.addErrback(self._unexpected)
         d.addCallback(self._unblock)
         return d
 
     def _unblock(self, _: object = None) -> None:
-        """Handle the waiting lines in order until one starts another long operation."""
-        lines, self.blocked = self.blocked or [], None
+        """Handle the waiting lines in order until one starts another long operation; read from
+        the socket again once what still waits is within max_pipelined_bytes."""
+        lines, self.blocked = self.blocked or deque(), None
         while lines and self.blocked is None:
             if self._opened_at is None or self.transport.disconnecting:
                 return
-            self._handle(lines.pop(0))
+            line = lines.popleft()
+            self._queued -= self._queued_size(line)
+            self._handle(line)
             if self._drop_rest:  # STLS was among them: what followed it came in clear text
                 self._drop_rest = False
                 lines.clear()
+                self._queued = 0
         if self.blocked is not None:
             self.blocked.extend(lines)  # they wait for the long operation just started
         elif self._opened_at is not None:
             self.setTimeout(self.timeOut)
+        if (self._reading_paused and self._opened_at is not None and not self.transport.disconnecting
+                and self._queued <= self.factory.settings.max_pipelined_bytes):
+            self._reading_paused = False
+            self.transport.resumeProducing()
 
     def _unexpected(self, failure: Failure) -> None:
         """Last resort for a long operation that failed (they answer their own errors): log it,
