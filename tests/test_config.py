@@ -79,6 +79,11 @@ def test_environment_lists_and_tables_are_parsed() -> None:
         ("[smpt]\nlisten = '127.0.0.1:25'", "smpt: unknown setting"),
         ("[auth]\nscrypt_n = 1000", "auth.scrypt_n: must be a power of two"),
         ("[pop3]\nenabled = 'maybe'", "pop3.enabled: must be true or false"),
+        ("[smtp]\nmax_command_rate = 5", "smtp.max_command_rate: must be 0 (no limit) or >= 10 commands per minute"),
+        ("[lmtp]\nmax_connection_rate = -1", "lmtp.max_connection_rate: must be 0 (no limit) or >= 1"),
+        ("[submission]\nrate_limit_exempt = ['10.0.0.0/8', 'localhost']", "submission.rate_limit_exempt[1]: must be an IP"),
+        ("[smtp]\nrate_limit_exempt = '10.0.0.0/8'", "smtp.rate_limit_exempt: must be a list"),
+        ("[pop3]\nmax_pipelined_bytes = 100", "pop3.max_pipelined_bytes: must be 1024..16777216 bytes"),
         ("store = 3", "store: must be a table"),
         ("[store\nbackend=", "invalid TOML"),
     ],
@@ -88,6 +93,20 @@ def test_invalid_settings_stop_with_one_line_naming_the_key(tmp_path: Path, text
         config.load(write(tmp_path, text), env={})
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_rate_limits_default_on_with_loopback_exempt_and_zero_turns_them_off() -> None:
+    settings = config.load(env={})
+    for listener in (settings.smtp, settings.submission, settings.lmtp):
+        assert listener.max_command_rate == 600 and listener.max_connection_rate == 300
+        assert listener.rate_limit_exempt == ["127.0.0.0/8", "::1/128"]
+    assert settings.pop3.max_pipelined_bytes == 64 * 1024
+    off = config.load(
+        env={"CASSMAIL_SMTP_MAX_COMMAND_RATE": "0", "CASSMAIL_SMTP_RATE_LIMIT_EXEMPT": "[]"},
+        overrides=["smtp.max_connection_rate=0", "submission.rate_limit_exempt=2001:db8::/32, 192.0.2.7"],
+    )
+    assert off.smtp.max_command_rate == 0 and off.smtp.max_connection_rate == 0 and off.smtp.rate_limit_exempt == []
+    assert off.submission.rate_limit_exempt == ["2001:db8::/32", "192.0.2.7"]
 
 
 def test_bad_environment_and_flag_values_name_their_key() -> None:
