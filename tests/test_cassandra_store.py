@@ -281,7 +281,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     async with CassandraStore(cassandra_settings) as store:
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
         rows = await store._exec(store.session.prepare(query).bind(()))
-    assert [(r.version, r.name) for r in rows] == [(1, "initial"), (2, "low_water_due")]
+    assert [(r.version, r.name) for r in rows] == [(1, "initial"), (2, "low_water_due"), (3, "aliases")]
 
 
 async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_settings) -> None:
