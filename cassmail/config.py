@@ -374,6 +374,10 @@ class Pop3Settings(ListenerSettings):
     #: Bytes of pipelined commands held while a long operation (login, RETR, TOP, QUIT) runs;
     #: past it the server stops reading from that client until they are answered.
     max_pipelined_bytes: int = 64 * 1024
+    #: Seconds a client may take no bytes while the server has a message for it (RETR/TOP or
+    #: FETCH); past it the connection is dropped, so a client that stops reading cannot hold a
+    #: session forever. Not the idle timer: that one waits for the client's next command.
+    write_timeout: float = 600.0
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -385,6 +389,7 @@ class Pop3Settings(ListenerSettings):
             f"must be 1024..16777216 bytes, got {self.max_pipelined_bytes}",
         )
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
+        _check(1 <= self.write_timeout <= 86400, f"{prefix}.write_timeout", "must be 1..86400 seconds")
 
 
 @dataclass
@@ -400,6 +405,10 @@ class ImapSettings(ListenerSettings):
     idle_poll: float = 2.0
     #: Message summaries read from the store per request when a session selects a mailbox.
     page_size: int = 1000
+    #: Seconds a client may take no bytes while the server has a message for it (RETR/TOP or
+    #: FETCH); past it the connection is dropped, so a client that stops reading cannot hold a
+    #: session forever. Not the idle timer: that one waits for the client's next command.
+    write_timeout: float = 600.0
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -408,6 +417,7 @@ class ImapSettings(ListenerSettings):
         _check(256 <= self.max_string_literal <= 1 << 20, f"{prefix}.max_string_literal", "must be 256..1048576")
         _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
+        _check(1 <= self.write_timeout <= 86400, f"{prefix}.write_timeout", "must be 1..86400 seconds")
 
 
 @dataclass
