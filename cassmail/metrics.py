@@ -128,7 +128,7 @@ class Metrics:
             "Failures: kind=store when the store failed a request (the client was told to retry), "
             "kind=internal for a bug caught before it reached the client",
             ("listener", "kind"))
-        self.worker_exits = counter("cassmail_worker_exits", "Workers that died unexpectedly (each is restarted)")
+        self.worker_exits = counter("cassmail_worker_exits", "Workers that exited unexpectedly (another is started unless the store could not be opened)")
         self.store_seconds = histogram(
             "cassmail_store_seconds", "Store calls by operation; a stream counts the time spent waiting for its chunks",
             ("op",), STORE_BUCKETS)

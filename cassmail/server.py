@@ -182,6 +182,8 @@ def _supervise(settings: Settings, workers: int, exporter: _Exporter | None = No
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if exporter is not None:
+                exporter.sock.close()  # else a scrape would wait on it for ever once the exporter is gone
             code = 1
             try:
                 code = asyncio.run(run_worker(settings))

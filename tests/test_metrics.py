@@ -12,6 +12,7 @@ import logging
 import os
 import poplib
 import re
+import shutil
 import signal
 import smtplib
 import socket
@@ -260,6 +261,17 @@ def test_node_totals_over_two_workers_survive_a_killed_worker(settings: Settings
                         key("cassmail_store_seconds_count", op="deliver"): 7,
                         key("cassmail_sessions_total", listener="smtp"): sessions("smtp", 8)})
 
+        # The exporter itself killed: the supervisor starts another on the same socket, same totals.
+        assert node.process is not None
+        children = Path(f"/proc/{node.process.pid}/task/{node.process.pid}/children").read_text().split()
+        [exporter] = [int(pid) for pid in children if int(pid) not in worker_pids(node)]
+        totals = settled(node)
+        os.kill(exporter, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while f"event=metrics-exit pid={exporter} code=-9" not in node.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert settled(node) == totals
+
         # Only /metrics is served.
         with pytest.raises(urllib.error.HTTPError) as missing:
             scrape(node, "/")
@@ -299,7 +311,16 @@ async def test_one_worker_counts_a_store_failure(tmp_path: Path, request: pytest
     await store.create_user(f"anne@{domain}", hash_password("anne", FAST_HASH))
     mbox, _ = store.mailbox_paths(f"anne@{domain}", "INBOX")
     await store.close()
+    # The directory a node killed with SIGKILL left goes at the next start; a live node's stays.
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    left = Path(tempfile.gettempdir(), f"{metrics.DIR_PREFIX}{dead}-test")
+    live = Path(tempfile.gettempdir(), f"{metrics.DIR_PREFIX}{os.getpid()}-test")
+    for directory in (left, live):
+        directory.mkdir()
+        (directory / "counter_1.db").write_bytes(b"")
     node = Node(settings, tmp_path, metrics={"enabled": True}).start()
+    assert not left.exists() and live.exists()
+    shutil.rmtree(live)
     try:
         probed = value(settled(node), "cassmail_sessions_total", listener="smtp")
         lock = Path(f"{mbox}.lock")
