@@ -70,7 +70,10 @@ _ALWAYS_ERRORS: dict[str, tuple[str, str]] = {
     "pop3-error": ("pop3", "internal"),
     "imap-error": ("imap", "internal"),
 }
-#: Events that are failures when they carry `error=` (the store failed them): listener when none.
+#: Events that are failures when they carry `error=` (the store failed them) and a `result` of
+#: _STORE_FAILED (none, or the store's); listener when the event names none. A client's own
+#: trouble logged on the same event (POP3 retr result=stalled) is not the store's.
+_STORE_FAILED = (None, "tempfail", "cut", "fail")
 _STORE_ERRORS: dict[str, str] = {
     "delivery": "smtp", "rcpt": "smtp", "auth": NODE, "retr": "pop3", "quit": "pop3",
     "imap-store": "imap", "imap-idle": "imap", "imap-uids": "imap", "imap-uidnext": "imap",
@@ -108,7 +111,8 @@ class Metrics:
             return Histogram(name, doc, list(labels), buckets=buckets, registry=registry)
 
         self.deliveries = counter(
-            "cassmail_deliveries", "Messages offered by DATA (SMTP, submission, LMTP), by result", ("listener", "result"))
+            "cassmail_deliveries", "Messages offered by DATA (SMTP, submission, LMTP), by result",
+            ("listener", "result"))
         self.delivery_bytes = counter(
             "cassmail_delivery_bytes", "Bytes of the messages delivered (as sent, before trace headers)", ("listener",))
         self.delivery_recipients = counter(
@@ -122,13 +126,16 @@ class Metrics:
         self.sessions_open = Gauge(
             "cassmail_sessions_open", "Sessions in progress in the live workers (sampled each second)",
             ["listener"], multiprocess_mode="livesum", registry=registry)
-        self.auth = counter("cassmail_auth", "Password checks (SMTP AUTH, POP3, IMAP), by result", ("listener", "result"))
+        self.auth = counter(
+            "cassmail_auth", "Password checks (SMTP AUTH, POP3, IMAP), by result", ("listener", "result"))
         self.errors = counter(
             "cassmail_errors",
             "Failures: kind=store when the store failed a request (the client was told to retry), "
             "kind=internal for a bug caught before it reached the client",
             ("listener", "kind"))
-        self.worker_exits = counter("cassmail_worker_exits", "Workers that exited unexpectedly (another is started unless the store could not be opened)")
+        self.worker_exits = counter(
+            "cassmail_worker_exits",
+            "Workers that exited unexpectedly (another is started unless the store could not be opened)")
         self.store_seconds = histogram(
             "cassmail_store_seconds", "Store calls by operation; a stream counts the time spent waiting for its chunks",
             ("op",), STORE_BUCKETS)
@@ -185,7 +192,7 @@ class Metrics:
         if event in _ALWAYS_ERRORS:
             default, kind = _ALWAYS_ERRORS[event]
             self.errors.labels(listener or default, kind).inc()
-        elif event in _STORE_ERRORS and fields.get("error") is not None:
+        elif event in _STORE_ERRORS and fields.get("error") is not None and fields.get("result") in _STORE_FAILED:
             self.errors.labels(listener or _STORE_ERRORS[event], "store").inc()
 
 

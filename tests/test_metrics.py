@@ -440,6 +440,8 @@ def test_events_become_bounded_counters() -> None:
         kv("auth", listener="pop3", peer="192.0.2.1", user="anne@x.test", error="down")  # then the result line:
         kv("auth", listener="pop3", peer="192.0.2.1", user="anne@x.test", result="tempfail", ms=3)
         kv("imap-syntax", peer="192.0.2.1", error="bad literal")  # the client's mistake, not ours
+        kv("retr", listener="pop3", user="anne@x.test", result="stalled", error="no reads")  # the client's too
+        kv("retr", listener="pop3", user="anne@x.test", result="cut", error="down")  # the store's
         kv("imap-closed", peer="192.0.2.1", reason="gone")
         kv("session", listener="anne@x.test", ms=5)  # never a user as a label value
         kv("delivery", listener="lmtp", result="weird", ms=7, size=10, rcpts=1)
@@ -456,7 +458,7 @@ def test_events_become_bounded_counters() -> None:
 
     assert count("cassmail_errors_total", listener="smtp", kind="internal") == 1
     assert count("cassmail_errors_total", listener="pop3", kind="internal") == 2
-    assert count("cassmail_errors_total", listener="pop3", kind="store") == 1
+    assert count("cassmail_errors_total", listener="pop3", kind="store") == 2
     assert count("cassmail_errors_total", listener="imap", kind="internal") == 1
     assert count("cassmail_errors_total", listener="imap", kind="store") is None
     assert count("cassmail_auth_total", listener="pop3", result="tempfail") == 1
@@ -464,4 +466,4 @@ def test_events_become_bounded_counters() -> None:
     assert count("cassmail_deliveries_total", listener="lmtp", result="other") == 1
     assert count("cassmail_delivery_bytes_total", listener="lmtp") is None  # only delivered mail
     assert sum(s.value for f in registry.collect() if f.name == "cassmail_errors" for s in f.samples
-               if s.name == "cassmail_errors_total") == 5
+               if s.name == "cassmail_errors_total") == 6
