@@ -81,13 +81,34 @@ def listen(reactor: Any, settings: ListenerSettings, factory: Any) -> Any:
         sock.close()  # Twisted holds its own duplicate of the descriptor
 
 
-class WriteGate:
-    """A push producer that tells the sending coroutine when the transport's buffer is full."""
+class ClientStalled(ConnectionError):
+    """The client took none of what was sent to it for the write timeout; the connection is dropped."""
 
-    def __init__(self) -> None:
+
+class WriteGate:
+    """A push producer that tells the sending coroutine when the transport's buffer is full.
+
+    `timeout` bounds how long a sender waits for a client that stopped reading: a message
+    being sent must not let a client hold its session (and the worker's buffers) forever."""
+
+    def __init__(self, transport: Any, timeout: float) -> None:
+        self.transport, self.timeout = transport, timeout
         self.open = asyncio.Event()
         self.open.set()
         self.stopped = False
+
+    async def wait(self) -> None:
+        """Return once the transport takes more. Raises ConnectionError when the client went
+        away, and ClientStalled, after aborting the connection (closing it politely would wait
+        for the very buffer that does not drain), when it took nothing for `timeout` seconds."""
+        if not self.stopped and not self.open.is_set():
+            try:
+                await asyncio.wait_for(self.open.wait(), self.timeout)
+            except TimeoutError:
+                self.transport.abortConnection()
+                raise ClientStalled(f"the client took no data for {self.timeout:g} s") from None
+        if self.stopped:
+            raise ConnectionError("client went away")
 
     def pauseProducing(self) -> None:
         self.open.clear()

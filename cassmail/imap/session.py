@@ -865,7 +865,7 @@ class ImapSession(imap4.IMAP4Server):
                 if not any(p.type == "flags" for p in query):
                     query = list(query) + [imap4._FetchParser.Flags()]
         missing = 0
-        gate = WriteGate()
+        gate = WriteGate(self.transport, self.factory.settings.write_timeout)
         self.transport.registerProducer(gate, True)
         try:
             for message_uid in uids:
@@ -915,9 +915,7 @@ class ImapSession(imap4.IMAP4Server):
                 continue
             out.append(self._item(message_uid, part, entity))
         write(head + b" ".join(out) + b")\r\n")
-        if gate.stopped:
-            raise ConnectionError("client went away")
-        await gate.open.wait()
+        await gate.wait()
 
     def _item(self, message_uid: int, part: Any, entity: mime.Entity | None) -> bytes:
         view = self.view
@@ -982,9 +980,7 @@ class ImapSession(imap4.IMAP4Server):
         try:
             if rest is not None:
                 async for chunk in rest:
-                    if gate.stopped:
-                        raise ConnectionError("client went away")
-                    await gate.open.wait()
+                    await gate.wait()
                     write(chunk)
                     sent += len(chunk)
         except StoreError as exc:

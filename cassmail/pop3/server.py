@@ -54,7 +54,7 @@ from cassmail.config import Pop3Settings
 from cassmail.logs import kv
 from cassmail.model import INBOX, Address, InvalidInput, MessageSummary, mailbox_name, uidl
 from cassmail.store.base import NoSuchMailbox, NoSuchMessage, Store, StoreError
-from cassmail.twisted_asyncio import WriteGate, deferred
+from cassmail.twisted_asyncio import ClientStalled, WriteGate, deferred
 
 log = logging.getLogger("cassmail.pop3")
 
@@ -532,7 +532,7 @@ class Pop3Session(pop3.POP3):
             log.warning(kv("retr", listener="pop3", peer=self._peer, user=box.user, error=exc))
             self.failResponse(b"[SYS/TEMP] Mail store unavailable, try again later")
             return
-        gate = WriteGate()
+        gate = WriteGate(self.transport, self.factory.settings.write_timeout)
         self.transport.registerProducer(gate, True)
         try:
             self.successResponse(f"{summary.size} octets" if top_lines is None else "Top of message follows")
@@ -551,10 +551,7 @@ class Pop3Session(pop3.POP3):
                         stuffed = b"." + stuffed
                     last = chunk[-1:]
                     self.transport.write(stuffed)
-                    if not gate.open.is_set():
-                        await gate.open.wait()
-                    if gate.stopped:
-                        return
+                    await gate.wait()
                 if done:
                     break
                 chunk = await anext(chunks, None)
@@ -562,6 +559,10 @@ class Pop3Session(pop3.POP3):
                     break
             self.transport.write(b".\r\n" if last == b"\n" else b"\r\n.\r\n")
             box.retrieved += 1
+        except ClientStalled as exc:
+            log.info(kv("retr", listener="pop3", peer=self._peer, user=box.user, result="stalled", error=exc))
+        except ConnectionError:
+            return  # the client went away in the middle: nobody to answer
         except StoreError as exc:
             # Part of the message went out: the only honest ending is to close the connection.
             log.warning(kv("retr", listener="pop3", peer=self._peer, user=box.user, result="cut", error=exc))
