@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from cassmail import logs
 from cassmail.config import ConfigError, Settings, host_port
@@ -36,6 +37,8 @@ log = logging.getLogger("cassmail.server")
 
 #: Seconds a stopping worker waits for sessions in progress.
 STOP_GRACE = 10.0
+#: Seconds the sessions still open after it have to unwind once their connections are cut.
+CUT_GRACE = 3.0
 #: A worker that dies sooner than this after its start is restarted only after a pause.
 RESTART_PAUSE = 1.0
 
@@ -261,8 +264,10 @@ async def run_worker(settings: Settings) -> int:
     servers = await smtp.start(settings, store)
     ports: list = []
     counts: dict[str, Callable[[], int]] = {}
+    holders: list[Any] = []  # what keeps each listener's open sessions (their `open` sets)
     for _, handler in servers:
         counts[handler.role.name] = lambda handler=handler: handler.sessions
+        holders.append(handler)
     if reactor is not None:
         from cassmail import imap, pop3
 
@@ -271,6 +276,7 @@ async def run_worker(settings: Settings) -> int:
             for port, factory in listening:
                 ports.append((port, factory))
                 counts[name] = lambda factory=factory: factory.sessions
+                holders.append(factory)
     sampler = None
     if settings.metrics.enabled:
         from cassmail import metrics
@@ -293,7 +299,18 @@ async def run_worker(settings: Settings) -> int:
         while sessions() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if sessions():
+            # Cut them, and let them unwind (a command waiting on the store or on the client sees
+            # its connection gone) while the store is still open: after store.close() they would
+            # fail on a closed store or executor instead of ending.
             log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
+            for holder in holders:
+                for session in list(holder.open):
+                    transport = session.transport
+                    if transport is not None:
+                        (getattr(transport, "abortConnection", None) or transport.abort)()
+            deadline = loop.time() + CUT_GRACE
+            while sessions() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
         if sampler is not None:
             sampler.cancel()
         await store.close()

@@ -94,3 +94,35 @@ async def test_imap_fetch_to_a_client_that_stops_reading_is_cut_off(stall_node: 
     typ, data = session.fetch("1", "(BODY.PEEK[])")
     assert typ == "OK" and data[0][1] == BIG  # a client that reads gets all of it
     session.logout()
+
+
+async def test_a_node_stopping_cuts_the_sessions_its_grace_period_did_not_end(
+    backend_settings, store: Store, users, tmp_path
+) -> None:
+    """SIGTERM while a RETR and a FETCH wait on clients that do not read: after the grace period
+    the worker cuts them, they unwind while the store is still open, and the node exits 0 with no
+    traceback (before, they failed on a closed store once the worker had gone on)."""
+    plain = {"allow_plaintext_auth": True, "auth_failure_delay": 0.0}
+    node = Node(node_settings(backend_settings), tmp_path, pop3=plain, imap={"enabled": True, **plain}).start()
+    try:
+        await store.deliver(BIG, [Target(users["carol"])])
+        pop_sock, pop_file = _unread_client(node.port("pop3"))
+        assert pop_file.readline().startswith(b"+OK")
+        pop_sock.sendall(f"USER {users['carol']}\r\nPASS carol\r\n".encode())
+        assert pop_file.readline().startswith(b"+OK") and pop_file.readline().startswith(b"+OK")
+        pop_sock.sendall(b"RETR 1\r\n")
+        imap_sock, imap_file = _unread_client(node.port("imap"))
+        assert imap_file.readline().startswith(b"* OK")
+        imap_sock.sendall(f"a LOGIN {users['carol']} carol\r\nb SELECT INBOX\r\n".encode())
+        while not imap_file.readline().startswith(b"b OK"):
+            pass
+        imap_sock.sendall(b"c FETCH 1 BODY.PEEK[]\r\n")
+        time.sleep(1.0)  # both are now waiting on their clients
+        started = time.monotonic()
+        assert node.stop(timeout=60) == 0
+        assert time.monotonic() - started < 20  # the grace period, then the cut
+    finally:
+        node.stop()
+    log = node.log_text()
+    assert "result=sessions-cut" in log
+    assert "Traceback" not in log and "pop3-error" not in log and "Unhandled" not in log, log[-3000:]

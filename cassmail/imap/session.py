@@ -126,6 +126,7 @@ class ImapSession(imap4.IMAP4Server):
         peer = self.transport.getPeer()
         self._peer = getattr(peer, "host", str(peer))
         self.factory.sessions += 1
+        self.factory.open.add(self)
         self._opened_at = time.monotonic()
         if self.factory.sessions > self.settings.max_connections:
             self.sendLine(b"* BYE [UNAVAILABLE] Too many connections, try again later")
@@ -138,6 +139,7 @@ class ImapSession(imap4.IMAP4Server):
         self._stop_idle()
         if self._opened_at is not None:
             self.factory.sessions -= 1
+            self.factory.open.discard(self)
             log.info(kv("session", listener="imap", peer=self._peer, user=self.user, tls=self._secure,
                         commands=self._commands, ms=int((time.monotonic() - self._opened_at) * 1000)))
             self._opened_at = None
@@ -1221,6 +1223,8 @@ class ImapFactory(ServerFactory):
         self.store, self.settings, self.tls = store, settings, tls
         self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
         self.sessions = 0
+        #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
+        self.open: set[ImapSession] = set()
         self._watchers: dict[tuple[str, str], Watcher] = {}
 
     def buildProtocol(self, addr: Any) -> ImapSession:

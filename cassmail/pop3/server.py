@@ -145,6 +145,7 @@ class Pop3Session(pop3.POP3):
         peer = self.transport.getPeer()
         self._peer = getattr(peer, "host", str(peer))
         self.factory.sessions += 1
+        self.factory.open.add(self)
         self._opened_at = time.monotonic()
         if self.factory.sessions > settings.max_connections:
             self.sendLine(b"-ERR [SYS/TEMP] Too many connections, try again later")
@@ -156,6 +157,7 @@ class Pop3Session(pop3.POP3):
     def connectionLost(self, reason: Any = None) -> None:
         if self._opened_at is not None:
             self.factory.sessions -= 1
+            self.factory.open.discard(self)
             box = self.mbox
             log.info(
                 kv(
@@ -677,6 +679,8 @@ class Pop3Factory(ServerFactory):
         self.store, self.settings, self.tls = store, settings, tls
         self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
         self.sessions = 0
+        #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
+        self.open: set[Pop3Session] = set()
 
     def buildProtocol(self, addr: Any) -> Pop3Session:
         session = Pop3Session()

@@ -87,6 +87,8 @@ class DeliveryHandler:
         self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
         #: Sessions open on this listener in this worker (limited by settings.max_connections).
         self.sessions = 0
+        #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
+        self.open: set[Any] = set()
 
     # ------------------------------------------------------------------ session
 

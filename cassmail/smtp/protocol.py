@@ -321,6 +321,7 @@ class _CassmailEngine:
         self._opened_at = time.monotonic()
         handler = self.event_handler
         handler.sessions += 1
+        handler.open.add(self)
         peer = peer_ip(self.session.peer)
         rates = self.rates if self.rates is not None and not self.rates.exempt(peer) else None
         if rates is not None:
@@ -357,6 +358,7 @@ class _CassmailEngine:
         if self._opened_at is not None:
             handler, session = self.event_handler, self.session
             handler.sessions -= 1
+            handler.open.discard(self)
             log.info(
                 kv(
                     "session", listener=handler.role.name, peer=peer_ip(session.peer), helo=session.host_name,
