@@ -44,6 +44,27 @@ def _unread_client(port: int) -> tuple[socket.socket, object]:
     return sock, sock.makefile("rb")
 
 
+def stuck_retr(port: int, user: str, password: str) -> socket.socket:
+    """A POP3 client that asked for message 1 and reads none of it."""
+    sock, file = _unread_client(port)
+    assert file.readline().startswith(b"+OK")
+    sock.sendall(f"USER {user}\r\nPASS {password}\r\n".encode())
+    assert file.readline().startswith(b"+OK") and file.readline().startswith(b"+OK")
+    sock.sendall(b"RETR 1\r\n")
+    return sock
+
+
+def stuck_fetch(port: int, user: str, password: str) -> socket.socket:
+    """An IMAP client that fetched message 1 of INBOX and reads none of it."""
+    sock, file = _unread_client(port)
+    assert file.readline().startswith(b"* OK")
+    sock.sendall(f"a LOGIN {user} {password}\r\nb SELECT INBOX\r\n".encode())
+    while not file.readline().startswith(b"b OK"):
+        pass
+    sock.sendall(b"c FETCH 1 BODY.PEEK[]\r\n")
+    return sock
+
+
 def _drain_after(sock: socket.socket, seconds: float) -> tuple[int, float]:
     """Wait without reading, then read until the server's end closes: (bytes read, seconds it took
     the connection to end after the wait). A connection the server aborted ends at once."""
@@ -59,11 +80,7 @@ def _drain_after(sock: socket.socket, seconds: float) -> tuple[int, float]:
 
 async def test_pop3_retr_to_a_client_that_stops_reading_is_cut_off(stall_node: Node, store: Store, users) -> None:
     await store.deliver(BIG, [Target(users["anne"])])
-    sock, file = _unread_client(stall_node.port("pop3"))
-    assert file.readline().startswith(b"+OK")
-    sock.sendall(f"USER {users['anne']}\r\nPASS anne\r\n".encode())
-    assert file.readline().startswith(b"+OK") and file.readline().startswith(b"+OK")
-    sock.sendall(b"RETR 1\r\n")
+    sock = stuck_retr(stall_node.port("pop3"), users["anne"], "anne")
     received, ended_in = _drain_after(sock, WRITE_TIMEOUT + 3)
     assert received < len(BIG), "the whole message fitted in the buffers: the client never stalled the server"
     assert ended_in < 5, "the connection was still open long after write_timeout"
@@ -78,12 +95,7 @@ async def test_pop3_retr_to_a_client_that_stops_reading_is_cut_off(stall_node: N
 
 async def test_imap_fetch_to_a_client_that_stops_reading_is_cut_off(stall_node: Node, store: Store, users) -> None:
     await store.deliver(BIG, [Target(users["bob"])])
-    sock, file = _unread_client(stall_node.port("imap"))
-    assert file.readline().startswith(b"* OK")
-    sock.sendall(f"a LOGIN {users['bob']} bob\r\nb SELECT INBOX\r\n".encode())
-    while not file.readline().startswith(b"b OK"):
-        pass
-    sock.sendall(b"c FETCH 1 BODY.PEEK[]\r\n")
+    sock = stuck_fetch(stall_node.port("imap"), users["bob"], "bob")
     received, ended_in = _drain_after(sock, WRITE_TIMEOUT + 3)
     assert received < len(BIG)
     assert ended_in < 5
@@ -104,25 +116,19 @@ async def test_a_node_stopping_cuts_the_sessions_its_grace_period_did_not_end(
     traceback (before, they failed on a closed store once the worker had gone on)."""
     plain = {"allow_plaintext_auth": True, "auth_failure_delay": 0.0}
     node = Node(node_settings(backend_settings), tmp_path, pop3=plain, imap={"enabled": True, **plain}).start()
+    clients: list[socket.socket] = []
     try:
         await store.deliver(BIG, [Target(users["carol"])])
-        pop_sock, pop_file = _unread_client(node.port("pop3"))
-        assert pop_file.readline().startswith(b"+OK")
-        pop_sock.sendall(f"USER {users['carol']}\r\nPASS carol\r\n".encode())
-        assert pop_file.readline().startswith(b"+OK") and pop_file.readline().startswith(b"+OK")
-        pop_sock.sendall(b"RETR 1\r\n")
-        imap_sock, imap_file = _unread_client(node.port("imap"))
-        assert imap_file.readline().startswith(b"* OK")
-        imap_sock.sendall(f"a LOGIN {users['carol']} carol\r\nb SELECT INBOX\r\n".encode())
-        while not imap_file.readline().startswith(b"b OK"):
-            pass
-        imap_sock.sendall(b"c FETCH 1 BODY.PEEK[]\r\n")
+        clients += [stuck_retr(node.port("pop3"), users["carol"], "carol"),
+                    stuck_fetch(node.port("imap"), users["carol"], "carol")]
         time.sleep(1.0)  # both are now waiting on their clients
         started = time.monotonic()
         assert node.stop(timeout=60) == 0
         assert time.monotonic() - started < 20  # the grace period, then the cut
     finally:
         node.stop()
+        for client in clients:
+            client.close()
     log = node.log_text()
     assert "result=sessions-cut" in log
     assert "Traceback" not in log and "pop3-error" not in log and "Unhandled" not in log, log[-3000:]
