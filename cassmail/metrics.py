@@ -75,7 +75,7 @@ _ALWAYS_ERRORS: dict[str, tuple[str, str]] = {
 #: trouble logged on the same event (POP3 retr result=stalled) is not the store's.
 _STORE_FAILED = (None, "tempfail", "cut", "fail")
 _STORE_ERRORS: dict[str, str] = {
-    "delivery": "smtp", "rcpt": "smtp", "auth": NODE, "retr": "pop3", "quit": "pop3",
+    "delivery": "smtp", "rcpt": "smtp", "mail": "smtp", "auth": NODE, "retr": "pop3", "quit": "pop3",
     "imap-store": "imap", "imap-idle": "imap", "imap-uids": "imap", "imap-uidnext": "imap",
     "imap-renumber": "imap", "store-open": NODE,
 }
@@ -342,11 +342,6 @@ class TimedStore(Store):
         self._inner = inner
         self._metrics = metrics
         self._ops = {op: _Timed(metrics, op) for op in CONTRACT_OPS}
-
-    @property
-    def inner(self) -> Store:
-        """The wrapped store."""
-        return self._inner
 
     @property  # type: ignore[override]
     def max_message_size(self) -> int:

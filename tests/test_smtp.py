@@ -818,6 +818,7 @@ async def in_process(backend_settings: Settings, store: Store, listener: str) ->
     async def cmd(line: str | bytes) -> str:
         return await asyncio.to_thread(raw.cmd, line)
 
+    cmd.raw = raw  # type: ignore[attr-defined]  # for replies that follow the first
     try:
         yield wrapped, cmd
     finally:
@@ -881,6 +882,22 @@ async def test_a_bug_at_data_is_451_and_the_next_transaction_starts_afresh(flaky
     [stored] = await inbox(store, users["bob"])  # the new envelope only: c@d.test to bob
     assert stored.startswith(b"Return-Path: <c@d.test>\r\n") and b"for <" + users["bob"].encode() in stored
     assert await inbox(store, users["anne"]) == []
+
+
+async def test_a_bug_at_lmtp_data_is_one_451_per_recipient(backend_settings: Settings, store: Store, users) -> None:
+    async with in_process(backend_settings, store, "lmtp") as (failing, cmd):
+        await cmd("LHLO mta.test")
+        await cmd("MAIL FROM:<a@b.test>")
+        await cmd(f"RCPT TO:<{users['anne']}>")
+        await cmd(f"RCPT TO:<{users['bob']}>")
+        await cmd("DATA")
+        failing.failing["deliver"] = RuntimeError("injected bug")
+        first = await cmd("Subject: x\r\n\r\nx\r\n.")
+        second = await asyncio.to_thread(cmd.raw.reply)
+        assert first.startswith("451 4.3.0") and second.startswith("451 4.3.0") and "injected" not in first + second
+        failing.failing.clear()
+        assert (await cmd("NOOP")).startswith("250")  # in step: the next reply is NOOP's own
+        assert await inbox(store, users["anne"]) == [] and await inbox(store, users["bob"]) == []
 
 
 async def test_the_store_refusing_the_size_is_552_5_3_4(flaky, store: Store, users) -> None:

@@ -903,21 +903,30 @@ class ImapSession(imap4.IMAP4Server):
             entity = mime.parse(await self.store.read_message(view.user, view.name, summary.id))
         # Every store read that can fail comes before the first byte of this response: a failure
         # then is a clean NO. Once a literal is announced, a failure can only end the connection.
-        streams = {id(p): await self._open_stream(summary, p) for p in streamed}
-        out: list[bytes] = []
-        write = self.transport.write
-        head = b"* %d FETCH (" % view.seq(message_uid)
-        for n, part in enumerate(query):
-            if part in streamed:
-                write(head + b" ".join(out) + (b" " if out else b""))
-                head, out = b"", []
-                await self._send_stream(streams[id(part)], gate)
-                if n + 1 < len(query):
-                    write(b" ")
-                continue
-            out.append(self._item(message_uid, part, entity))
-        write(head + b" ".join(out) + b")\r\n")
-        await gate.wait()
+        streams: dict[int, tuple[bytes, int, bytes, Any]] = {}
+        try:
+            for p in streamed:
+                streams[id(p)] = await self._open_stream(summary, p)
+            out: list[bytes] = []
+            write = self.transport.write
+            head = b"* %d FETCH (" % view.seq(message_uid)
+            for n, part in enumerate(query):
+                if part in streamed:
+                    write(head + b" ".join(out) + (b" " if out else b""))
+                    head, out = b"", []
+                    await self._send_stream(streams[id(part)], gate)
+                    if n + 1 < len(query):
+                        write(b" ")
+                    continue
+                out.append(self._item(message_uid, part, entity))
+            write(head + b" ".join(out) + b")\r\n")
+            await gate.wait()
+        finally:
+            # a stalled or vanished client leaves streams unread: give their files and reads back now
+            for *_, rest in streams.values():
+                aclose = getattr(rest, "aclose", None)
+                if aclose is not None:
+                    await aclose()
 
     def _item(self, message_uid: int, part: Any, entity: mime.Entity | None) -> bytes:
         view = self.view

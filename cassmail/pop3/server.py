@@ -189,7 +189,7 @@ class Pop3Session(pop3.POP3):
                 self._drop_rest = False
                 pos = len(buffer)
         rest = buffer[pos:]
-        if len(rest) > limit:
+        if len(rest) - rest.endswith(b"\r") > limit:  # a CR alone may be half of the line end
             self._overlong = True
             rest = rest[-1:]  # it may be the CR of the line end
         self._buffer = rest
