@@ -25,7 +25,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from cassmail import logs
@@ -263,54 +262,54 @@ async def run_worker(settings: Settings) -> int:
         return 3
     servers = await smtp.start(settings, store)
     ports: list = []
-    counts: dict[str, Callable[[], int]] = {}
-    holders: list[Any] = []  # what keeps each listener's open sessions (their `open` sets)
-    for _, handler in servers:
-        counts[handler.role.name] = lambda handler=handler: handler.sessions
-        holders.append(handler)
+    #: Each listener's keeper of sessions (an SMTP handler, a POP3 or IMAP factory): its
+    #: `sessions` count and its `open` sessions.
+    keepers: dict[str, Any] = {handler.role.name: handler for _, handler in servers}
     if reactor is not None:
         from cassmail import imap, pop3
 
-        started = [("pop3", pop3.start(settings, store, reactor)), ("imap", imap.start(settings, store, reactor))]
-        for name, listening in started:
+        for name, listening in (("pop3", pop3.start(settings, store, reactor)),
+                                ("imap", imap.start(settings, store, reactor))):
             for port, factory in listening:
-                ports.append((port, factory))
-                counts[name] = lambda factory=factory: factory.sessions
-                holders.append(factory)
+                ports.append(port)
+                keepers[name] = factory
     sampler = None
     if settings.metrics.enabled:
         from cassmail import metrics
 
+        counts = {name: (lambda keeper=keeper: keeper.sessions) for name, keeper in keepers.items()}
         sampler = asyncio.ensure_future(metrics.sample_sessions(metrics.installed(), counts))
     log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
 
     def sessions() -> int:
-        return sum(count() for count in counts.values())
+        return sum(keeper.sessions for keeper in keepers.values())
+
+    async def drain(seconds: float) -> None:
+        """Wait until no session is open, for at most `seconds`."""
+        deadline = loop.time() + seconds
+        while sessions() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     try:
         await stop.wait()
     finally:
-        for port, _ in ports:
+        for port in ports:
             await port.stopListening().asFuture(loop)
         for server, _ in servers:
             server.close()
         # Sessions in progress may finish (a DATA being stored, a POP3 QUIT committing) for a while.
-        deadline = loop.time() + STOP_GRACE
-        while sessions() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await drain(STOP_GRACE)
         if sessions():
             # Cut them, and let them unwind (a command waiting on the store or on the client sees
             # its connection gone) while the store is still open: after store.close() they would
             # fail on a closed store or executor instead of ending.
             log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
-            for holder in holders:
-                for session in list(holder.open):
+            for keeper in keepers.values():
+                for session in list(keeper.open):
                     transport = session.transport
                     if transport is not None:
                         (getattr(transport, "abortConnection", None) or transport.abort)()
-            deadline = loop.time() + CUT_GRACE
-            while sessions() and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+            await drain(CUT_GRACE)
         if sampler is not None:
             sampler.cancel()
         await store.close()

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import binascii
+import contextlib
 import logging
 import re
 import time
@@ -903,10 +903,13 @@ class ImapSession(imap4.IMAP4Server):
             entity = mime.parse(await self.store.read_message(view.user, view.name, summary.id))
         # Every store read that can fail comes before the first byte of this response: a failure
         # then is a clean NO. Once a literal is announced, a failure can only end the connection.
-        streams: dict[int, tuple[bytes, int, bytes, Any]] = {}
-        try:
+        # A stalled or vanished client leaves streams unread: their files and reads are given back.
+        async with contextlib.AsyncExitStack() as unread:
+            streams = {}
             for p in streamed:
-                streams[id(p)] = await self._open_stream(summary, p)
+                streams[id(p)] = stream = await self._open_stream(summary, p)
+                if stream[3] is not None:
+                    unread.push_async_callback(stream[3].aclose)
             out: list[bytes] = []
             write = self.transport.write
             head = b"* %d FETCH (" % view.seq(message_uid)
@@ -921,12 +924,6 @@ class ImapSession(imap4.IMAP4Server):
                 out.append(self._item(message_uid, part, entity))
             write(head + b" ".join(out) + b")\r\n")
             await gate.wait()
-        finally:
-            # a stalled or vanished client leaves streams unread: give their files and reads back now
-            for *_, rest in streams.values():
-                aclose = getattr(rest, "aclose", None)
-                if aclose is not None:
-                    await aclose()
 
     def _item(self, message_uid: int, part: Any, entity: mime.Entity | None) -> bytes:
         view = self.view

@@ -216,16 +216,16 @@ class DeliveryHandler:
             await self.store.deliver(message, targets)
         except MessageTooLarge:
             log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
-            return self._per_recipient(envelope, "552 5.3.4 Message too big for system")
+            return self.per_recipient(envelope, "552 5.3.4 Message too big for system")
         except (StoreUnavailable, NoSuchUser, NoSuchMailbox) as exc:
             log.warning(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
-            return self._per_recipient(envelope, TEMPORARY)
+            return self.per_recipient(envelope, TEMPORARY)
         except StoreError as exc:
             log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
-            return self._per_recipient(envelope, TEMPORARY)
+            return self.per_recipient(envelope, TEMPORARY)
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
-        return self._per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
+        return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
 
     def log_too_large(self, server: Any, size: int, ms: int) -> None:
         """The delivery line of a message refused while DATA was read (past max_message_size):
@@ -242,7 +242,7 @@ class DeliveryHandler:
             sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), users=expanded, size=size, id=queue_id,
         )
 
-    def _per_recipient(self, envelope: Envelope, status: str) -> str:
+    def per_recipient(self, envelope: Envelope, status: str) -> str:
         """LMTP answers DATA once per accepted recipient (RFC 2033 4.2); SMTP once."""
         return "\r\n".join([status] * len(envelope.rcpt_tos)) if self.role.lmtp else status
 

@@ -423,22 +423,19 @@ class _CassmailEngine:
         self.envelope.content = self.envelope.original_content = content
         # While the store writes, the client waits for us: that is not idleness.
         self._timeout_handle.cancel()  # type: ignore[attr-defined]
-        recipients = len(self.envelope.rcpt_tos)
         try:
             status = await self._call_handler_hook("DATA")  # type: ignore[attr-defined]
         except Exception as error:
-            if not isinstance(self, LMTP):
+            if not self.event_handler.role.lmtp:
                 raise  # aiosmtpd answers with handle_exception's 451
-            status = await self.handle_exception(error)  # type: ignore[attr-defined]
+            # LMTP owes one reply per recipient, also for handle_exception's 451
+            status = self.event_handler.per_recipient(self.envelope, await self.handle_exception(error))
         finally:
             # Also when the hook failed (aiosmtpd then answers with handle_exception's 451): the
             # transaction is over either way, and the next MAIL starts a new one.
             self._set_post_data_state()  # type: ignore[attr-defined]
             if self.transport is not None:  # not after connection_lost: nothing left to time out
                 self._reset_timeout()  # type: ignore[attr-defined]
-        if isinstance(self, LMTP) and "\r\n" not in status:
-            # LMTP owes one reply per recipient, also for handle_exception's 451
-            status = "\r\n".join([status] * recipients)
         await self.push(status)
 
     # ---------------------------------------------------------------- AUTH
