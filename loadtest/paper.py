@@ -31,6 +31,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +45,9 @@ from postal import LoadRun, Probes, StoreSide, run_postal, write_users
 
 #: The ports `cassmail cluster up` gives every node by default; --port-offset moves them all, so a
 #: paper run can share the machine with a cluster or `make run` on the defaults.
+#: How long a count after a run may keep failing once a killed node was started again for it.
+RECOUNT_SECONDS = 120.0
+
 CLUSTER_PORTS = {"native": 9042, "storage": 7000, "smtp": 2525, "submission": 2587, "pop3": 1110, "imap": 1143}
 
 
@@ -179,21 +183,51 @@ def measure(cluster: Cluster, label: str, sizes: Sequence[tuple[int, int]], seco
             run = run_postal(label, cluster.smtp_servers(skip), (lo, hi), postal_users, out, seconds, args.threads,
                              interval=interval, average_last=average_last, probes=cluster.probes(skip),
                              actions=actions, say=say)
-            try:
-                run.server_before, run.server_after = before, side.call(count_inboxes(side.store, users))
-            except Exception as exc:  # noqa: BLE001 - at CL=ALL with a node down the count itself fails
-                run.notes.append(f"could not count the mailboxes after the run: {type(exc).__name__}: {exc}")
+            run.server_before = before
+            run.server_after, restarted = count_after(cluster, side, users, run, skip)
             run.settings.update({"nodes": str(cluster.nodes), "rf": str(cluster.rf), "cl": cluster.cl,
                                  "sizes": range_label(lo, hi)})
             if kill is not None:
                 run.settings.update({"kill_at": f"{kill[0]:g}", "killed": str(kill[1])})
             run.save(out / "json")
             runs.append(run)
-            if kill is not None and (lo, hi) != sizes[-1]:
+            if kill is not None and not restarted and (lo, hi) != sizes[-1]:
                 say(cluster.cassmail("start", str(kill[1])).strip())  # the next size range kills it again
     finally:
         side.close()
     return runs
+
+
+def count_after(cluster: Cluster, side: StoreSide, users: Sequence[str], run: LoadRun,
+                killed: int | None) -> tuple[tuple[int, int] | None, bool]:
+    """(the mailboxes' count after a run, whether the killed node was started again for it).
+
+    The count is first read with the killed node still down: at CL ONE a node that missed the
+    writes could answer for its replicas once back. At CL ALL no read succeeds with a replica
+    down, so the node is started again and the count retried (for at most RECOUNT_SECONDS, while
+    the coordinators see it come back): what was acknowledged at ALL must be on every replica,
+    and the table can say so instead of leaving the cell empty."""
+    try:
+        return side.call(count_inboxes(side.store, users)), False
+    except Exception as exc:  # noqa: BLE001 - at CL=ALL with a node down the count itself fails
+        failed = f"{type(exc).__name__}: {exc}"
+    if killed is None:
+        run.notes.append(f"could not count the mailboxes after the run: {failed}")
+        return None, False
+    say(cluster.cassmail("start", str(killed)).strip())
+    deadline = time.monotonic() + RECOUNT_SECONDS
+    while True:
+        try:
+            counted = side.call(count_inboxes(side.store, users))
+        except Exception as exc:  # noqa: BLE001 - the node may not be seen as up yet
+            if time.monotonic() >= deadline:
+                run.notes.append(f"could not count the mailboxes after the run, with node {killed} down "
+                                 f"({failed}) nor after starting it again ({type(exc).__name__}: {exc})")
+                return None, True
+            time.sleep(2.0)
+            continue
+        run.notes.append(f"mailboxes counted after node {killed} was started again (with it down: {failed})")
+        return counted, True
 
 
 def on_cluster(args: argparse.Namespace, out: Path, n: int, rf: int, cl: str, name: str, label: str,

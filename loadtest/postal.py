@@ -83,6 +83,20 @@ class Minute:
         return self.bytes / 1e6 / 60
 
 
+def error_messages(stderr: str) -> list[str]:
+    """postal's or rabid's error messages, one per error. Both print a server's refusal as
+    "Server error:%s." with the reply's own CRLF inside, so the closing period stands on a line of
+    its own: it belongs to the message before it and is not an error of its own."""
+    messages: list[str] = []
+    for line in stderr.splitlines():
+        line = line.strip()
+        if line == "." and messages:
+            messages[-1] += "."
+        elif line:
+            messages.append(line)
+    return messages
+
+
 def parse_minute(line: str, mean_size: float = 0.0) -> Minute | None:
     """One of postal's per-minute lines: `HH:MM,messages,data(K),errors,connections,SSL connections`.
 
@@ -335,7 +349,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
     after = counter.count()
     if after > run.total:
         run.notes.append(f"{after - run.total} more messages finished after the deadline (not in the series)")
-    errors = [ln.strip() for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = error_messages(err_path.read_text(errors="replace"))
     run.error_lines = errors[:20]
     run.errors = len(errors)
     if run.tool == "postal":

@@ -28,7 +28,7 @@ LOADTEST = REPO / "loadtest"
 sys.path.insert(0, str(LOADTEST))
 
 from _common import parse_ranges  # noqa: E402
-from postal import LoadRun, Tick, _drained, parse_minute  # noqa: E402
+from postal import LoadRun, Tick, _drained, error_messages, parse_minute  # noqa: E402
 
 PY = sys.executable
 LOCUST = str(Path(sys.executable).parent / "locust")
@@ -78,6 +78,13 @@ def test_postal_minute_lines_are_parsed_and_a_wrapped_data_column_is_corrected()
     # 5,219 messages of ~1.1 MB in a minute: postal's 32-bit counter printed 1.48 GB.
     wrapped = parse_minute("10:02,5219,1445312,0,600,0", mean_size=1_100_000)
     assert wrapped.wraps == 1 and wrapped.bytes == 1445312 * 1024 + (1 << 32)
+
+
+def test_a_refusal_postal_prints_on_two_lines_is_one_error() -> None:
+    reply = "Server error:451 4.3.0 Mail system temporarily unavailable, try again later\r\n.\n"
+    assert error_messages(reply * 3 + "Can't connect to 127.0.0.1 port 2525.\n") == [
+        "Server error:451 4.3.0 Mail system temporarily unavailable, try again later."] * 3 + [
+        "Can't connect to 127.0.0.1 port 2525."]
 
 
 def test_a_run_drops_the_warm_up_interval_and_averages_the_last_ones() -> None:
