@@ -43,11 +43,11 @@ from _common import (CASSMAIL, count_inboxes, fmt, make_users, markdown, number,
                      tree_cpu)
 from postal import LoadRun, Probes, StoreSide, run_postal, write_users
 
-#: The ports `cassmail cluster up` gives every node by default; --port-offset moves them all, so a
-#: paper run can share the machine with a cluster or `make run` on the defaults.
 #: How long a count after a run may keep failing once a killed node was started again for it.
 RECOUNT_SECONDS = 120.0
 
+#: The ports `cassmail cluster up` gives every node by default; --port-offset moves them all, so a
+#: paper run can share the machine with a cluster or `make run` on the defaults.
 CLUSTER_PORTS = {"native": 9042, "storage": 7000, "smtp": 2525, "submission": 2587, "pop3": 1110, "imap": 1143}
 
 
