@@ -18,9 +18,10 @@ from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_schema
-from cassmail.store.base import DomainInUse, StoreUnavailable, Target
+from cassmail.store.base import DomainInUse, StoreError, StoreUnavailable, Target
 from cassmail.store.cassandra import CassandraStore
 from tests.conftest import FAST_HASH, hash_password
+from tests.contract.test_store_contract import recent_owners
 
 pytestmark = pytest.mark.cassandra
 
@@ -252,6 +253,30 @@ async def test_two_nodes_renumbering_one_message_give_it_one_new_uid(make_store)
     assert await node_a.uid_next(user, INBOX) == 32  # 30 first UIDs and one renumbering
 
 
+async def test_two_nodes_claiming_recent_at_once_give_each_uid_to_one_session(make_store) -> None:
+    """Sessions on two nodes SELECT the same mailbox as new mail arrives: each claims up to the
+    UIDNEXT it saw; of all of them exactly one owns \\Recent for each UID."""
+    node_a, node_b = await make_store(), await make_store()
+    user = await new_user(node_a)
+    belows = [4, 9, 9, 15, 4, 22, 18, 30, 30, 27, 41, 35, 41, 50, 2, 50]
+    nodes = [node_a, node_b] * (len(belows) // 2)
+    results = await asyncio.gather(*(node.claim_recent(user, INBOX, below) for node, below in zip(nodes, belows)))
+    assert sorted(recent_owners(zip(belows, results))) == list(range(1, 50))
+    assert await node_b.recent_mark(user, INBOX) == 50
+
+
+async def test_reading_the_recent_mark_or_a_covered_claim_is_two_reads_and_no_paxos_write(make_store) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    await store.claim_recent(user, INBOX, 10)
+    with store.tracing() as mark:
+        assert await store.recent_mark(user, INBOX) == 10
+    with store.tracing() as covered:
+        assert await store.claim_recent(user, INBOX, 7) == 10
+    # the mailbox row, then the anchor row at SERIAL; a covered claim stops there
+    assert mark.statements == covered.statements == 2
+
+
 async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
     store = await make_store()
     user = await new_user(store)
@@ -281,7 +306,18 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     async with CassandraStore(cassandra_settings) as store:
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
         rows = await store._exec(store.session.prepare(query).bind(()))
-    assert [(r.version, r.name) for r in rows] == [(1, "initial"), (2, "low_water_due"), (3, "aliases")]
+    applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
+    assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent")]
+
+
+def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:
+    """A keyspace records the versions applied: a second file of a version already applied
+    somewhere (two branches that each added the next number) would never run there."""
+    for name in ("001_initial.cql", "002_recent.cql", "002_queue.cql"):
+        (tmp_path / name).write_text("CREATE TABLE IF NOT EXISTS t (a int PRIMARY KEY);\n")
+    with pytest.raises(StoreError, match="002_queue.cql and 002_recent.cql .* share version 2"):
+        cassandra_schema.migrations(tmp_path)
+    assert [m.version for m in cassandra_schema.migrations()] == list(range(1, len(cassandra_schema.migrations()) + 1))
 
 
 async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_settings) -> None:

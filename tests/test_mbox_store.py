@@ -30,10 +30,11 @@ import pytest
 
 from cassmail.config import MboxSettings
 from cassmail.model import INBOX
-from cassmail.store import mbox_fs
+from cassmail.store import mbox_fs, mbox_index
 from cassmail.store.base import NoSuchMessage, StoreUnavailable, Target
 from cassmail.store.mbox import MboxStore, decode_name, encode_name
 from cassmail.store.mbox_format import PAD_MIN, Unquoter, pad, quote, unquote
+from tests.contract.test_store_contract import recent_owners
 
 REPO = Path(__file__).resolve().parent.parent
 USER = "anne@example.org"
@@ -271,6 +272,30 @@ async def test_the_index_is_rebuilt_from_the_mbox_alone(tmp_path: Path, damage: 
     await store.close()
 
 
+async def test_the_recent_mark_is_kept_by_checkpoints_and_reset_by_a_rebuild(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(mbox_index, "CHECKPOINT_MIN", 0)
+    store = await store_with_user(tmp_path / "data")
+    mf = store.mailbox_file(USER, INBOX)
+    ids = list(await deliver_some(store, 3))
+    await store.assign_uids(USER, INBOX, ids)
+    assert await store.claim_recent(USER, INBOX, 4) == 1
+    generation = mf.generation
+    while mf.generation == generation:  # the log outgrows the snapshot: a checkpoint rewrites the index
+        await store.deliver(body_for(9, 200), [Target(USER)])
+    assert await store.recent_mark(USER, INBOX) == 4
+    await store.close()
+    store = await open_store(tmp_path / "data")
+    assert await store.recent_mark(USER, INBOX) == 4 and await store.uid_next(USER, INBOX) == 4
+    validity = (await store.mailbox_info(USER, INBOX)).uidvalidity
+    await store.close()
+    # an index rebuilt from the mbox alone numbers the messages afresh, so they are recent afresh
+    store.mailbox_paths(USER, INBOX)[1].unlink()
+    store = await open_store(tmp_path / "data")
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity != validity
+    assert await store.recent_mark(USER, INBOX) == 1 and await store.uid_next(USER, INBOX) == 1
+    await store.close()
+
+
 async def test_a_torn_last_index_record_is_cut_off_without_a_rebuild(tmp_path: Path) -> None:
     store = await store_with_user(tmp_path / "data")
     bodies = await deliver_some(store, 5)
@@ -387,6 +412,9 @@ async def main(root, script, settings):
             await store.delete_messages(USER, "INBOX", [__import__("uuid").UUID(i) for i in op["ids"]])
         elif op["do"] == "compact":
             await store.compact(USER, "INBOX")
+        elif op["do"] == "claim":
+            say("ack", op=op, before=await store.claim_recent(USER, "INBOX", op["below"]))
+            continue
         elif op["do"] == "loop":
             n = op["n"]
             while True:
@@ -604,6 +632,37 @@ async def test_deliveries_and_deletions_from_several_processes_interleave_safely
     ]
     ids = [str(i) for i in messages]
     scripts.append([{"do": "delete", "ids": [i]} for i in ids[:20]] + [{"do": "compact"}])
+    model = Model(messages)
+    for events in run_workers_at_once(root, scripts, settings):
+        model.replay(events)
+    assert len(model.messages) == 24 - 20 + 75
+    await verify_everywhere(root, model, settings)
+
+
+async def test_recent_claims_from_several_processes_give_each_uid_to_one_and_survive_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """Three processes claim \\Recent at once, each up to a growing UIDNEXT as a session would, with
+    the index checkpointed every few records: each UID is owned by exactly one claim."""
+    root = tmp_path / "data"
+    await (await store_with_user(root)).close()
+    rnd = random.Random(7)
+    scripts = [[{"do": "claim", "below": b} for b in sorted(rnd.sample(range(2, 300), 40))] for _ in range(3)]
+    results = run_workers_at_once(root, scripts, {"_checkpoint_min": 0})
+    claims = [(e["op"]["below"], e["before"]) for events in results for e in events if e["kind"] == "ack"]
+    assert len(claims) == 120
+    highest = max(below for below, _ in claims)
+    assert sorted(recent_owners(claims)) == list(range(1, highest))
+    store = await open_store(root)
+    assert await store.recent_mark(USER, INBOX) == highest
+    assert store.mailbox_file(USER, INBOX).generation > 1  # claims were checkpointed meanwhile
+    await store.close()
+
+
+def run_workers_at_once(
+    root: Path, scripts: list[list[dict[str, Any]]], settings: dict[str, Any]
+) -> list[list[dict[str, Any]]]:
+    """Run one worker process per script, all at once; the events each printed."""
     env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
     env.pop("CASSMAIL_MBOX_CRASH_AT", None)
     procs = [
@@ -611,13 +670,12 @@ async def test_deliveries_and_deletions_from_several_processes_interleave_safely
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         for s in scripts
     ]
-    model = Model(messages)
+    results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err.decode()[-2000:]
-        model.replay([json.loads(line) for line in out.decode().splitlines()])
-    assert len(model.messages) == 24 - 20 + 75
-    await verify_everywhere(root, model, settings)
+        results.append([json.loads(line) for line in out.decode().splitlines()])
+    return results
 
 
 async def test_a_writer_waits_for_another_tools_fcntl_lock_and_gives_up_in_time(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,7 @@ from cassmail.store.base import NoSuchMessage, StoreUnavailable, Target
 from cassmail.store.wheelfs import WheelFSStore
 from cassmail.store.wheelfs_fs import FileSystem
 from tests.conftest import FAST_HASH
+from tests.contract.test_store_contract import recent_owners
 
 USER = "anne@wheel.example"
 BODY = b"From: a@x.example\r\nSubject: w\r\n\r\nbody\r\n"
@@ -377,16 +379,23 @@ def _allocate_in_another_process(root: str, rounds: int, barrier: threading.Barr
     out.put(asyncio.run(run()))
 
 
-async def test_two_processes_assigning_uids_never_give_one_twice(faulty, tmp_path: Path) -> None:
+async def in_processes(target: Callable[..., None], root: Path, plans: list[Any]) -> list[Any]:
+    """Run `target(root, plan, barrier, out)` in a process of its own per plan, all let go at once
+    by the barrier; what each put on `out`."""
     ctx = multiprocessing.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    workers = [ctx.Process(target=_allocate_in_another_process, args=(str(tmp_path), 25, barrier, out)) for _ in range(2)]
+    barrier, out = ctx.Barrier(len(plans)), ctx.Queue()
+    workers = [ctx.Process(target=target, args=(str(root), plan, barrier, out)) for plan in plans]
     for w in workers:
         w.start()
     results = [await asyncio.to_thread(out.get, True, 120) for _ in workers]
     for w in workers:
         w.join(30)
         assert w.exitcode == 0
+    return results
+
+
+async def test_two_processes_assigning_uids_never_give_one_twice(faulty, tmp_path: Path) -> None:
+    results = await in_processes(_allocate_in_another_process, tmp_path, [25, 25])
     uid_of: dict[str, int] = {}
     for seen in results:
         for message_id, uid in seen:
@@ -398,6 +407,62 @@ async def test_two_processes_assigning_uids_never_give_one_twice(faulty, tmp_pat
 
 async def store_uids(store: WheelFSStore) -> dict[str, int]:
     return {s.id.hex: s.uid async for s in store.list_messages(USER, INBOX) if s.uid is not None}
+
+
+# ----------------------------------------------------------------------------- IMAP \Recent
+
+
+def _claim_recent_in_another_process(
+    root: str, belows: list[int], barrier: threading.Barrier, out: multiprocessing.Queue
+) -> None:
+    """One 'node': claim \\Recent up to each of `belows` in turn, report (below, returned)."""
+
+    async def run() -> list[tuple[int, int]]:
+        store = WheelFSStore(settings_for(Path(root)))
+        await store.open()
+        try:
+            barrier.wait()
+            return [(below, await store.claim_recent(USER, INBOX, below)) for below in belows]
+        finally:
+            await store.close()
+
+    out.put(asyncio.run(run()))
+
+
+async def test_two_processes_claiming_recent_give_each_uid_to_one(faulty, tmp_path: Path) -> None:
+    plans = [list(range(3, 120, 3)), list(range(2, 121, 4))]  # interleaved: most claims race one another
+    results = await in_processes(_claim_recent_in_another_process, tmp_path, plans)
+    claims = [claim for result in results for claim in result]
+    highest = max(below for below, _ in claims)
+    assert sorted(recent_owners(claims)) == list(range(1, highest))
+    assert await faulty[0].recent_mark(USER, INBOX) == highest
+
+
+async def test_a_recent_claim_whose_claimer_died_or_failed_is_owned_by_nobody(faulty, tmp_path: Path, opened: Opener) -> None:
+    store, fs = faulty
+    assert await store.claim_recent(USER, INBOX, 3) == 1
+    [chain] = [p for p in (tmp_path / "cassmail").rglob("recent/*") if p.is_dir()]
+    # a node created the claim from 3 and died before writing it: readers wait, then skip UID 3
+    FileSystem().write_file(str(chain / "3"), b"", exclusive=True, fsync=True)
+    other_node = await opened(tmp_path, claim_timeout=30.0)
+    with pytest.raises(StoreUnavailable, match="another node is claiming .Recent"):
+        await other_node.claim_recent(USER, INBOX, 8)
+    old = time.time() - 60
+    os.utime(chain / "3", (old, old))
+    assert await other_node.claim_recent(USER, INBOX, 8) == 4  # UID 3 is nobody's
+    # a claim whose fsync fails: its caller hears "unavailable", and those UIDs go to nobody else
+    fs.error = lambda op, path: op == "fsync" and f"{os.sep}recent{os.sep}" in path
+    with pytest.raises(StoreUnavailable):
+        await store.claim_recent(USER, INBOX, 12)
+    fs.error = lambda op, path: False
+    assert await other_node.claim_recent(USER, INBOX, 15) == 12
+    assert await store.recent_mark(USER, INBOX) == 15
+    # deleting a mailbox takes its claims along
+    await store.create_mailbox(USER, "Lists")
+    await store.claim_recent(USER, "Lists", 5)
+    assert len([p for p in (tmp_path / "cassmail").rglob("recent/*") if p.is_dir()]) == 2
+    await store.delete_mailbox(USER, "Lists")
+    assert [p for p in (tmp_path / "cassmail").rglob("recent/*") if p.is_dir()] == [chain]
 
 
 # ----------------------------------------------------------------------------- cost in file-system operations

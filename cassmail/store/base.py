@@ -383,6 +383,28 @@ class Store(abc.ABC):
     async def uid_next(self, user: str, mailbox: str) -> int:
         """The UID the next assignment would hand out (IMAP UIDNEXT)."""
 
+    # ----------------------------------------------------------------- IMAP \Recent
+    # RFC 3501 gives \Recent to exactly one session: the first read-write session told of the
+    # message. Front ends keep no state, so the store arbitrates with a per-mailbox mark that
+    # only grows: a session claims [mark, below) and owns \Recent for those UIDs alone. The
+    # mark is independent of the UID counter (COPY numbers messages that a SELECT claims later);
+    # a mailbox never claimed, including one kept from before the mark existed, has mark 1.
+
+    @abc.abstractmethod
+    async def recent_mark(self, user: str, mailbox: str) -> int:
+        """The lowest UID no session has claimed as \\Recent yet (1 for a mailbox never claimed).
+        Every message with a UID at or above it, or with no UID yet, is still recent for the next
+        claimer. Raises NoSuchMailbox."""
+
+    @abc.abstractmethod
+    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+        """Raise the mark to `below` (if it is lower) and return the mark as it was just before
+        this call raised it. The caller's session owns \\Recent for the UIDs in [returned, below);
+        when the returned value is >= below, other sessions claimed them first, the caller owns
+        none, and nothing was written. Safe against concurrent callers on any node: of several
+        claims over the same UIDs, exactly one gets each UID. Raises NoSuchMailbox, InvalidInput
+        unless 1 <= below <= 2**32 (one above the largest UID)."""
+
 
 # --------------------------------------------------------------------------- helpers for backends
 
@@ -402,6 +424,17 @@ def needs_uid(current: int | None, message_id: uuid.UUID, renumber: Mapping[uuid
     if not current:
         return True
     return renumber is not None and renumber.get(message_id) == current
+
+
+#: The largest IMAP UID (RFC 3501: a 32-bit unsigned number).
+MAX_UID = 2**32 - 1
+
+
+def check_recent_below(below: int) -> int:
+    """`below` of a claim_recent call, or InvalidInput: an int from 1 to one above the largest UID."""
+    if isinstance(below, bool) or not isinstance(below, int) or not 1 <= below <= MAX_UID + 1:
+        raise InvalidInput(f"a \\Recent claim ends at 1..{MAX_UID + 1}, not {below!r}")
+    return below
 
 
 def check_alias(alias: str, users: Iterable[str]) -> tuple[str, tuple[str, ...]]:

@@ -9,8 +9,8 @@ an index of the aliases that list each user.
 Delivery is plain idempotent writes at the write consistency level, in an
 order that never shows a half-written message: chunks first, then (for a
 body shared by several copies) its reference row, then the message rows in
-one logged batch. Only UID allocation, mailbox creation and user creation
-use lightweight transactions.
+one logged batch. Only UID allocation, IMAP \\Recent claims, mailbox creation
+and user creation use lightweight transactions.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from cassmail.store.base import (
     body_view,
     check_alias,
     check_flag_mode,
+    check_recent_below,
     check_targets,
     needs_uid,
     uid_work,
@@ -286,7 +287,7 @@ class CassandraStore(Store):
             "SELECT id, size, flags, internal_date, uid FROM messages WHERE mailbox_id = ? LIMIT ?",
             "r",
         ),
-        "msg_uidnext": ("SELECT uidnext, uid FROM messages WHERE mailbox_id = ? AND id = ?", "s"),
+        "msg_anchor": ("SELECT uidnext, recent_mark, uid FROM messages WHERE mailbox_id = ? AND id = ?", "s"),
         "msg_first_live": ("SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16", "r"),
         "msg_first_live_all": ("SELECT id, size FROM messages WHERE mailbox_id = ? LIMIT 16", "r"),
         "mbox_set_low_water": (
@@ -323,6 +324,8 @@ class CassandraStore(Store):
         "uid_bump_first": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = null", "l"),
         "uid_set": ("UPDATE messages SET uid = ? WHERE mailbox_id = ? AND id = ?", "l"),
         "uid_anchor": ("UPDATE messages SET uid = 0 WHERE mailbox_id = ? AND id = ?", "l"),
+        "recent_raise": ("UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?", "l"),
+        "recent_raise_first": ("UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = null", "l"),
         "body_insert": ("INSERT INTO bodies (body_id, size, chunk_size, refs) VALUES (?, ?, ?, ?)", "w"),
         "body_release": ("UPDATE bodies SET refs = refs - ? WHERE body_id = ?", "w"),
         "body_refs": ("SELECT size, refs FROM bodies WHERE body_id = ?", "r"),
@@ -958,12 +961,15 @@ class CassandraStore(Store):
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        return await self._uid_counter(mailbox_id) or 1
+        anchor = await self._anchor(mailbox_id)
+        return (anchor.uidnext if anchor else None) or 1
 
-    async def _uid_counter(self, mailbox_id: uuid.UUID) -> int | None:
-        """The UID counter, read through the anchor row (None before the first assignment)."""
-        rows = await self._run("msg_uidnext", mailbox_id, ANCHOR)
-        return rows[0].uidnext if rows else None
+    async def _anchor(self, mailbox_id: uuid.UUID) -> Any:
+        """The UID counter and the \\Recent mark (static columns), read at SERIAL through the
+        anchor row: a point read, where a read of the static row alone would walk the tombstones
+        at the head of the partition. None before the first UID assignment or \\Recent claim."""
+        rows = await self._run("msg_anchor", mailbox_id, ANCHOR)
+        return rows[0] if rows else None
 
     async def assign_uids(
         self,
@@ -1009,6 +1015,37 @@ class CassandraStore(Store):
                 return {i: alive[i] for i in ids if i in alive}
             await _backoff()
         raise StoreUnavailable("could not assign UIDs: too much contention")
+
+    # ================================================================= IMAP \Recent
+
+    async def recent_mark(self, user: str, mailbox: str) -> int:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        anchor = await self._anchor(mailbox_id)
+        return (anchor.recent_mark if anchor else None) or 1
+
+    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+        """Compare-and-set of the mark from the value read at SERIAL, retried on contention like
+        `_assign_group`; with the anchor row in the same conditional batch, so the mark is read
+        by the same point read as the UID counter. A claim the mark already covers writes nothing."""
+        below = check_recent_below(below)
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        for _ in range(LWT_ATTEMPTS):
+            anchor = await self._anchor(mailbox_id)
+            current = anchor.recent_mark if anchor else None
+            mark = current or 1
+            if mark >= below:
+                return mark
+            batch = self._batch(BatchType.UNLOGGED, conditional=True)
+            if current is None:
+                batch.add(self._ps["recent_raise_first"], (below, mailbox_id))
+            else:
+                batch.add(self._ps["recent_raise"], (below, mailbox_id, current))
+            batch.add(self._ps["uid_anchor"], (mailbox_id, ANCHOR))
+            applied, _ = await self._conditional(batch)
+            if applied:
+                return mark
+            await _backoff()
+        raise StoreUnavailable("could not claim \\Recent: too much contention")
 
 
 # ===================================================================== helpers

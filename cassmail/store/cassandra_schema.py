@@ -18,7 +18,7 @@ from pathlib import Path
 from cassandra.cluster import Cluster, Session
 
 from cassmail.config import CassandraSettings
-from cassmail.store.base import StoreUnavailable
+from cassmail.store.base import StoreError, StoreUnavailable
 from cassmail.store.cassandra import DRIVER_FAILURES, CassandraStore, _brief
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent.parent / "schema"
@@ -33,14 +33,22 @@ class Migration:
 
 
 def migrations(directory: Path = SCHEMA_DIR) -> list[Migration]:
-    found = []
+    """The schema files in version order. Two files of one version are refused: a keyspace
+    records versions only, so the second would never be applied where the first had been."""
+    found: list[Migration] = []
     for path in sorted(directory.glob("*.cql")):
         match = _FILE.match(path.name)
         if not match:
             continue
         text = "\n".join(line for line in path.read_text().splitlines() if not line.strip().startswith("--"))
         statements = [s.strip() for s in text.split(";") if s.strip()]
-        found.append(Migration(int(match.group(1)), match.group(2), statements))
+        version = int(match.group(1))
+        if found and found[-1].version == version:
+            raise StoreError(
+                f"schema files {version:03d}_{found[-1].name}.cql and {path.name} in {directory} share "
+                f"version {version}: give one of them the next free number"
+            )
+        found.append(Migration(version, match.group(2), statements))
     if not found:
         raise FileNotFoundError(f"no schema files in {directory}")
     return found

@@ -84,6 +84,7 @@ from cassmail.store.base import (
     UserExists,
     check_alias,
     check_flag_mode,
+    check_recent_below,
     check_rename,
     checked_password_hash,
     decode_name,
@@ -713,6 +714,13 @@ class MboxStore(Store):
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.uid_next())
+
+    async def recent_mark(self, user: str, mailbox: str) -> int:
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.recent_mark())
+
+    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+        below = check_recent_below(below)
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.claim_recent(below))
 
     # ================================================================= maintenance
 

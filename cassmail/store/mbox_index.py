@@ -18,6 +18,16 @@ gets a new UIDVALIDITY, which is what RFC 3501 prescribes when UIDs cannot be
 kept (the alternative, a UID counter in the mbox, would cost an in-place write
 per UID assignment to protect a case that only a lost index creates).
 
+The IMAP \\Recent mark (Store.claim_recent) is a RECENT record holding the new
+mark, appended under the write lock like UIDS, and written after STATE by a
+checkpoint once it is above 1. An index without one reads as mark 1 ("never
+claimed"): a new mailbox, a rebuilt one (its UIDs start again, so must the
+mark), and one kept from before the record existed. For the last, every message
+is recent once more, for the one session that claims first after the upgrade.
+That is chosen over guessing a mark from the UID counter, which would take
+\\Recent away from messages numbered by COPY but never yet claimed; and the
+index of a mailbox no session has claimed stays as older versions wrote it.
+
 The index models the mbox as a tiling: every byte belongs to one segment, a
 live message, a deleted one (marked, not yet reclaimed) or dead space (bytes a
 crash left behind). Message ids are version-1 timeuuids; listings go by id.
@@ -122,7 +132,7 @@ _SEG = struct.Struct(">16sQQIIIiQQqIB")
 _ID = struct.Struct(">16s")
 ZERO_ID = b"\0" * 16
 
-ENTRY, STATE, FLAGS, DELETE, UIDS, COMPACT_BEGIN, COMPACT_END = 1, 2, 3, 4, 5, 6, 7
+ENTRY, STATE, FLAGS, DELETE, UIDS, COMPACT_BEGIN, COMPACT_END, RECENT = 1, 2, 3, 4, 5, 6, 7, 8
 RUN_COLLAPSE, RUN_TRUNCATE, RUN_REWRITE = 1, 2, 3
 
 #: Bytes read per step when streaming a body: the unit of read_chunks and of lock hold time.
@@ -311,6 +321,7 @@ class MailboxFile:
         self.generation = 0
         self.uidvalidity = 0
         self.uidnext = 1
+        self.recent = 1
         self.segments: list[Segment] = []
         self.by_id: dict[uuid.UUID, Segment] = {}
         self.end = 0
@@ -484,6 +495,8 @@ class MailboxFile:
                 seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
                 if seg is not None:
                     (seg.uid,) = struct.unpack_from(">I", body, i + 16)
+        elif kind == RECENT:
+            (self.recent,) = struct.unpack(">Q", body)
         elif kind == COMPACT_BEGIN:
             self._pending = Plan.decode(body)
         elif kind == COMPACT_END:
@@ -531,6 +544,8 @@ class MailboxFile:
         """Write the whole state into a new index file and rename it over the old one."""
         records = [_frame(ENTRY, s.encode()) for s in self.segments]
         records.append(_frame(STATE, struct.pack(">IQ", self.uidnext, self.end)))
+        if self.recent > 1:
+            records.append(_frame(RECENT, struct.pack(">Q", self.recent)))
         body = _header(generation, uidvalidity) + b"".join(records)
         mbox_fs.crash_point("checkpoint.before")
         mbox_fs.atomic_write(self.index_path, body, self.settings.fsync)
@@ -837,6 +852,23 @@ class MailboxFile:
     def uid_next(self) -> int:
         with self.reading():
             return self.uidnext
+
+    def recent_mark(self) -> int:
+        with self.reading():
+            return self.recent
+
+    def claim_recent(self, below: int) -> int:
+        """See Store.claim_recent: the mark is compared again under the write lock, so of two
+        processes claiming at once the second finds the first's RECENT record and claims only
+        what lies above it. A claim the mark already covers takes the shared lock only."""
+        with self.reading():
+            if self.recent >= below:
+                return self.recent
+        with self.writing():
+            before = self.recent
+            if before < below:
+                self._commit([(RECENT, struct.pack(">Q", below))])
+            return before
 
     def info(self) -> int:
         """The UIDVALIDITY (read under the lock, so a rebuild's new one is seen)."""

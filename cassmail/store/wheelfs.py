@@ -19,7 +19,10 @@ that keep mail safe on a file system whose replicas may disagree are:
   `uids/<mailbox>/<n>` holding the message id, and a claimer walks the claims
   in order before it creates the next one, so no UID is given twice and UIDs
   only grow. Renumbering a message (IMAP, see Store.assign_uids) claims a
-  new UID holding the same id; its UID is its highest claim.
+  new UID holding the same id; its UID is its highest claim. The IMAP
+  \\Recent mark is a chain of the same kind of claims: `recent/<mailbox>/<m>`,
+  created by the one session that claims the UIDs from m on, holds the mark it
+  raised the chain to, where the next claim starts.
 - Every file-system call goes through one `FileSystem` object
   (wheelfs_fs), which counts it and is where tests inject faults; every call
   is bounded by `timeout`, and any failure is a StoreUnavailable (SMTP 451),
@@ -82,6 +85,7 @@ from cassmail.store.base import (
     UserExists,
     check_alias,
     check_flag_mode,
+    check_recent_below,
     check_rename,
     checked_password_hash,
     decode_name,
@@ -102,7 +106,9 @@ from cassmail.store.wheelfs_layout import (
     parse_flag_record,
     parse_flag_record_name,
     parse_marker,
+    parse_recent_claim,
     parse_uid_claim,
+    recent_claim,
     sid_of,
     uid_claim,
 )
@@ -133,6 +139,8 @@ class _MailboxCache:
     flag_records: dict[str, tuple[str, str, str, frozenset[str]]] = field(default_factory=dict)
     next_uid: int = 1
     uid_of: dict[uuid.UUID, int] = field(default_factory=dict)
+    recent_lock: threading.Lock = field(default_factory=threading.Lock)  # apart: a claim never holds up a listing
+    recent: int = 1  # the \Recent mark: the end of the claim chain as far as walked
 
 
 @dataclass
@@ -704,6 +712,7 @@ class WheelFSStore(Store):
                 raise NoSuchMailbox(key, name) from None
             self.fs.rmtree(self.layout.mailbox(user_file, record["id"]))
             self.fs.rmtree(self.layout.uids(user_file, record["id"]))
+            self.fs.rmtree(self.layout.recent(user_file, record["id"]))
 
         await self._call(delete)
 
@@ -1017,31 +1026,37 @@ class WheelFSStore(Store):
         renumbered (Store.assign_uids) holds several claims; its UID is the highest, the last
         one walked. Caller holds cache.lock."""
         directory = self.layout.uids(user_file, mailbox_id)
-        waited_since: float | None = None
         while True:
-            path = os.path.join(directory, str(cache.next_uid))
             try:
-                claimed = parse_uid_claim(self.fs.read_bytes(path, 64))
+                claimed = self._settled_claim(
+                    os.path.join(directory, str(cache.next_uid)), parse_uid_claim, "assigning UIDs"
+                )
             except FileNotFoundError:
                 return
-            if claimed is False:  # created, content not written yet
-                age = time.time() - self.fs.stat(path).st_mtime
-                if age < self.settings.claim_timeout:
-                    waited_since = waited_since or time.monotonic()
-                    if time.monotonic() - waited_since > CLAIM_WAIT:
-                        raise StoreUnavailable("another node is assigning UIDs in this mailbox; try again")
-                    time.sleep(0.02)
-                    continue
-                claimed = None  # its claimer died before writing: the UID is burnt
-            if isinstance(claimed, uuid.UUID):
+            if isinstance(claimed, uuid.UUID):  # else given up, or its claimer died: the UID is burnt
                 cache.uid_of[claimed] = cache.next_uid
             cache.next_uid += 1
-            waited_since = None
 
-    def _claim(self, directory: str, uid: int, message_id: uuid.UUID) -> bool:
-        """Try to give `uid` to the message: an exclusive create. False if the name was taken
-        (or if this claim took so long that readers may have counted it as abandoned)."""
-        path = os.path.join(directory, str(uid))
+    def _settled_claim(self, path: str, parse: Callable[[bytes], object], what: str) -> object:
+        """A claim's content as `parse` reads it (False: not completely written), once its claimer
+        has written it; None for a claim given up, or one still empty after claim_timeout (its
+        claimer died). FileNotFoundError when nobody made that claim."""
+        waited_since: float | None = None
+        while True:
+            claimed = parse(self.fs.read_bytes(path, 64))
+            if claimed is not False:
+                return claimed
+            if time.time() - self.fs.stat(path).st_mtime >= self.settings.claim_timeout:
+                return None
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > CLAIM_WAIT:
+                raise StoreUnavailable(f"another node is {what} in this mailbox; try again")
+            time.sleep(0.02)
+
+    def _claim(self, path: str, content: bytes, given_up: bytes) -> bool:
+        """Try to make a claim: an exclusive create that then holds `content`. False if the name
+        was taken (or if this claim took so long that readers may have counted it as abandoned:
+        it then holds `given_up`)."""
         started = time.monotonic()
         try:
             fd = self.fs.open_write(path, exclusive=True)
@@ -1049,9 +1064,9 @@ class WheelFSStore(Store):
             return False
         try:
             # Readers count an empty claim older than claim_timeout as abandoned. A claimer that
-            # got here too slowly gives the UID up explicitly instead of racing them.
+            # got here too slowly gives the claim up explicitly instead of racing them.
             in_time = time.monotonic() - started < self.settings.claim_timeout / 2
-            self.fs.write_all(fd, path, uid_claim(message_id if in_time else None))
+            self.fs.write_all(fd, path, content if in_time else given_up)
             self.fs.fsync(fd, path)
         finally:
             self.fs.close(fd, path)
@@ -1086,7 +1101,8 @@ class WheelFSStore(Store):
                     while needs_uid(cache.uid_of.get(message_id), message_id, again):
                         if cache.next_uid == 1:
                             self.fs.makedirs(directory)
-                        if self._claim(directory, cache.next_uid, message_id):
+                        path = os.path.join(directory, str(cache.next_uid))
+                        if self._claim(path, uid_claim(message_id), uid_claim(None)):
                             cache.uid_of[message_id] = cache.next_uid
                             cache.next_uid += 1
                         else:
@@ -1106,6 +1122,58 @@ class WheelFSStore(Store):
                 return cache.next_uid
 
         return await self._call(next_uid)
+
+    # ================================================================= IMAP \Recent
+
+    def _walk_recent(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> None:
+        """Follow the \\Recent claim chain from the last mark this process knows to its end (the
+        first name nobody created). A claim given up, or abandoned by a claimer that died, moves
+        the chain on by one: nobody owns \\Recent for that UID. Caller holds cache.recent_lock."""
+        directory = self.layout.recent(user_file, mailbox_id)
+        while True:
+            try:
+                raised = self._settled_claim(
+                    os.path.join(directory, str(cache.recent)), parse_recent_claim, "claiming \\Recent"
+                )
+            except FileNotFoundError:
+                return
+            cache.recent = max(raised, cache.recent + 1) if isinstance(raised, int) else cache.recent + 1
+
+    async def recent_mark(self, user: str, mailbox: str) -> int:
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def mark() -> int:
+            user_file, mailbox_id, _ = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            with cache.recent_lock:
+                self._walk_recent(user_file, mailbox_id, cache)
+                return cache.recent
+
+        return await self._call(mark)
+
+    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+        """Claim [mark, below) by creating the claim named by the mark; a lost create means
+        another node claimed from there first: walk on and claim what lies above, if anything."""
+        below = check_recent_below(below)
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def claim() -> int:
+            user_file, mailbox_id, _ = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            directory = self.layout.recent(user_file, mailbox_id)
+            with cache.recent_lock:
+                self._walk_recent(user_file, mailbox_id, cache)
+                while cache.recent < below:
+                    mark = cache.recent
+                    if mark == 1:
+                        self.fs.makedirs(directory)
+                    if self._claim(os.path.join(directory, str(mark)), recent_claim(below), recent_claim(None)):
+                        cache.recent = below
+                        return mark
+                    self._walk_recent(user_file, mailbox_id, cache)
+                return cache.recent
+
+        return await self._call(claim)
 
 
 __all__ = ["WheelFSStore"]

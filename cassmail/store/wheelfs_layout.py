@@ -14,6 +14,7 @@ user's files are kept together while users spread over the servers::
         boxes/<mailbox>                               mailbox id, UIDVALIDITY, special-use (JSON)
         validity/<n>                                  UIDVALIDITY values ever handed out
         uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
+        recent/<mailbox id>/<mark>                    \\Recent claimed from <mark>: the next mark (ditto)
     <root>/cassmail/mail/<mail cues>/<user>/<mailbox id>/
         body/<sid>                                    the message bytes, written once
         msg/<sid>.<size>.<date>.<flags>               empty commit marker: the message is listed
@@ -129,6 +130,22 @@ def parse_uid_claim(data: bytes) -> uuid.UUID | None | bool:
         return False
 
 
+def recent_claim(mark: int | None) -> bytes:
+    """A \\Recent claim's content: the mark it raises the chain to, or `-` for a claim given up
+    (nobody owns \\Recent for the one UID its name is: the chain goes on at the next)."""
+    return (str(mark) if mark else "-").encode() + b"\n"
+
+
+def parse_recent_claim(data: bytes) -> int | None | bool:
+    """The mark a claim raises to; None for a claim given up; False while it is not completely written."""
+    if data == b"-\n":
+        return None
+    text = data[:-1]
+    if not data.endswith(b"\n") or not text.isdigit() or len(text) > 20:
+        return False
+    return int(text)
+
+
 def file_name(text: str) -> str:
     """encode_name, refusing what no file system would take."""
     name = encode_name(text)
@@ -171,6 +188,9 @@ class Layout:
     def uids(self, user_file: str, mailbox_id: str) -> str:
         return os.path.join(self.users, user_file, "uids", mailbox_id)
 
+    def recent(self, user_file: str, mailbox_id: str) -> str:
+        return os.path.join(self.users, user_file, "recent", mailbox_id)
+
 
 def sid_of(message_id: uuid.UUID) -> str:
     return sortable_id(message_id)
@@ -178,5 +198,6 @@ def sid_of(message_id: uuid.UUID) -> str:
 
 __all__ = [
     "LAYOUT_FILE", "MAILBOX_PARTS", "Layout", "Marker", "file_name", "flag_record", "leading_sid", "parse_flag_record",
-    "parse_flag_record_name", "parse_marker", "parse_uid_claim", "sid_of", "uid_claim",
+    "parse_flag_record_name", "parse_marker", "parse_recent_claim", "parse_uid_claim", "recent_claim", "sid_of",
+    "uid_claim",
 ]

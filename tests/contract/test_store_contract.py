@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from cassmail.auth import verify_password
 from cassmail.model import DEFAULT_MAILBOXES, INBOX, InvalidAddress, InvalidInput, InvalidMailboxName, message_id_time
+from cassmail.server import make_store
 from cassmail.store.base import (
     Alias,
     AliasExists,
@@ -44,6 +46,16 @@ async def names(store: Store, user: str) -> list[str]:
 
 async def listing(store: Store, user: str, mailbox: str = INBOX) -> list:
     return [s async for s in store.list_messages(user, mailbox)]
+
+
+def recent_owners(claims: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """UID -> the claim that owns its \\Recent, from (below, returned) of each claim_recent call
+    in order; fails when two claims own one UID."""
+    owners: dict[int, int] = {}
+    for n, (below, before) in enumerate(claims):
+        for uid in range(before, below):
+            assert owners.setdefault(uid, n) == n, f"UID {uid} claimed by claims {owners[uid]} and {n}"
+    return owners
 
 
 # ----------------------------------------------------------------------------- domains
@@ -583,3 +595,73 @@ async def test_concurrent_renumbers_of_one_message_give_it_exactly_one_new_uid(s
     [new_uid] = new_uids
     assert new_uid == 6 and await store.uid_next(user, INBOX) == 7
     assert {s.id: s.uid for s in await listing(store, user)} == {**first, target: 6}
+
+
+# ----------------------------------------------------------------------------- IMAP \Recent
+
+
+async def test_a_new_mailbox_has_recent_mark_1_and_a_claim_raises_it(store: Store, user: str) -> None:
+    assert await store.recent_mark(user, INBOX) == 1
+    assert await store.claim_recent(user, INBOX, 4) == 1  # this session owns UIDs 1..3
+    assert await store.recent_mark(user, INBOX) == 4
+    assert await store.claim_recent(user, INBOX, 9) == 4  # and the next one 4..8
+    assert await store.recent_mark(user, INBOX) == 9
+    assert await store.recent_mark(user, "Drafts") == 1  # a mark belongs to its mailbox
+
+
+async def test_a_claim_at_or_below_the_mark_changes_nothing(store: Store, user: str) -> None:
+    await store.claim_recent(user, INBOX, 6)
+    assert await store.claim_recent(user, INBOX, 3) == 6  # >= below: owns nothing
+    assert await store.claim_recent(user, INBOX, 6) == 6
+    assert await store.recent_mark(user, INBOX) == 6  # never goes down
+    assert await store.claim_recent(user, INBOX, 2**32) == 6
+    assert await store.recent_mark(user, INBOX) == 2**32
+
+
+async def test_the_recent_mark_is_independent_of_uids(store: Store, user: str) -> None:
+    ids = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(3)]
+    await store.assign_uids(user, INBOX, ids)  # numbered, e.g. by a COPY, claimed by nobody yet
+    assert await store.recent_mark(user, INBOX) == 1 and await store.uid_next(user, INBOX) == 4
+    assert await store.claim_recent(user, INBOX, await store.uid_next(user, INBOX)) == 1
+    assert await store.uid_next(user, INBOX) == 4  # claiming assigns no UID
+
+
+async def test_concurrent_recent_claims_give_every_uid_to_exactly_one_claimer(store: Store, user: str) -> None:
+    belows = [3, 17, 5, 40, 9, 40, 22, 1, 31, 12, 40, 8, 27, 2, 35, 19, 40, 14, 6, 38]
+    results = await asyncio.gather(*(store.claim_recent(user, INBOX, below) for below in belows))
+    owners = recent_owners(zip(belows, results))
+    assert sorted(owners) == list(range(1, max(belows)))  # and none left unclaimed
+    assert await store.recent_mark(user, INBOX) == max(belows)
+
+
+async def test_recent_claims_give_precise_errors(store: Store, user: str, domain: str) -> None:
+    with pytest.raises(NoSuchMailbox):
+        await store.recent_mark(user, "Nowhere")
+    with pytest.raises(NoSuchMailbox):
+        await store.claim_recent(user, "Nowhere", 5)
+    with pytest.raises(NoSuchUser):
+        await store.claim_recent(f"ghost@{domain}", INBOX, 5)
+    for bad in (0, -1, 2**32 + 1, True, 2.0, "5"):
+        with pytest.raises(InvalidInput):
+            await store.claim_recent(user, INBOX, bad)  # type: ignore[arg-type]
+    assert await store.recent_mark(user, INBOX) == 1
+
+
+async def test_the_recent_mark_is_kept_by_the_store_across_reopening_and_renames(
+    store: Store, user: str, backend_settings
+) -> None:
+    await store.claim_recent(user, INBOX, 7)
+    await store.create_mailbox(user, "Lists")
+    await store.claim_recent(user, "Lists", 3)
+    other = make_store(backend_settings)  # another node, or this one after a restart
+    await other.open()
+    try:
+        assert await other.recent_mark(user, INBOX) == 7
+        assert await other.claim_recent(user, INBOX, 10) == 7
+    finally:
+        await other.close()
+    assert await store.recent_mark(user, INBOX) == 10
+    await store.rename_mailbox(user, "Lists", "Lists2")  # the mailbox keeps its UIDs, so its mark
+    assert await store.recent_mark(user, "Lists2") == 3
+    await store.rename_mailbox(user, INBOX, "Old")  # RFC 3501: a new, empty INBOX, never claimed
+    assert await store.recent_mark(user, "Old") == 10 and await store.recent_mark(user, INBOX) == 1
