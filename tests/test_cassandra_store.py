@@ -18,7 +18,7 @@ from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_schema
-from cassmail.store.base import DomainInUse, StoreError, StoreUnavailable, Target
+from cassmail.store.base import DomainInUse, NoSuchMessage, StoreError, StoreUnavailable, Target
 from cassmail.store.cassandra import CassandraStore
 from tests.conftest import FAST_HASH, hash_password
 from tests.contract.test_store_contract import recent_owners
@@ -275,6 +275,28 @@ async def test_reading_the_recent_mark_or_a_covered_claim_is_two_reads_and_no_pa
         assert await store.claim_recent(user, INBOX, 7) == 10
     # the mailbox row, then the anchor row at SERIAL; a covered claim stops there
     assert mark.statements == covered.statements == 2
+
+
+async def test_a_body_deleted_between_two_chunks_is_no_such_message_a_lost_chunk_unavailable(make_store) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    chunk, window = store.settings.chunk_size, store.settings.chunk_concurrency
+    body = os.urandom(chunk * (window + 4))  # chunks past the read-ahead are read after the delete
+    [gone] = await store.deliver(body, [Target(user)])
+    stream = store.read_chunks(user, INBOX, gone)
+    received = await anext(stream)
+    await store.delete_messages(user, INBOX, [gone])
+    with pytest.raises(NoSuchMessage):
+        async for piece in stream:
+            received += piece
+    assert len(received) < len(body) and body.startswith(received)
+    # a chunk missing under a live message is a replica that has not seen the write: unavailable
+    [kept] = await store.deliver(body, [Target(user)])
+    mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
+    [row] = await store._run("msg_body_info", mailbox_id, kept)
+    await store._run("chunk_delete", row.body_id, window + 2)
+    with pytest.raises(StoreUnavailable, match=f"chunk {window + 2} of body"):
+        await store.read_message(user, INBOX, kept)
 
 
 async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:

@@ -53,6 +53,7 @@ class FaultyFS(FileSystem):
         self.stall: Callable[[str, str], bool] = lambda op, path: False
         self.stall_seconds = 0.0
         self.error: Callable[[str, str], bool] = lambda op, path: False
+        self.error_code, self.error_text = errno.ETIMEDOUT, "injected: the file server did not answer"
         self.replica: dict[str, str] = {}  # a store path -> the stale replica's copy of it
         self.duplicates: dict[str, str] = {}  # a name a merge made -> the store path it duplicates
         self.renamed: dict[str, str] = {}  # a store path -> the only name it is listed under now
@@ -62,7 +63,7 @@ class FaultyFS(FileSystem):
         if self.stall(op, path):
             time.sleep(self.stall_seconds)
         if self.error(op, path):
-            raise OSError(errno.ETIMEDOUT, "injected: the file server did not answer", path)
+            raise OSError(self.error_code, self.error_text, path)
 
     # ------------------------------------------------------------------ faults of the namespace
 
@@ -463,6 +464,26 @@ async def test_a_recent_claim_whose_claimer_died_or_failed_is_owned_by_nobody(fa
     assert len([p for p in (tmp_path / "cassmail").rglob("recent/*") if p.is_dir()]) == 2
     await store.delete_mailbox(USER, "Lists")
     assert [p for p in (tmp_path / "cassmail").rglob("recent/*") if p.is_dir()] == [chain]
+
+
+async def test_a_body_read_failing_after_another_node_deleted_the_message_is_no_such_message(
+    faulty, tmp_path: Path, opened: Opener
+) -> None:
+    """Another NFS client or WheelFS replica removed the file under an open descriptor: the
+    next read fails (ESTALE). A tombstone says why: the message is gone, not the store."""
+    store, fs = faulty
+    body = os.urandom(4 * store.settings.chunk_size)
+    gone, kept = [(await store.deliver(body, [Target(USER)]))[0] for _ in range(2)]
+    fs.error_code, fs.error_text = errno.ESTALE, "injected: stale file handle"
+    streams = {m: store.read_chunks(USER, INBOX, m) for m in (gone, kept)}
+    for stream in streams.values():
+        assert await anext(stream) == body[: store.settings.chunk_size]
+    await (await opened(tmp_path)).delete_messages(USER, INBOX, [gone])
+    fs.error = lambda op, path: op == "read" and f"{os.sep}body{os.sep}" in path
+    with pytest.raises(NoSuchMessage):
+        await anext(streams[gone])
+    with pytest.raises(StoreUnavailable, match="stale file handle"):  # a live message that cannot be read
+        await anext(streams[kept])
 
 
 # ----------------------------------------------------------------------------- cost in file-system operations

@@ -325,7 +325,12 @@ class Store(abc.ABC):
     def read_chunks(
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
-        """Stream bytes [start, end) of a body in the backend's chunk size. Raises NoSuchMessage."""
+        """Stream bytes [start, end) of a body in the backend's chunk size. Raises NoSuchMessage.
+
+        A message deleted by another session while it is streamed (RFC 2180: a FETCH racing an
+        EXPUNGE) either streams to its end from what the store still holds or stops with
+        NoSuchMessage after the chunks already given, never with StoreUnavailable: the message is
+        gone, not the store. StoreUnavailable mid-stream means a live message could not be read."""
 
     async def read_message(self, user: str, mailbox: str, message_id: uuid.UUID) -> bytes:
         """The whole body; prefer read_chunks for anything that may be large."""

@@ -832,26 +832,41 @@ class CassandraStore(Store):
             return
         first, last = start // chunk, (end - 1) // chunk
         window = self.settings.chunk_concurrency
-        pending: dict[int, asyncio.Task[bytes]] = {}
+        pending: dict[int, asyncio.Task[bytes | None]] = {}
         try:
             for idx in range(first, last + 1):
                 for ahead in range(idx, min(idx + window, last + 1)):
                     if ahead not in pending:
-                        pending[ahead] = asyncio.ensure_future(self._chunk(info.body_id, ahead, mailbox))
+                        pending[ahead] = asyncio.ensure_future(self._chunk(info.body_id, ahead))
                 data = await pending.pop(idx)
+                if data is None:
+                    raise await self._missing_chunk(mailbox_id, mailbox, message_id, info.body_id, idx)
                 lo = start - idx * chunk if idx == first else 0
                 hi = end - idx * chunk if idx == last else len(data)
                 yield data[lo:hi] if (lo, hi) != (0, len(data)) else data
         finally:
             for task in pending.values():
                 task.cancel()
+                if task.done() and not task.cancelled():
+                    task.exception()  # read ahead and failed: nobody else will look at it
 
-    async def _chunk(self, body_id: uuid.UUID, idx: int, mailbox: str) -> bytes:
+    async def _chunk(self, body_id: uuid.UUID, idx: int) -> bytes | None:
+        """A chunk of a body; None when it is not there."""
         async with self._chunk_slots:
             rows = await self._run("chunk_get", body_id, idx)
-        if not rows:
-            raise StoreUnavailable(f"chunk {idx} of body {body_id} in {mailbox!r} not readable at this consistency")
-        return rows[0].data
+        return rows[0].data if rows else None
+
+    async def _missing_chunk(
+        self, mailbox_id: uuid.UUID, mailbox: str, message_id: uuid.UUID, body_id: uuid.UUID, idx: int
+    ) -> NoSuchMessage | StoreUnavailable:
+        """Why a chunk is missing, as the error to raise. A delete removes the message row before
+        the chunks, so a row that is gone, or that names another body, means another session
+        deleted the message meanwhile: NoSuchMessage (RFC 2180). Under a live message a missing
+        chunk is a replica that has not seen the write yet: StoreUnavailable."""
+        rows = await self._run("msg_body_info", mailbox_id, message_id)
+        if not rows or rows[0].size is None or rows[0].body_id != body_id:
+            return NoSuchMessage(mailbox, message_id)
+        return StoreUnavailable(f"chunk {idx} of body {body_id} in {mailbox!r} not readable at this consistency")
 
     # ================================================================= flags and deletion
 

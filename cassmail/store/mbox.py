@@ -666,6 +666,8 @@ class MboxStore(Store):
     async def read_chunks(
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
+        """Each step looks the message up again under the shared lock (a compaction may have moved
+        it), so one deleted meanwhile stops the stream with NoSuchMessage at the next chunk."""
         key, name = address_key(user), mailbox_name(mailbox)
         size = await self._call(self._with_mailbox, key, name, lambda mf: mf.message_size(message_id))
         if size is None:

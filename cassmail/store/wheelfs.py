@@ -808,8 +808,7 @@ class WheelFSStore(Store):
         _, mailbox_id, box = self._where(key, name)
         cache = self._cache(mailbox_id)
         sid = sid_of(message_id)
-        if sid in cache.dead or self.fs.exists(os.path.join(box, "dead", sid)):
-            cache.dead.add(sid)
+        if self._tombstoned(box, cache, sid):
             raise NoSuchMessage(name, message_id)
         path = os.path.join(box, "body", sid)
         try:
@@ -830,9 +829,24 @@ class WheelFSStore(Store):
             raise
         return fd, path, size
 
+    def _tombstoned(self, box: str, cache: _MailboxCache, sid: str) -> bool:
+        """Whether the message was deleted (its tombstone seen here before, or on disk now)."""
+        if sid in cache.dead or self.fs.exists(os.path.join(box, "dead", sid)):
+            cache.dead.add(sid)
+            return True
+        return False
+
+    def _deleted(self, key: str, name: str, message_id: uuid.UUID) -> bool:
+        _, mailbox_id, box = self._where(key, name)
+        return self._tombstoned(box, self._cache(mailbox_id), sid_of(message_id))
+
     async def read_chunks(
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
+        """The body is read through one descriptor opened first. Where the file system keeps a
+        deleted file readable while it is open (POSIX; NFS on the deleting client), a deletion by
+        another session meanwhile does not stop the stream; where a read then fails or comes up
+        short (another NFS client, a WheelFS replica), the tombstone makes it NoSuchMessage."""
         key, name = address_key(user), mailbox_name(mailbox)
         fd, path, size = await self._call(self._open_body, key, name, message_id)
         try:
@@ -841,8 +855,15 @@ class WheelFSStore(Store):
                 raise InvalidInput(f"invalid byte range {start}..{stop} of a {size}-byte message")
             pos, chunk_size = start, self.settings.chunk_size
             while pos < stop:
-                chunk = await self._call(self.fs.pread, fd, path, min(chunk_size, stop - pos), pos)
+                try:
+                    chunk = await self._call(self.fs.pread, fd, path, min(chunk_size, stop - pos), pos)
+                except StoreUnavailable:
+                    if await self._call(self._deleted, key, name, message_id):
+                        raise NoSuchMessage(name, message_id) from None
+                    raise
                 if not chunk:
+                    if await self._call(self._deleted, key, name, message_id):
+                        raise NoSuchMessage(name, message_id)
                     raise StoreUnavailable(f"the body of {message_id} ended early at byte {pos} of {size}")
                 pos += len(chunk)
                 yield chunk

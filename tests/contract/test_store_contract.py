@@ -499,6 +499,26 @@ async def test_deleting_one_copy_of_a_shared_delivery_keeps_the_others(store: St
         await store.read_message(user, "Archive", b)
 
 
+async def test_a_message_deleted_while_its_body_streams_is_whole_or_no_such_message(store: Store, user: str) -> None:
+    """RFC 2180: a FETCH racing another session's EXPUNGE gets the data or a NO for that message,
+    never 'the store is unavailable'. Far more chunks than any backend reads ahead."""
+    body = os.urandom(2 * 1024 * 1024)
+    [message_id] = await store.deliver(body, [Target(user)])
+    stream = store.read_chunks(user, INBOX, message_id)
+    received = bytearray(await anext(stream))
+    await store.delete_messages(user, INBOX, [message_id])
+    try:
+        async for chunk in stream:
+            received += chunk
+    except NoSuchMessage as gone:
+        assert gone.message_id == message_id
+    else:
+        assert bytes(received) == body
+    assert body.startswith(bytes(received))
+    with pytest.raises(NoSuchMessage):
+        await store.read_message(user, INBOX, message_id)
+
+
 async def test_copy_keeps_body_flags_and_internal_date(store: Store, user: str) -> None:
     when = datetime(2020, 5, 17, 8, 0, tzinfo=timezone.utc)
     [a] = await store.deliver(MESSAGE, [Target(user, INBOX, frozenset({"\\Flagged"}))], internal_date=when)
