@@ -13,6 +13,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import logging
 import os
 import re
 import time
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cassmail.config import AuthSettings
+
+_log = logging.getLogger("cassmail.auth")
 
 _FORMAT = re.compile(r"\$scrypt\$ln=(\d{1,2}),r=(\d{1,3}),p=(\d{1,3})\$([A-Za-z0-9+/]+)\$([A-Za-z0-9+/]+)\Z")
 SALT_BYTES = 16
@@ -180,3 +183,52 @@ class FailureThrottle:
 
     def succeeded(self, user: str) -> None:
         self._failures.pop(f"user:{user}", None)
+
+
+# --------------------------------------------------------------------------- the session-auth path
+
+
+def decode_plain(response: bytes) -> tuple[str, str] | None:
+    """SASL PLAIN (RFC 4616): (authentication id, password) from the client's base64 response,
+    or None when it is not valid base64 of `authzid NUL authcid NUL password`."""
+    try:
+        _authz, login, password = base64.b64decode(response.strip(), validate=True).split(b"\0")
+    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        return None
+    return login.decode("utf-8", "replace"), password.decode("utf-8", "replace")
+
+
+class Logins:
+    """Password logins of one listener in one worker: the address parsed to a user key, the
+    failure throttle, the check against the store, and one `auth` log event per attempt."""
+
+    def __init__(self, listener: str, delay: float) -> None:
+        self.listener = listener
+        self.throttle = FailureThrottle(delay)
+
+    async def check(self, store: Any, peer: str, login: str, password: str) -> str | None:
+        """The user key when the password is right, else None (after the throttle's delay).
+        A StoreError propagates (logged as tempfail): the store failed, not the client."""
+        from cassmail.logs import kv
+        from cassmail.model import Address, InvalidInput
+
+        started = time.monotonic()
+        try:
+            user: str | None = Address.parse(login).key
+        except InvalidInput:
+            user = None
+        result = "tempfail"
+        try:
+            delay = self.throttle.penalty(peer, user)
+            if delay:
+                await asyncio.sleep(delay)
+            ok = await check_password(store, user, password)
+            result = "ok" if ok else "fail"
+        finally:
+            _log.info(kv("auth", listener=self.listener, peer=peer, user=user, result=result,
+                         ms=int((time.monotonic() - started) * 1000)))
+        if ok and user is not None:
+            self.throttle.succeeded(user)
+            return user
+        self.throttle.failed(peer, user)
+        return None

@@ -405,6 +405,9 @@ class ImapSettings(ListenerSettings):
     idle_poll: float = 2.0
     #: Message summaries read from the store per request when a session selects a mailbox.
     page_size: int = 1000
+    #: Bytes a client may send ahead of the command being answered (pipelining); past it the
+    #: server stops reading from that client until it has caught up.
+    max_pipelined_bytes: int = 64 * 1024
     #: Seconds a client may take no bytes while the server has a message for it (RETR/TOP or
     #: FETCH); past it the connection is dropped, so a client that stops reading cannot hold a
     #: session forever. Not the idle timer: that one waits for the client's next command.
@@ -418,6 +421,11 @@ class ImapSettings(ListenerSettings):
         _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
         _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
         _check(1 <= self.write_timeout <= 86400, f"{prefix}.write_timeout", "must be 1..86400 seconds")
+        _check(
+            1024 <= self.max_pipelined_bytes <= 1 << 24,
+            f"{prefix}.max_pipelined_bytes",
+            f"must be 1024..16777216 bytes, got {self.max_pipelined_bytes}",
+        )
 
 
 @dataclass

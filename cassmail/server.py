@@ -246,7 +246,7 @@ async def run_worker(settings: Settings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     reactor = None
-    if settings.pop3.enabled or settings.imap.enabled:
+    if settings.pop3.enabled:
         # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
         reactor = twisted_asyncio.install(loop)
     store = make_store(settings)
@@ -260,19 +260,23 @@ async def run_worker(settings: Settings) -> int:
         log.error(kv("store-open", result="fail", error=exc))
         print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)
         return 3
-    servers = await smtp.start(settings, store)
+    servers: list[tuple[Any, Any]] = list(await smtp.start(settings, store))
     ports: list = []
-    #: Each listener's keeper of sessions (an SMTP handler, a POP3 or IMAP factory): its
-    #: `sessions` count and its `open` sessions.
+    #: Each listener's keeper of sessions (an SMTP handler, a POP3 factory, an IMAP listener):
+    #: its `sessions` count and its `open` sessions.
     keepers: dict[str, Any] = {handler.role.name: handler for _, handler in servers}
-    if reactor is not None:
-        from cassmail import imap, pop3
+    if settings.imap.enabled:
+        from cassmail import imap
 
-        for name, listening in (("pop3", pop3.start(settings, store, reactor)),
-                                ("imap", imap.start(settings, store, reactor))):
-            for port, factory in listening:
-                ports.append(port)
-                keepers[name] = factory
+        for server, listener in await imap.start(settings, store):
+            servers.append((server, listener))
+            keepers["imap"] = listener
+    if reactor is not None:
+        from cassmail import pop3
+
+        for port, factory in pop3.start(settings, store, reactor):
+            ports.append(port)
+            keepers["pop3"] = factory
     sampler = None
     if settings.metrics.enabled:
         from cassmail import metrics

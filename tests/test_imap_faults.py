@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import logging
 import re
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,34 +41,19 @@ class StaleStore:
                 yield summary
 
 
-def _reactor_on(loop: asyncio.AbstractEventLoop) -> Any:
-    """Twisted's asyncio reactor on the test's loop. A worker installs it before it opens its
-    store; this process may already have imported the Cassandra driver, whose `cassandra.cluster`
-    imports its Twisted connection module and with it Twisted's default reactor, which the driver
-    never runs (it uses libev). That idle reactor is set aside so the asyncio one can be installed."""
-    from twisted.internet import asyncioreactor
-
-    from cassmail import twisted_asyncio
-
-    current = sys.modules.get("twisted.internet.reactor")
-    if current is not None and not isinstance(current, asyncioreactor.AsyncioSelectorReactor) and not current.running:
-        del sys.modules["twisted.internet.reactor"]
-    return twisted_asyncio.install(loop)
-
-
 @pytest.fixture
 async def stale_imap(backend_settings: Settings, store: Store) -> AsyncIterator[tuple[StaleStore, int]]:
     """(the wrapper, the port of an IMAP listener in this process over it)."""
-    reactor = _reactor_on(asyncio.get_running_loop())
     from cassmail import imap as imap_front
 
     settings = node_settings(backend_settings)
     settings.imap = dataclasses.replace(settings.imap, listen="127.0.0.1:0", allow_plaintext_auth=True,
                                         auth_failure_delay=0.0, idle_poll=0.2)
     wrapped = StaleStore(store)
-    [(port, _factory)] = imap_front.start(settings, wrapped, reactor)  # type: ignore[arg-type]
-    yield wrapped, port.getHost().port
-    await port.stopListening().asFuture(asyncio.get_running_loop())
+    [(server, _listener)] = await imap_front.start(settings, wrapped)  # type: ignore[arg-type]
+    yield wrapped, server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
 
 
 async def cmd(raw: Raw, line: str) -> list[bytes]:

@@ -1,25 +1,14 @@
-"""The IMAP front end (RFC 3501 and the extensions clients use) on Twisted, served from the
-worker's asyncio loop.
+"""The IMAP front end (RFC 3501 and the extensions clients use) on the worker's asyncio loop.
 
-`start(settings, store, reactor)` listens on `[imap] listen`; nothing here knows a backend.
-Import this package only after `twisted_asyncio.install`: Twisted's mail modules pick a
-reactor when they are imported.
+`start(settings, store)` listens on `[imap] listen`; nothing here knows a backend. The shape:
+`connection` reads commands and writes answers, `parse` turns a command's bytes into a typed
+`commands.Command`, `session` is the state machine that runs them, and each command family
+has its module (`login`, `mailboxes`, `selected`, `fetch`, `search`, `idle`) over the
+selected mailbox's `view`, with `mime` and `wire` for the data formats.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from cassmail.imap.listener import Listener, start
 
-from cassmail.config import Settings
-from cassmail.imap.session import ImapFactory
-from cassmail.store.base import Store
-from cassmail.twisted_asyncio import listen, tls_options
-
-
-def start(settings: Settings, store: Store, reactor: Any) -> list[tuple[Any, ImapFactory]]:
-    """(listening port, factory) of the enabled IMAP listener (none when disabled); the factory
-    counts the sessions in progress (`sessions`)."""
-    if not settings.imap.enabled:
-        return []
-    factory = ImapFactory(store, settings.imap, tls_options(settings.imap))
-    return [(listen(reactor, settings.imap, factory), factory)]
+__all__ = ["Listener", "start"]

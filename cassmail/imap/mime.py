@@ -19,7 +19,7 @@ from email.parser import BytesHeaderParser
 from email.policy import compat32
 from typing import Any
 
-from cassmail.imap.wire import NIL
+from cassmail.imap.wire import NIL, Run
 
 #: Nesting deeper than this (multipart in message/rfc822 in multipart ...) is shown as opaque data.
 MAX_DEPTH = 32
@@ -83,9 +83,7 @@ def _entity(raw: bytes, start: int, end: int, default_type: str, depth: int) -> 
             boundary = email_utils.collapse_rfc2231_value(boundary)
         if boundary:
             child_type = "message/rfc822" if subtype == "digest" else "text/plain"
-            entity.parts = [
-                _entity(raw, s, e, child_type, depth + 1) for s, e in _split(raw, body, end, boundary.encode("utf-8", "surrogateescape"))
-            ]
+            entity.parts = [_entity(raw, s, e, child_type, depth + 1) for s, e in _parts(raw, body, end, str(boundary))]
     elif (maintype, subtype) == ("message", "rfc822") and _encoding(headers) in ("7bit", "8bit", "binary"):
         entity.message = _entity(raw, body, end, "text/plain", depth + 1)
     return entity
@@ -100,6 +98,22 @@ def _header_end(raw: bytes, start: int, end: int) -> tuple[int, int]:
     if m is None:
         return end, end  # all header, no body
     return m.start(1), m.end()
+
+
+def _parts(raw: bytes, start: int, end: int, boundary: str) -> list[tuple[int, int]]:
+    """The body parts of a multipart. A boundary parameter folded over lines is unfolded
+    (RFC 5322 2.2.3: the line break goes, the white space after it stays); where the body's
+    delimiter lines were written without that white space, they are found that way."""
+    unfolded = _FOLD.sub("", boundary)
+    for candidate in dict.fromkeys((unfolded, _FOLD_WSP.sub("", boundary))):
+        parts = _split(raw, start, end, candidate.encode("utf-8", "surrogateescape"))
+        if parts:
+            return parts
+    return []
+
+
+_FOLD = re.compile(r"\r?\n")
+_FOLD_WSP = re.compile(r"\r?\n[ \t]*")
 
 
 def _split(raw: bytes, start: int, end: int, boundary: bytes) -> list[tuple[int, int]]:
@@ -141,18 +155,51 @@ class NoSuchPart(LookupError):
     """A section number the message does not have: the FETCH item is sent empty."""
 
 
-def subpart(entity: Entity, path: tuple[int, ...]) -> Entity:
-    """The entity a section number names (RFC 3501 6.4.5): 1-based, through message/rfc822."""
+def part(top: Entity, path: tuple[int, ...]) -> Entity:
+    """The entity a section's part numbers name (RFC 3501 6.4.5), seen as a body part.
+
+    A message's parts are its multipart's parts, or, when it is not multipart, just one: its
+    own body (so part 1 of a message/rfc822 message is the message it encapsulates). Going
+    below a message/rfc822 part goes into the message it holds."""
+    node, in_message = top, True
     for number in path:
-        if entity.message is not None:
-            entity = entity.message
-        if entity.parts:
-            if not 1 <= number <= len(entity.parts):
+        if not in_message and node.message is not None:
+            node, in_message = node.message, True
+        if node.parts:
+            if not 1 <= number <= len(node.parts):
                 raise NoSuchPart(number)
-            entity = entity.parts[number - 1]
-        elif number != 1:
+            node = node.parts[number - 1]
+        elif not in_message or number != 1:
             raise NoSuchPart(number)
-    return entity
+        in_message = False
+    return node
+
+
+def section(top: Entity, path: tuple[int, ...], text: str | None, fields: tuple[str, ...] = ()) -> bytes:
+    """The bytes of BODY[path.text] exactly as stored; empty for a part the message lacks.
+    HEADER and TEXT of a part are those of the message a message/rfc822 part holds."""
+    if not path:
+        message: Entity | None = top
+    else:
+        try:
+            node = part(top, path)
+        except NoSuchPart:
+            return b""
+        if text is None:
+            return node.body_bytes()
+        if text == "MIME":
+            return node.header_bytes()
+        message = node.message
+    if message is None:
+        return b""
+    if text is None:
+        return message.raw[message.start : message.end]
+    if text == "TEXT":
+        return message.body_bytes()
+    header = message.header_bytes()
+    if text == "HEADER":
+        return header
+    return header_fields(header, list(fields), text == "HEADER.FIELDS.NOT")
 
 
 def header_fields(header: bytes, names: list[str], negate: bool) -> bytes:
@@ -189,16 +236,80 @@ def _value(headers: Message, name: str) -> bytes | None:
 
 
 def _addresses(headers: Message, name: str) -> Any:
+    """An address list as ENVELOPE gives it: (name adl mailbox host) per address, and RFC 3501's
+    group markers, (NIL NIL "group" NIL) before a group's members and (NIL NIL NIL NIL) after."""
     values = headers.get_all(name)
     if not values:
         return None
+    out: list[Any] = []
+    for value in values:
+        for kind, text in _address_items(" ".join(str(value).splitlines())):
+            if kind == "start":
+                out.append([None, None, text.strip() or None, None])
+            elif kind == "end":
+                out.append([None, None, None, None])
+            else:
+                out.extend(_mailboxes(text))
+    return Run(out) if out else None
+
+
+def _mailboxes(text: str) -> list[list[Any]]:
     out = []
-    for display, addr in email_utils.getaddresses([str(v) for v in values]):
+    for display, addr in email_utils.getaddresses([text]):
         if not addr and not display:
             continue
+        display = display.strip()
+        if display.startswith("(") or not display:  # only comments, no display name
+            display = ""
         mailbox, _, host = addr.rpartition("@") if "@" in addr else (addr, "", "")
         out.append([display or None, None, mailbox or None, host or None])
-    return out or None
+    return out
+
+
+def _address_items(value: str) -> list[tuple[str, str]]:
+    """An address-list cut at its top level (outside quotes, comments and angle brackets):
+    ("start", group name), ("end", ""), ("mailbox", text) in order."""
+    items: list[tuple[str, str]] = []
+    current: list[str] = []
+    depth, quoted, angle, escaped = 0, False, False, False
+    in_group = False
+    for ch in value:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and (quoted or depth):
+            escaped = True
+        elif quoted:
+            quoted = ch != '"'
+        elif ch == '"' and not depth:
+            quoted = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+        elif depth:
+            pass
+        elif ch == "<":
+            angle = True
+        elif ch == ">":
+            angle = False
+        elif not angle and ch == ":" and not in_group:
+            items.append(("start", "".join(current)))
+            current, in_group = [], True
+            continue
+        elif not angle and ch == ";" and in_group:
+            items.append(("mailbox", "".join(current)))
+            items.append(("end", ""))
+            current, in_group = [], False
+            continue
+        elif not angle and ch == ",":
+            items.append(("mailbox", "".join(current)))
+            current = []
+            continue
+        current.append(ch)
+    items.append(("mailbox", "".join(current)))
+    if in_group:  # a group never closed: closed here, so the markers pair up
+        items.append(("end", ""))
+    return [(kind, text) for kind, text in items if kind != "mailbox" or text.strip()]
 
 
 def envelope(headers: Message) -> list[Any]:
@@ -250,7 +361,7 @@ def bodystructure(entity: Entity, extended: bool = True) -> list[Any]:
     headers = entity.headers
     maintype, subtype = entity.content_type
     if entity.parts:
-        out: list[Any] = [bodystructure(p, extended) for p in entity.parts]
+        out: list[Any] = [Run([bodystructure(p, extended) for p in entity.parts], parens=False)]
         out.append(subtype)
         if extended:
             out += [_params(headers, "content-type"), _disposition(headers),
@@ -276,4 +387,4 @@ def bodystructure(entity: Entity, extended: bool = True) -> list[Any]:
     return out
 
 
-__all__ = ["NIL", "Entity", "NoSuchPart", "bodystructure", "envelope", "header_fields", "parse", "subpart"]
+__all__ = ["NIL", "Entity", "NoSuchPart", "bodystructure", "envelope", "header_fields", "parse", "part", "section"]

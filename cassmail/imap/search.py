@@ -1,10 +1,10 @@
-"""SEARCH (RFC 3501 6.4.4): the keys compiled once into a predicate over a session's view.
+"""SEARCH (RFC 3501 6.4.4): the parsed keys (`commands.SearchKey`) compiled once into a
+predicate over a session's view, then run.
 
-Flags, sizes, dates and sets are answered from the summaries; header keys read
-the message's header only; BODY and TEXT read the message. Strings match as
-case-insensitive substrings (of the decoded header value, or of the raw body).
-Strings may come as atoms, quoted strings or literals (`{n}`, how clients send
-non-ASCII text): `parse_keys` reads the command's lines with the literals between them.
+Flags, sizes, dates and sets are answered from the summaries; header keys read the message's
+header only; BODY and TEXT read the message. Strings match as case-insensitive substrings (of
+the decoded header value, or of the raw body); FROM, TO, CC and BCC also match the addresses
+as parsed, so `user@domain` is found in `<user (comment)@ (comment) domain>`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from email.header import decode_header, make_header
-from email.utils import parsedate_to_datetime
-from typing import Any
+from email.utils import getaddresses, parsedate_to_datetime
+from typing import TYPE_CHECKING
 
+from cassmail.imap import commands as c
 from cassmail.imap import mime, wire
+from cassmail.imap.errors import No
+from cassmail.imap.fetch import headers_only
 from cassmail.imap.view import MailboxView
+from cassmail.store.base import NoSuchMessage
+
+if TYPE_CHECKING:
+    from cassmail.imap.session import Session
 
 Predicate = Callable[[int, "mime.Entity | None"], bool]
 
@@ -28,8 +35,7 @@ _FLAG_KEYS = {
     "FLAGGED": ("\\Flagged", True), "UNFLAGGED": ("\\Flagged", False),
     "SEEN": ("\\Seen", True), "UNSEEN": ("\\Seen", False),
 }
-_HEADER_KEYS = {"BCC", "CC", "FROM", "SUBJECT", "TO"}
-_DATE_KEYS = {"BEFORE", "ON", "SINCE", "SENTBEFORE", "SENTON", "SENTSINCE"}
+_ADDRESS_KEYS = {"BCC", "CC", "FROM", "TO"}
 
 
 @dataclass
@@ -39,79 +45,36 @@ class Program:
     needs_body: bool
 
 
-def parse_keys(pieces: list[bytes]) -> list[Any]:
-    """The search keys as nested lists of bytes tokens, from the command's text: `pieces`
-    alternates text and literal data (text, literal, text, ...), the `{n}` markers already taken
-    out of the text. Quoted strings lose their quotes and escapes; a literal is one string
-    whatever its bytes. Raises wire.ParseError on unbalanced parentheses or quotes."""
-    stack: list[list[Any]] = [[]]
-    for n, piece in enumerate(pieces):
-        if n % 2:
-            stack[-1].append(bytes(piece))
+def compile_program(program: c.And, view: MailboxView) -> Program:
+    """The keys as one predicate, and what of each message it needs."""
+    needs = {"headers": False, "body": False}
+    return Program(_compile(program, view, needs), needs["headers"], needs["body"])
+
+
+async def search(session: Session, args: c.Search) -> str:
+    if args.charset is not None and args.charset not in ("US-ASCII", "UTF-8"):
+        raise No("Unsupported charset", "BADCHARSET (US-ASCII UTF-8)")
+    view = session.selected()
+    program = compile_program(args.program, view)
+    hits = []
+    for uid in list(view.uids):
+        summary = view.messages.get(uid)
+        if summary is None:
             continue
-        i, end = 0, len(piece)
-        while i < end:
-            c = piece[i : i + 1]
-            if c in (b" ", b"\t"):
-                i += 1
-            elif c == b"(":
-                stack.append([])
-                i += 1
-            elif c == b")":
-                if len(stack) == 1:
-                    raise wire.ParseError("unbalanced parentheses")
-                done = stack.pop()
-                stack[-1].append(done)
-                i += 1
-            elif c == b'"':
-                out = bytearray()
-                i += 1
-                while True:
-                    if i >= end:
-                        raise wire.ParseError("unterminated quoted string")
-                    c = piece[i : i + 1]
-                    if c == b"\\" and piece[i + 1 : i + 2] in (b"\\", b'"'):
-                        out += piece[i + 1 : i + 2]
-                        i += 2
-                    elif c == b'"':
-                        i += 1
-                        break
-                    else:
-                        out += c
-                        i += 1
-                stack[-1].append(bytes(out))
-            else:
-                start = i
-                while i < end and piece[i : i + 1] not in (b" ", b"\t", b"(", b")", b'"'):
-                    i += 1
-                stack[-1].append(piece[start:i])
-    if len(stack) != 1:
-        raise wire.ParseError("unbalanced parentheses")
-    return stack[0]
-
-
-def compile_query(query: list[Any], view: MailboxView, uid_mode: bool) -> Program:
-    """Raises wire.ParseError on a key it does not know or a missing argument."""
-    state = {"headers": False, "body": False}
-    tokens = list(query)
-    if not tokens:
-        raise wire.ParseError("SEARCH needs at least one key")
-    preds = []
-    while tokens:
-        preds.append(_key(tokens, view, state))
-    return Program(lambda u, e: all(p(u, e) for p in preds), state["headers"], state["body"])
-
-
-def _text(token: Any) -> str:
-    if not isinstance(token, bytes):
-        raise wire.ParseError("expected a string")
-    return token.decode("utf-8", "replace")
-
-
-def _next(tokens: list[Any], what: str) -> Any:
-    if not tokens:
-        raise wire.ParseError(f"{what} needs an argument")
-    return tokens.pop(0)
+        entity = None
+        if program.needs_body:
+            try:
+                entity = mime.parse(await session.store.read_message(view.user, view.name, summary.id))
+            except NoSuchMessage:
+                continue
+        elif program.needs_headers:
+            entity = await headers_only(session, summary)
+            if entity is None:
+                continue
+        if program.match(uid, entity):
+            hits.append(uid if args.uid else view.seq(uid))
+    session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits))
+    return ("UID " if args.uid else "") + "SEARCH completed"
 
 
 def _decoded(value: str) -> str:
@@ -149,72 +112,85 @@ def _compare_date(kind: str, value: date | None, when: date) -> bool:
     return value >= when
 
 
-def _key(tokens: list[Any], view: MailboxView, state: dict[str, bool]) -> Predicate:
-    token = tokens.pop(0)
-    if isinstance(token, list):
-        inner = list(token)
-        preds = []
-        while inner:
-            preds.append(_key(inner, view, state))
+def _compile(key: c.SearchKey, view: MailboxView, needs: dict[str, bool]) -> Predicate:
+    if isinstance(key, c.And):
+        preds = [_compile(k, view, needs) for k in key.keys]
+        if len(preds) == 1:
+            return preds[0]
         return lambda u, e: all(p(u, e) for p in preds)
-    if not isinstance(token, bytes):
-        raise wire.ParseError("bad search key")
-    key = token.decode("ascii", "replace").upper()
-    messages = view.messages
-    if key == "ALL":
-        return lambda u, e: True
-    if key in _FLAG_KEYS:
-        flag, present = _FLAG_KEYS[key]
-        return lambda u, e: (flag in messages[u].flags) == present
-    if key in ("RECENT", "NEW", "OLD"):
-        if key == "RECENT":
-            return lambda u, e: u in view.recent
-        if key == "OLD":
-            return lambda u, e: u not in view.recent
-        return lambda u, e: u in view.recent and "\\Seen" not in messages[u].flags
-    if key in ("KEYWORD", "UNKEYWORD"):
-        word = _text(_next(tokens, key))
-        present = key == "KEYWORD"
-        return lambda u, e: (word in messages[u].flags) == present
-    if key in ("LARGER", "SMALLER"):
-        arg = _next(tokens, key)
-        if not isinstance(arg, bytes) or not arg.isdigit():
-            raise wire.ParseError(f"{key} needs a number")
-        n = int(arg)
-        return (lambda u, e: messages[u].size > n) if key == "LARGER" else (lambda u, e: messages[u].size < n)
-    if key in _DATE_KEYS:
-        when = wire.parse_date(_next(tokens, key)).date()
-        if key.startswith("SENT"):
-            state["headers"] = True
-            return lambda u, e: _compare_date(key, _sent_date(e), when)
-        return lambda u, e: _compare_date(key, messages[u].internal_date.date(), when)
-    if key in _HEADER_KEYS:
-        needle = _text(_next(tokens, key))
-        state["headers"] = True
-        return lambda u, e: _header_has(e, key.lower(), needle)
-    if key == "HEADER":
-        name = _text(_next(tokens, key))
-        needle = _text(_next(tokens, key))
-        state["headers"] = True
-        return lambda u, e: _header_has(e, name, needle)
-    if key in ("BODY", "TEXT"):
-        needle = _text(_next(tokens, key)).lower().encode("utf-8")
-        state["body"] = True
-        if key == "BODY":
-            return lambda u, e: e is not None and needle in e.body_bytes().lower()
-        return lambda u, e: e is not None and needle in e.raw.lower()
-    if key == "NOT":
-        inner = _key(tokens, view, state)
+    if isinstance(key, c.Not):
+        inner = _compile(key.key, view, needs)
         return lambda u, e: not inner(u, e)
-    if key == "OR":
-        left = _key(tokens, view, state)
-        right = _key(tokens, view, state)
+    if isinstance(key, c.Or):
+        left, right = _compile(key.left, view, needs), _compile(key.right, view, needs)
         return lambda u, e: left(u, e) or right(u, e)
-    if key == "UID":
-        ranges = wire.resolve_set(wire.parse_set(_next(tokens, key)), view.largest(True))
+    name, args = key.name, key.args
+    messages = view.messages
+    if name == "ALL":
+        return lambda u, e: True
+    if name in _FLAG_KEYS:
+        flag, present = _FLAG_KEYS[name]
+        return lambda u, e: (flag in messages[u].flags) == present
+    if name == "RECENT":
+        return lambda u, e: u in view.recent
+    if name == "OLD":
+        return lambda u, e: u not in view.recent
+    if name == "NEW":
+        return lambda u, e: u in view.recent and "\\Seen" not in messages[u].flags
+    if name in ("KEYWORD", "UNKEYWORD"):
+        word, present = str(args[0]), name == "KEYWORD"
+        return lambda u, e: (word in messages[u].flags) == present
+    if name == "LARGER":
+        larger = int(args[0])  # type: ignore[call-overload]
+        return lambda u, e: messages[u].size > larger
+    if name == "SMALLER":
+        smaller = int(args[0])  # type: ignore[call-overload]
+        return lambda u, e: messages[u].size < smaller
+    if name in ("BEFORE", "ON", "SINCE", "SENTBEFORE", "SENTON", "SENTSINCE"):
+        when = args[0].date()  # type: ignore[attr-defined]
+        if name.startswith("SENT"):
+            needs["headers"] = True
+            return lambda u, e: _compare_date(name, _sent_date(e), when)
+        return lambda u, e: _compare_date(name, messages[u].internal_date.date(), when)
+    if name in _ADDRESS_KEYS:
+        needle = _text(args[0])
+        needs["headers"] = True
+        return lambda u, e: _address_has(e, name.lower(), needle)
+    if name == "SUBJECT":
+        needle = _text(args[0])
+        needs["headers"] = True
+        return lambda u, e: _header_has(e, "subject", needle)
+    if name == "HEADER":
+        field, needle = _text(args[0]), _text(args[1])
+        needs["headers"] = True
+        return lambda u, e: _header_has(e, field, needle)
+    if name in ("BODY", "TEXT"):
+        raw = _text(args[0]).lower().encode("utf-8")
+        needs["body"] = True
+        if name == "BODY":
+            return lambda u, e: e is not None and raw in e.body_bytes().lower()
+        return lambda u, e: e is not None and raw in e.raw.lower()
+    if name == "UID":
+        ranges = wire.resolve_set(list(args[0]), view.largest(True))  # type: ignore[call-overload]
         wanted = set(view.by_uid(ranges))
         return lambda u, e: u in wanted
-    # a bare sequence set
-    ranges = wire.resolve_set(wire.parse_set(token), view.largest(False))
-    wanted = set(view.by_seq(ranges))
-    return lambda u, e: u in wanted
+    if name == "SET":
+        ranges = wire.resolve_set(list(args[0]), view.largest(False))  # type: ignore[call-overload]
+        wanted = set(view.by_seq(ranges))
+        return lambda u, e: u in wanted
+    raise wire.ParseError("unknown search key")
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _address_has(entity: mime.Entity | None, name: str, needle: str) -> bool:
+    """The header as written (decoded), or any of its addresses as parsed (comments gone)."""
+    if _header_has(entity, name, needle):
+        return True
+    if entity is None or not needle:
+        return False
+    values = [str(v) for v in entity.headers.get_all(name) or []]
+    lowered = needle.lower()
+    return any(lowered in f"{_decoded(display)} <{addr}>".lower() for display, addr in getaddresses(values))

@@ -39,21 +39,10 @@ RENUMBER_ROUNDS = 3
 @dataclass
 class Listing:
     """A mailbox's summaries, and the UIDs that the read that made it has just handed out.
-
-    One listing may be handed to several sessions (the IDLE watcher shares its reads); RFC 3501
-    gives `\\Recent` to one session only, so the first view that takes the listing claims the
-    new UIDs as recent (`claim_recent`) and the others see them as plain new messages."""
+    One listing may be handed to several sessions (the IDLE watcher shares its reads)."""
 
     summaries: list[MessageSummary]
     assigned: dict[uuid.UUID, int]
-    _claimed: bool = False
-
-    def claim_recent(self) -> set[int]:
-        """The UIDs this listing's read handed out, to the first caller only."""
-        if self._claimed:
-            return set()
-        self._claimed = True
-        return set(self.assigned.values())
 
     def uid_next(self) -> int | None:
         """UIDNEXT as the assignment left it (the counter after the UIDs it handed out), when
@@ -96,7 +85,12 @@ class MailboxView:
         self.uidvalidity, self.readonly, self.page_size = uidvalidity, readonly, page_size
         self.uids: list[int] = []
         self.messages: dict[int, MessageSummary] = {}
+        #: RFC 3501 \\Recent: UIDs this session was the first to be told of (see `_claim_recent`).
         self.recent: set[int] = set()
+        #: The store's recent mark as this session knows it: UIDs below it are nobody's news.
+        self.recent_mark: int | None = None
+        #: Keywords the client was told of in FLAGS (a new one is announced before it is shown).
+        self.keywords: set[str] = set()
         #: The highest UID this session has ever shown (expunged ones included): a listed UID at
         #: or below it that is not in the view may not be shown again, only renumbered.
         self.shown = 0
@@ -181,7 +175,6 @@ class MailboxView:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
             if uid is not None:
                 current[uid] = MessageSummary(s.id, s.size, s.flags, s.internal_date, uid)
-        recent = listing.claim_recent()
         changes = Changes()
         before = (len(self.uids), len(self.recent))
         if expunge:
@@ -200,7 +193,7 @@ class MailboxView:
             self.messages[uid] = current[uid]
         if self.uids:
             self.shown = max(self.shown, self.uids[-1])
-        self.recent.update(u for u in recent if u in self.messages)
+        await self._claim_recent()
         if current:
             self.uid_next = max(self.uid_next, max(current) + 1)
         if listing.assigned:
@@ -208,6 +201,30 @@ class MailboxView:
         if (len(self.uids), len(self.recent)) != before or changes.expunged:
             changes.exists, changes.recent = len(self.uids), len(self.recent)
         return changes
+
+    async def _claim_recent(self) -> None:
+        """RFC 3501: a message is \\Recent in exactly one session, the first read-write one told
+        of it, on any node. The store keeps a mark below which every UID has been claimed; a
+        session claims the UIDs it shows from the mark up (one conditional write, and only when
+        it shows UIDs at or above the mark) and owns \\Recent for those its claim won. A
+        read-only session claims nothing: what lies above the mark at its SELECT is recent to it."""
+        if not self.uids:
+            return
+        top = self.uids[-1] + 1
+        try:
+            if self.recent_mark is None:
+                self.recent_mark = await self.store.recent_mark(self.user, self.name)
+            if self.readonly:
+                self.recent.update(u for u in self.uids if u >= self.recent_mark)
+                return
+            if top <= self.recent_mark:
+                return
+            before = await self.store.claim_recent(self.user, self.name, top)
+        except StoreUnavailable as exc:  # \\Recent waits for the next refresh; the session goes on
+            log.warning(kv("imap-recent", user=self.user, mailbox=self.name, error=exc))
+            return
+        self.recent.update(u for u in self.uids if before <= u < top)
+        self.recent_mark = max(top, before)
 
     async def _renumber_late(self, current: dict[int, MessageSummary]) -> None:
         """Give a new UID to every listed message whose UID this session may no longer show (at

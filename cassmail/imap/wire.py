@@ -5,14 +5,12 @@ Pure functions, no I/O: what the session writes and parses, kept apart so it is 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any
-
-import twisted.mail.imap4  # registers the "imap4-utf-7" codec
-
-assert twisted.mail.imap4  # imported for its side effect only
 
 from cassmail.model import InvalidInput
 
@@ -76,9 +74,28 @@ def encode(value: Any) -> bytes:
         return b"%d" % value
     if isinstance(value, Atom):
         return value.data
+    if isinstance(value, Run):
+        inner = b"".join(encode(v) for v in value.items)
+        return b"(" + inner + b")" if value.parens else inner
     if isinstance(value, (list, tuple)):
         return b"(" + b" ".join(encode(v) for v in value) + b")"
     return string(value)
+
+
+class Run:
+    """A parenthesised run of values with nothing between them: RFC 3501's `1*address` and a
+    multipart's `1*body`."""
+
+    __slots__ = ("items", "parens")
+
+    def __init__(self, items: list[Any], parens: bool = True) -> None:
+        self.items, self.parens = items, parens
+
+    def __eq__(self, other: object) -> bool:
+        return self.items == (other.items if isinstance(other, Run) else other)
+
+    def __repr__(self) -> str:
+        return f"Run({self.items!r})"
 
 
 class Atom:
@@ -187,15 +204,62 @@ def parse_date(text: bytes) -> datetime:
 
 def decode_mailbox(name: bytes) -> str:
     """A mailbox name from the wire (modified UTF-7, RFC 3501 5.1.3). Raises ParseError."""
-    try:
-        text = name.decode("imap4-utf-7")
-    except (UnicodeDecodeError, ValueError):
-        raise ParseError("mailbox name is not valid modified UTF-7") from None
-    if text.encode("imap4-utf-7") != name:
+    text = _decode_utf7(name)
+    if encode_mailbox(text) != name:
         # the same name can be spelt only one way (RFC 3501: no needless shifts, no 8-bit)
         raise ParseError("mailbox name is not in canonical modified UTF-7")
     return text
 
 
 def encode_mailbox(name: str) -> bytes:
-    return name.encode("imap4-utf-7")
+    """Modified UTF-7: printable ASCII as itself (`&` as `&-`), anything else as `&` base64 of
+    UTF-16BE with `,` for `/` and no padding, closed by `-`."""
+    out = bytearray()
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            data = "".join(pending).encode("utf-16-be", "surrogatepass")
+            out.extend(b"&" + base64.b64encode(data).rstrip(b"=").replace(b"/", b",") + b"-")
+            pending.clear()
+
+    for ch in name:
+        if 0x20 <= ord(ch) <= 0x7E:
+            flush()
+            out.extend(b"&-" if ch == "&" else ch.encode("ascii"))
+        else:
+            pending.append(ch)
+    flush()
+    return bytes(out)
+
+
+def _decode_utf7(name: bytes) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(name):
+        ch = name[i]
+        if ch == 0x26:  # &
+            end = name.find(b"-", i + 1)
+            if end < 0:
+                raise ParseError("mailbox name is not valid modified UTF-7")
+            shifted = name[i + 1 : end]
+            if not shifted:
+                out.append("&")
+            else:
+                if not _BASE64.fullmatch(shifted):
+                    raise ParseError("mailbox name is not valid modified UTF-7")
+                try:
+                    data = base64.b64decode(shifted.replace(b",", b"/") + b"=" * (-len(shifted) % 4), validate=True)
+                    out.append(data.decode("utf-16-be"))
+                except (binascii.Error, UnicodeDecodeError, ValueError):
+                    raise ParseError("mailbox name is not valid modified UTF-7") from None
+            i = end + 1
+        elif 0x20 <= ch <= 0x7E:
+            out.append(chr(ch))
+            i += 1
+        else:
+            raise ParseError("mailbox name is not valid modified UTF-7")
+    return "".join(out)
+
+
+_BASE64 = re.compile(rb"[A-Za-z0-9+,]+")

@@ -1,0 +1,255 @@
+"""The IMAP connection: bytes in (lines and literals, read only as fast as commands are answered)
+and bytes out (with flow control), on an asyncio transport.
+
+A session reads one command, answers it, then reads the next, so whatever a client pipelines
+waits here as raw bytes until its turn. Three bounds keep one client from taking a worker:
+
+- a command line longer than `max_line` is skipped up to its end (never buffered whole) and
+  answered BAD;
+- bytes sent ahead of what the session is reading are held up to `max_pipelined`; past it the
+  connection stops reading from the socket, so a client that sends while it does not read
+  backs up in TCP instead of in the worker's memory;
+- a write the client does not take for `write_timeout` seconds aborts the connection.
+
+Literals (`{n}` synchronising, `{n+}` LITERAL+) are read as part of their command, so a command
+is always complete before it runs, and a synchronising literal's continuation request is sent
+only when its command's turn has come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: A literal announced at the end of a line: `{n}`, `{n+}` (LITERAL+), `~{n}` / `~{n+}` (BINARY).
+LITERAL_MARKER = re.compile(rb"(~?)\{(\d{1,20})(\+?)\}\Z")
+#: RFC 3501 number: 32 bits.
+MAX_LITERAL_NUMBER = 0xFFFFFFFF
+
+
+class Closed(ConnectionError):
+    """The client went away (end of stream or reset) while the session waited for its bytes."""
+
+
+class LineTooLong(Exception):
+    """A line longer than the limit; it was read to its end and dropped. `start` is its first
+    bytes (for the tag of the BAD)."""
+
+    def __init__(self, start: bytes) -> None:
+        super().__init__("line too long")
+        self.start = start
+
+
+class LiteralTooLarge(Exception):
+    """A literal over its limit. A synchronising one was not sent (the client waits for the
+    continuation): the command is answered and the session goes on. A non-synchronising one is
+    on its way and cannot be told from commands: the session must end."""
+
+    def __init__(self, start: bytes, synchronising: bool, valid: bool = True) -> None:
+        super().__init__("literal too large")
+        #: False when the size is no IMAP number at all (above 4294967295): a syntax error.
+        self.start, self.synchronising, self.valid = start, synchronising, valid
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One command as the client sent it: `parts` alternate text and literal data (text,
+    literal, text, ..., text), the `{n}` markers taken out of the text; `binary` names the
+    literals sent as `~{n}`."""
+
+    parts: tuple[bytes, ...]
+    binary: frozenset[int] = frozenset()
+
+
+#: The largest size of a literal that carries a message, or None for a string literal: from the
+#: command's first line, the literal's index in the command and the text just before it.
+MessageLimit = Callable[[bytes, int, bytes], "int | None"]
+
+
+class Connection(asyncio.Protocol):
+    """Reader and writer over one transport. The session is a coroutine that reads commands with
+    `read_command`/`read_line` and writes with `write` and `drain`."""
+
+    def __init__(self, max_line: int, max_pipelined: int, write_timeout: float) -> None:
+        self.max_line, self.max_pipelined, self.write_timeout = max_line, max_pipelined, write_timeout
+        self.transport: Any = None
+        self._buffer = bytearray()
+        #: Bytes the pending read is sure to take (a literal's length): they do not count as sent ahead.
+        self._wanted = 0
+        self._data = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._reading_paused = False
+        self.eof = False
+        self.lost = False
+        #: A line too long to hold is being dropped up to its end (the skip may span reads).
+        self._skipping = False
+
+    # ------------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._skipping:
+            end = data.find(b"\n")
+            if end < 0:
+                return
+            data = data[end + 1 :]
+            self._skipping = False
+        self._buffer += data
+        self._data.set()
+        if not self._reading_paused and len(self._buffer) > self._wanted + self.max_pipelined + self.max_line:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._data.set()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = self.eof = True
+        self._data.set()
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # ------------------------------------------------------------------ reading
+
+    def _consumed(self) -> None:
+        if self._reading_paused and len(self._buffer) <= self._wanted + self.max_pipelined and not self.lost:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    async def _more(self) -> None:
+        if self.eof:
+            raise Closed("the client closed the connection")
+        self._data.clear()
+        if self._reading_paused:  # the reader needs bytes the bound is holding back
+            self._reading_paused = False
+            self.transport.resume_reading()
+        await self._data.wait()
+
+    async def read_line(self) -> bytes:
+        """The next line without its CRLF (or LF). Raises LineTooLong (the line is skipped to its
+        end, never held whole), Closed."""
+        start = 0
+        while True:
+            end = self._buffer.find(b"\n", start)
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]
+                self._consumed()
+                if end > self.max_line + 1:  # it came in whole, yet is no shorter for that
+                    raise LineTooLong(line[:64])
+                return line[:-1] if line.endswith(b"\r") else line
+            if len(self._buffer) > self.max_line:
+                head = bytes(self._buffer[:64])
+                self._buffer.clear()
+                self._skipping = True  # data_received drops bytes up to the line's end
+                while self._skipping:
+                    await self._more()
+                raise LineTooLong(head)
+            start = len(self._buffer)
+            await self._more()
+
+    async def read_exact(self, size: int) -> bytes:
+        """Exactly `size` bytes (a literal). Raises Closed."""
+        self._wanted = size
+        try:
+            while len(self._buffer) < size:
+                await self._more()
+            data = bytes(self._buffer[:size])
+            del self._buffer[:size]
+        finally:
+            self._wanted = 0
+        self._consumed()
+        return data
+
+    async def read_command(self, message_limit: MessageLimit, max_string: int, max_strings: int,
+                           continuation: Callable[[], None]) -> Frame:
+        """One command with its literals. A literal `message_limit` names (an APPEND's message)
+        may be as large as it says; any other is a string of at most `max_string` bytes, and
+        a command's strings add up to at most `max_strings`. `continuation` is called before a
+        synchronising literal is read. Raises LiteralTooLarge, LineTooLong, Closed."""
+        first = line = await self.read_line()
+        parts: list[bytes] = []
+        binary: set[int] = set()
+        strings = 0
+        while True:
+            m = LITERAL_MARKER.search(line)
+            if m is None:
+                parts.append(line)
+                return Frame(tuple(parts), frozenset(binary))
+            size, synchronising = int(m.group(2)), not m.group(3)
+            if size > MAX_LITERAL_NUMBER:
+                raise LiteralTooLarge(first[:64], synchronising, valid=False)
+            cap = message_limit(first, len(parts) // 2, line[: m.start()])
+            if cap is None:
+                strings += size
+                too_large = size > max_string or strings > max_strings
+            else:
+                too_large = size > cap
+            if too_large:
+                raise LiteralTooLarge(first[:64], synchronising)
+            parts.append(line[: m.start()])
+            if m.group(1):
+                binary.add(len(parts))
+            if synchronising:
+                continuation()
+            parts.append(await self.read_exact(size))
+            line = await self.read_line()
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, data: bytes) -> None:
+        if not self.lost:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        """Return once the transport takes more. Raises Closed when the client is gone, and
+        ClientStalled after aborting the connection when it took nothing for write_timeout."""
+        if self.lost:
+            raise Closed("the client went away")
+        if self._writable.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._writable.wait(), self.write_timeout)
+        except TimeoutError:
+            self.transport.abort()
+            raise ClientStalled(f"the client took no data for {self.write_timeout:g} s") from None
+        if self.lost:
+            raise Closed("the client went away")
+
+    def reading_resumed(self) -> None:
+        """The transport was replaced (STARTTLS) and reads: the old one's pause is gone with it."""
+        self._reading_paused = False
+
+    def close(self) -> None:
+        """Close once what was written is sent."""
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def drop_buffered(self) -> int:
+        """Throw away whatever was received and not read yet (STARTTLS: what came in clear text
+        behind it must not run as if it came over TLS). Returns the bytes dropped."""
+        dropped = len(self._buffer)
+        self._buffer.clear()
+        self._consumed()
+        return dropped
+
+
+class ClientStalled(Closed):
+    """The client took none of what was sent to it for the write timeout; the connection is aborted."""

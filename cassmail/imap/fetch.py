@@ -1,0 +1,207 @@
+"""FETCH (RFC 3501 6.4.5): byte-exact sections from `mime`, BODY[] and partial bodies streamed
+from the store with flow control, \\Seen set once per command for all the messages it reads.
+
+Every store read that can fail for a message comes before the first byte of its response, so a
+failure then is a clean NO; once a literal is announced, a failure can only end the connection.
+A message expunged by another session meanwhile is left out and the command answers NO
+[EXPUNGEISSUED] for those only (RFC 2180 4.1.2); the others are sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from cassmail.imap import commands as c
+from cassmail.imap import mime, wire
+from cassmail.imap.connection import Closed
+from cassmail.imap.errors import No
+from cassmail.logs import kv
+from cassmail.model import MessageSummary
+from cassmail.store.base import NoSuchMessage, StoreError
+
+if TYPE_CHECKING:
+    from cassmail.imap.session import Session
+
+#: Header-only items (ENVELOPE, BODY[HEADER.FIELDS ...]) read this much of a message at a time,
+#: and at most HEADER_LIMIT in all, looking for the blank line that ends the header.
+HEADER_WINDOW = 16 * 1024
+HEADER_LIMIT = 1024 * 1024
+
+log = logging.getLogger("cassmail.imap")
+
+_PARSED = frozenset({"ENVELOPE", "BODYSTRUCTURE", "RFC822.HEADER", "RFC822.TEXT"})
+
+
+def _streamed(att: c.FetchAtt) -> bool:
+    """BODY[] (maybe partial) and RFC822 need no parsing: they are streamed."""
+    return att.name == "RFC822" or (att.section is not None and att.section == c.Section())
+
+
+def _header_only(att: c.FetchAtt) -> bool:
+    """Answered from the top-level header alone (ENVELOPE, BODY[HEADER...], RFC822.HEADER)."""
+    if att.name in ("ENVELOPE", "RFC822.HEADER"):
+        return True
+    section = att.section
+    return section is not None and not section.part and (section.text or "").startswith("HEADER")
+
+
+def _needs_entity(att: c.FetchAtt) -> bool:
+    return att.name in _PARSED or (att.name == "BODY" and not _streamed(att))
+
+
+async def fetch(session: Session, args: c.Fetch) -> str:
+    view = session.selected()
+    uids = session.uids(args.messages, args.uid)
+    atts = list(args.atts)
+    if not view.readonly and any(a.sets_seen for a in atts):
+        unseen = [u for u in uids if "\\Seen" not in view.messages[u].flags]
+        if unseen:
+            await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in unseen], ["\\Seen"], "add")
+            for u in unseen:
+                view.set_flags(u, view.messages[u].flags | {"\\Seen"})
+            if not any(a.name == "FLAGS" for a in atts):
+                atts.append(c.FetchAtt("FLAGS"))
+    shows_flags = any(a.name == "FLAGS" for a in atts)
+    missing = 0
+    for message_uid in uids:
+        summary = view.messages.get(message_uid)
+        if summary is None:
+            continue
+        if shows_flags:
+            session.announce_flags([message_uid])
+        try:
+            await _fetch_one(session, message_uid, summary, atts)
+        except NoSuchMessage:
+            missing += 1
+        await session.conn.drain()
+    if missing:
+        raise No("Some messages were expunged meanwhile", "EXPUNGEISSUED")
+    return ("UID " if args.uid else "") + "FETCH completed"
+
+
+async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: list[c.FetchAtt]) -> None:
+    view = session.selected()
+    streamed = [a for a in atts if _streamed(a)]
+    parsed = [a for a in atts if _needs_entity(a)]
+    entity = None
+    if parsed and all(_header_only(a) for a in parsed):
+        # what mail clients ask for when they list a mailbox: the header is enough
+        entity = await headers_only(session, summary)
+        if entity is None:
+            raise NoSuchMessage(view.name, summary.id)
+    elif parsed:
+        entity = mime.parse(await session.store.read_message(view.user, view.name, summary.id))
+    # A stalled or vanished client leaves streams unread: their files and reads are given back.
+    async with contextlib.AsyncExitStack() as unread:
+        streams = {}
+        for att in streamed:
+            streams[id(att)] = stream = await _open_stream(session, summary, att)
+            if stream[3] is not None:
+                unread.push_async_callback(stream[3].aclose)
+        out: list[bytes] = []
+        write = session.conn.write
+        head = b"* %d FETCH (" % view.seq(uid)
+        for n, att in enumerate(atts):
+            if att in streamed:
+                write(head + b" ".join(out) + (b" " if out else b""))
+                head, out = b"", []
+                await _send_stream(session, streams[id(att)])
+                if n + 1 < len(atts):
+                    write(b" ")
+                continue
+            out.append(_item(session, uid, summary, att, entity))
+        write(head + b" ".join(out) + b")\r\n")
+
+
+def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, entity: mime.Entity | None) -> bytes:
+    name = att.name
+    if name == "FLAGS":
+        return b"FLAGS " + wire.flag_list(session.selected().flags(uid))
+    if name == "UID":
+        return b"UID %d" % uid
+    if name == "INTERNALDATE":
+        return b"INTERNALDATE " + wire.format_datetime(summary.internal_date)
+    if name == "RFC822.SIZE":
+        return b"RFC822.SIZE %d" % summary.size
+    assert entity is not None
+    if name == "ENVELOPE":
+        return b"ENVELOPE " + wire.encode(mime.envelope(entity.headers))
+    if name == "BODYSTRUCTURE":
+        return b"BODYSTRUCTURE " + wire.encode(mime.bodystructure(entity, True))
+    if name == "RFC822.HEADER":
+        return b"RFC822.HEADER " + wire.literal(entity.header_bytes())
+    if name == "RFC822.TEXT":
+        return b"RFC822.TEXT " + wire.literal(entity.body_bytes())
+    if att.section is None:  # BODY: the structure, without extension data
+        return b"BODY " + wire.encode(mime.bodystructure(entity, False))
+    section = att.section
+    data = mime.section(entity, section.part, section.text, section.fields)
+    if att.partial is not None:
+        start, length = att.partial
+        data = data[start : start + length]
+    return att.response_name() + b" " + wire.literal(data)
+
+
+async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity | None:
+    """The message's header (and what came with it), parsed; None when the message is gone."""
+    view = session.selected()
+    data = bytearray()
+    try:
+        # a window at a time, so a store that reads ahead does not fetch the whole body
+        while len(data) < min(summary.size, HEADER_LIMIT):
+            end = min(summary.size, len(data) + HEADER_WINDOW)
+            async for chunk in session.store.read_chunks(view.user, view.name, summary.id, len(data), end):
+                data += chunk
+            if b"\n\r\n" in data or b"\n\n" in data:
+                break
+    except NoSuchMessage:
+        return None
+    return mime.parse(bytes(data))
+
+
+Stream = tuple[bytes, int, bytes, "AsyncIterator[bytes] | None"]
+
+
+async def _open_stream(session: Session, summary: MessageSummary, att: c.FetchAtt) -> Stream:
+    """BODY[] / BODY[]<a.b> / RFC822, to be streamed: (item name, length, first piece, the rest)."""
+    view = session.selected()
+    start, end = 0, summary.size
+    if att.partial is not None:
+        start = min(att.partial[0], summary.size)
+        end = min(start + att.partial[1], summary.size)
+    if end <= start:
+        return att.response_name(), 0, b"", None
+    rest = session.store.read_chunks(view.user, view.name, summary.id, start, end).__aiter__()
+    try:
+        first = await rest.__anext__()
+    except StopAsyncIteration:
+        first, rest = b"", None
+    return att.response_name(), end - start, first, rest
+
+
+async def _send_stream(session: Session, stream: Stream) -> None:
+    """The item straight from the store to the socket, a piece at a time, with flow control."""
+    name, length, first, rest = stream
+    conn = session.conn
+    conn.write(name + b" {%d}\r\n" % length)
+    conn.write(first)
+    sent = len(first)
+    try:
+        if rest is not None:
+            async for chunk in rest:
+                await conn.drain()
+                conn.write(chunk)
+                sent += len(chunk)
+    except StoreError as exc:
+        _cut(session, f"store failed in the middle of a literal: {exc}")
+    if sent != length:  # the store changed under us: the literal's length cannot be kept
+        _cut(session, "message changed while it was sent")
+
+
+def _cut(session: Session, reason: str) -> None:
+    log.info(kv("imap-closed", peer=session.peer, user=session.user, reason=reason))
+    session.conn.abort()
+    raise Closed(reason)

@@ -1,0 +1,84 @@
+"""An IMAP listener in one worker: the asyncio server, the sessions it holds, and what they
+share (store, settings, login throttle, the watchers IDLE sessions share)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from cassmail import auth
+from cassmail.config import ImapSettings, Settings, host_port
+from cassmail.imap import parse
+from cassmail.imap.connection import Connection
+from cassmail.imap.session import Session, load_commands
+from cassmail.logs import kv
+from cassmail.store.base import Store
+from cassmail.tls import server_context
+
+log = logging.getLogger("cassmail.imap")
+
+
+class Listener:
+    """Shared by every session of one listener in one worker. `sessions` counts those in
+    progress and `open` holds them, for a stopping worker to cut the ones its grace period
+    did not end."""
+
+    def __init__(self, store: Store, settings: ImapSettings) -> None:
+        load_commands()
+        self.store, self.settings = store, settings
+        #: The context STARTTLS uses (None: not offered); implicit TLS is the server's own.
+        self.tls = server_context(settings) if not settings.implicit_tls else None
+        self.logins = auth.Logins("imap", settings.auth_failure_delay)
+        self.message_limit = parse.message_limit(store.max_message_size or (1 << 31))
+        self.sessions = 0
+        self.open: set[Session] = set()
+        #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).
+        self.watchers: dict[tuple[str, str], Any] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def protocol(self) -> Connection:
+        return _Accepted(self)
+
+    async def serve(self, conn: Connection) -> None:
+        transport = conn.transport
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) else str(peer)
+        session = Session(self, conn, host, secure=transport.get_extra_info("ssl_object") is not None)
+        self.sessions += 1
+        self.open.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions -= 1
+            self.open.discard(session)
+            log.info(kv("session", listener="imap", peer=host, user=session.user, tls=session.secure,
+                        commands=session.commands, ms=int((time.monotonic() - session.opened_at) * 1000)))
+
+
+class _Accepted(Connection):
+    """A connection that starts its session once it is made."""
+
+    def __init__(self, listener: Listener) -> None:
+        settings = listener.settings
+        super().__init__(settings.max_line_length, settings.max_pipelined_bytes, settings.write_timeout)
+        self.listener = listener
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        task = asyncio.ensure_future(self.listener.serve(self))
+        self.listener._tasks.add(task)  # held until done: a task nobody references may be collected
+        task.add_done_callback(self.listener._tasks.discard)
+
+
+async def start(settings: Settings, store: Store) -> list[tuple[asyncio.AbstractServer, Listener]]:
+    """(server, listener) of the enabled IMAP listener (none when disabled)."""
+    if not settings.imap.enabled:
+        return []
+    listener = Listener(store, settings.imap)
+    host, port = host_port(settings.imap.listen)
+    ssl = server_context(settings.imap) if settings.imap.implicit_tls else None
+    server = await asyncio.get_running_loop().create_server(
+        listener.protocol, host, port, ssl=ssl, reuse_port=True, backlog=1024)
+    return [(server, listener)]

@@ -1,0 +1,105 @@
+"""Commands of any state and of the not-authenticated state: CAPABILITY, LOGOUT, ID,
+STARTTLS, LOGIN, AUTHENTICATE (PLAIN, with SASL-IR), and ENABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import TYPE_CHECKING
+
+from cassmail import auth
+from cassmail.imap import commands as c
+from cassmail.imap.connection import Closed, LineTooLong
+from cassmail.imap.errors import Bad, No
+from cassmail.logs import kv
+
+if TYPE_CHECKING:
+    from cassmail.imap.session import Session
+
+log = logging.getLogger("cassmail.imap")
+
+
+async def capability(session: Session, args: c.Simple) -> str:
+    session.untagged(b"CAPABILITY " + b" ".join(session.capabilities()))
+    return "CAPABILITY completed"
+
+
+async def logout(session: Session, args: c.Simple) -> str:
+    session.untagged(b"BYE cassmail logging out")
+    session.closing = True
+    return "LOGOUT completed"
+
+
+async def id_(session: Session, args: c.Id) -> str:
+    session.untagged(b'ID ("name" "cassmail" "vendor" "cassmail")')
+    return "ID completed"
+
+
+async def starttls(session: Session, args: c.Simple) -> str:
+    if session.listener.tls is None:
+        raise No("TLS is not available")
+    if session.secure:
+        raise No("TLS already active")
+    # Whatever the client sent after STARTTLS before the handshake came in clear text, where
+    # anyone on the path could have put it (a LOGIN, say): it must not run as if it came over
+    # TLS (the command injection of CVE-2011-0411). The session starts afresh once TLS is up.
+    dropped = session.conn.drop_buffered()
+    if dropped:
+        log.warning(kv("imap-starttls", peer=session.peer, dropped_bytes=dropped))
+
+    async def handshake() -> None:
+        conn = session.conn
+        try:
+            conn.transport = await asyncio.get_running_loop().start_tls(
+                conn.transport, conn, session.listener.tls, server_side=True)
+        except (OSError, ssl.SSLError, ConnectionError) as exc:
+            raise Closed(f"TLS handshake failed: {exc}") from None
+        conn.reading_resumed()
+        session.secure = True
+
+    session.then = handshake
+    return "Begin TLS negotiation now"
+
+
+async def login(session: Session, args: c.Login) -> str:
+    if not session.plaintext_ok():
+        raise No("LOGIN is disabled on a clear-text connection: use STARTTLS", "PRIVACYREQUIRED")
+    return await _login(session, args.user.decode("utf-8", "replace"), args.password.decode("utf-8", "replace"))
+
+
+async def authenticate(session: Session, args: c.Authenticate) -> str:
+    if args.mechanism != "PLAIN":
+        raise No("Unsupported authentication mechanism")
+    if not session.plaintext_ok():
+        raise No("Authentication is disabled on a clear-text connection", "PRIVACYREQUIRED")
+    response = args.initial
+    if response is None:
+        session.continuation()
+        try:
+            response = await session.conn.read_line()
+        except LineTooLong:
+            raise Bad("Line too long") from None
+    if response.strip() == b"*":
+        raise Bad("Authentication cancelled")
+    decoded = auth.decode_plain(b"" if response == b"=" else response)
+    if decoded is None:
+        raise Bad("Malformed PLAIN response")
+    return await _login(session, *decoded)
+
+
+async def _login(session: Session, login_name: str, password: str) -> str:
+    user = await session.listener.logins.check(session.store, session.peer, login_name, password)
+    if user is None:
+        session.failures += 1
+        if session.failures >= session.settings.max_auth_failures:
+            session.untagged(b"BYE Too many authentication failures")
+            session.closing = True
+        raise No("Authentication failed", "AUTHENTICATIONFAILED")
+    session.user, session.state = user, "auth"
+    return "[CAPABILITY " + " ".join(cap.decode() for cap in session.capabilities()) + "] Logged in"
+
+
+async def enable(session: Session, args: c.Enable) -> str:
+    session.untagged(b"ENABLED")  # none of the extensions ENABLE can turn on is offered
+    return "ENABLE completed"

@@ -1,0 +1,660 @@
+"""From a framed command (text and literals, see `connection.Frame`) to a typed `Command`.
+
+A small recursive-descent parser over RFC 3501's grammar (section 9) and the extensions
+cassmail offers. Pure functions: no I/O, no state, so each rule is tested and fuzzed alone.
+Every error is a `wire.ParseError` whose text names the rule that was broken (never the
+client's bytes), or `LimitExceeded` for input that is valid but larger than cassmail serves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import datetime
+from typing import TypeVar
+
+from cassmail.imap import commands as c
+from cassmail.imap.connection import Frame
+from cassmail.imap.wire import MAX_NUMBER, ParseError, parse_date, parse_datetime, parse_set
+
+T = TypeVar("T")
+
+#: Nesting of parentheses, NOT and OR in one SEARCH; deeper programs are refused with NO [LIMIT].
+MAX_SEARCH_DEPTH = 64
+#: Search keys in one SEARCH; each is tried against every message.
+MAX_SEARCH_KEYS = 1000
+#: Items in one FETCH, fields in one HEADER.FIELDS list, ID parameters.
+MAX_LIST_ITEMS = 1000
+
+_TAG = re.compile(rb'[\x21-\x7e]+\Z')
+_TAG_SPECIALS = re.compile(rb'[(){%*"\\+]')
+#: ATOM-CHAR excluded: atom-specials `( ) { SP CTL % * " \ ]`; bytes >= 0x80 are let through so a
+#: non-ASCII name meets the name check (NO) rather than a syntax error.
+_ATOM_STOP = frozenset(b'(){ %*"\\]') | frozenset(range(0x20)) | {0x7F}
+_ASTRING_STOP = _ATOM_STOP - {ord("]")}
+_LIST_STOP = _ASTRING_STOP - {ord("%"), ord("*")}
+#: A search key argument that is a sequence set or an atom: stops at a space or a parenthesis.
+_SET_STOP = frozenset(b" ()")
+
+
+class LimitExceeded(ParseError):
+    """Valid syntax beyond what cassmail serves (a SEARCH nested too deep): NO [LIMIT]."""
+
+
+class Cursor:
+    """A position in a framed command: in the text of `parts[index]` at `pos`, with the literal
+    `parts[index + 1]` (if any) after that text."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.parts = frame.parts
+        self.index = 0
+        self.pos = 0
+
+    @property
+    def text(self) -> bytes:
+        return self.parts[self.index]
+
+    def peek(self) -> int | None:
+        """The next byte of text, or None at the end of a text (before a literal or at the end)."""
+        text = self.text
+        return text[self.pos] if self.pos < len(text) else None
+
+    def literal_next(self) -> bool:
+        return self.pos >= len(self.text) and self.index + 1 < len(self.parts)
+
+    def at_end(self) -> bool:
+        return self.pos >= len(self.text) and self.index + 1 >= len(self.parts)
+
+    def take_literal(self) -> bytes:
+        data = self.parts[self.index + 1]
+        self.index += 2
+        self.pos = 0
+        return data
+
+    def take(self, stop: frozenset[int]) -> bytes:
+        """Bytes up to the first one in `stop` (or the end of the text)."""
+        text, start = self.text, self.pos
+        end = start
+        while end < len(text) and text[end] not in stop:
+            end += 1
+        self.pos = end
+        return text[start:end]
+
+    def expect(self, char: bytes, what: str) -> None:
+        if self.peek() != char[0]:
+            raise ParseError(what)
+        self.pos += 1
+
+    def accept(self, char: bytes) -> bool:
+        if self.peek() == char[0]:
+            self.pos += 1
+            return True
+        return False
+
+    def sp(self) -> None:
+        """One space (more are tolerated)."""
+        if self.peek() != 0x20:
+            raise ParseError("expected a space")
+        while self.peek() == 0x20:
+            self.pos += 1
+
+    def end(self) -> None:
+        while self.peek() == 0x20:  # trailing spaces are harmless
+            self.pos += 1
+        if not self.at_end():
+            raise ParseError("unexpected arguments")
+
+    # ------------------------------------------------------------------ RFC 3501 section 9
+
+    def atom(self, what: str = "expected an atom") -> bytes:
+        out = self.take(_ATOM_STOP)
+        if not out:
+            raise ParseError(what)
+        return out
+
+    def number(self, what: str = "expected a number") -> int:
+        digits = self.take(_ATOM_STOP)
+        if not digits.isdigit() or len(digits) > 20:
+            raise ParseError(what)
+        return int(digits)
+
+    def quoted(self) -> bytes:
+        self.expect(b'"', "expected a quoted string")
+        text, out, i = self.text, bytearray(), self.pos
+        while i < len(text):
+            ch = text[i]
+            if ch == 0x5C:  # backslash: only \\ and \" are quoted-specials
+                if i + 1 >= len(text) or text[i + 1] not in (0x5C, 0x22):
+                    raise ParseError("bad escape in quoted string")
+                out.append(text[i + 1])
+                i += 2
+            elif ch == 0x22:
+                self.pos = i + 1
+                return bytes(out)
+            elif ch == 0:
+                raise ParseError("NUL in quoted string")
+            else:
+                out.append(ch)
+                i += 1
+        raise ParseError("unterminated quoted string")
+
+    def string(self) -> bytes:
+        if self.literal_next():
+            return self.take_literal()
+        return self.quoted()
+
+    def astring(self, what: str = "expected a string") -> bytes:
+        if self.literal_next():
+            return self.take_literal()
+        if self.peek() == 0x22:
+            return self.quoted()
+        out = self.take(_ASTRING_STOP)
+        if not out:
+            raise ParseError(what)
+        return out
+
+    def nstring(self) -> bytes | None:
+        if self.peek() in (0x4E, 0x6E) and self.text[self.pos : self.pos + 3].upper() == b"NIL":
+            self.pos += 3
+            return None
+        return self.string()
+
+    def list_mailbox(self) -> bytes:
+        """A LIST pattern: an astring whose atom form may hold the wildcards % and *."""
+        if self.literal_next():
+            return self.take_literal()
+        if self.peek() == 0x22:
+            return self.quoted()
+        out = self.take(_LIST_STOP)
+        if not out:
+            raise ParseError("expected a mailbox pattern")
+        return out
+
+    def parenthesised(self, item: Callable[[Cursor], T], what: str, empty: bool = True) -> list[T]:
+        """`(item SP item ...)`."""
+        self.expect(b"(", what)
+        out: list[T] = []
+        if self.accept(b")"):
+            if not empty:
+                raise ParseError(what)
+            return out
+        while True:
+            out.append(item(self))
+            if len(out) > MAX_LIST_ITEMS:
+                raise LimitExceeded("too many items in a list")
+            if self.accept(b")"):
+                return out
+            self.sp()
+
+    def flag(self) -> str:
+        start = self.pos
+        if self.accept(b"\\"):
+            if self.accept(b"*"):
+                raise ParseError("\\* is not a flag")
+            name = b"\\" + self.atom("bad flag")
+        else:
+            name = self.atom("bad flag")
+        if any(ch >= 0x80 for ch in name):
+            self.pos = start
+            raise ParseError("bad flag")
+        return name.decode("ascii")
+
+    def flag_list(self) -> tuple[str, ...]:
+        return tuple(self.parenthesised(Cursor.flag, "bad flag list"))
+
+    def sequence_set(self) -> c.SequenceSet:
+        text = self.take(_SET_STOP)
+        return tuple(parse_set(text))
+
+    def date(self) -> datetime:
+        if self.peek() == 0x22:
+            return parse_date(b'"' + self.quoted() + b'"')
+        return parse_date(self.take(_SET_STOP))
+
+    def date_time(self) -> datetime:
+        return parse_datetime(b'"' + self.quoted() + b'"')
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def parse_tag(frame: Frame) -> tuple[bytes | None, bytes, Cursor]:
+    """(tag or None when there is no valid one, the command name upper-cased, the cursor after it)."""
+    cursor = Cursor(frame)
+    tag = cursor.take(frozenset(b" "))
+    if not tag or not _TAG.match(tag) or _TAG_SPECIALS.search(tag):
+        return None, b"", cursor
+    if not cursor.accept(b" "):
+        return tag, b"", cursor
+    name = cursor.take(frozenset(b" "))
+    return tag, name.upper(), cursor
+
+
+def parse_command(tag: bytes, name: bytes, cursor: Cursor) -> c.Command:
+    """The typed command; raises ParseError (BAD), LimitExceeded (NO [LIMIT]) and KeyError for a
+    command cassmail does not know."""
+    uid = False
+    if name == b"UID":
+        cursor.sp()
+        name = cursor.atom("UID goes with COPY, MOVE, FETCH, STORE, SEARCH or EXPUNGE").upper()
+        if name not in _UID_COMMANDS:
+            raise ParseError("UID goes with COPY, MOVE, FETCH, STORE, SEARCH or EXPUNGE")
+        uid = True
+    rule = _RULES[name]  # KeyError: unknown
+    args = rule(cursor, uid) if rule is not None else c.Simple()
+    cursor.end()
+    return c.Command(tag, name.decode("ascii"), args)
+
+
+def _sp_then(rule: Callable[[Cursor], T]) -> Callable[[Cursor], T]:
+    def parse(cursor: Cursor) -> T:
+        cursor.sp()
+        return rule(cursor)
+
+    return parse
+
+
+def _mailbox(cursor: Cursor) -> bytes:
+    cursor.sp()
+    return cursor.astring("expected a mailbox name")
+
+
+def _id(cursor: Cursor, uid: bool) -> c.Id:
+    cursor.sp()
+    if cursor.peek() != 0x28:
+        if cursor.atom("ID takes NIL or a list of names and values").upper() != b"NIL":
+            raise ParseError("ID takes NIL or a list of names and values")
+        return c.Id(None)
+    values = cursor.parenthesised(Cursor.nstring, "ID takes NIL or a list of names and values")
+    if len(values) % 2:
+        raise ParseError("ID takes pairs of names and values")
+    pairs = tuple((values[i] or b"", values[i + 1]) for i in range(0, len(values), 2))
+    return c.Id(pairs)
+
+
+def _login(cursor: Cursor, uid: bool) -> c.Login:
+    cursor.sp()
+    user = cursor.astring("LOGIN takes a user name and a password")
+    cursor.sp()
+    return c.Login(user, cursor.astring("LOGIN takes a user name and a password"))
+
+
+def _authenticate(cursor: Cursor, uid: bool) -> c.Authenticate:
+    cursor.sp()
+    mechanism = cursor.atom("AUTHENTICATE takes a mechanism").upper().decode("ascii", "replace")
+    initial = None
+    if cursor.peek() == 0x20:
+        cursor.sp()
+        initial = cursor.atom("bad initial response")
+    return c.Authenticate(mechanism, initial)
+
+
+def _enable(cursor: Cursor, uid: bool) -> c.Enable:
+    names = []
+    while not cursor.at_end():
+        cursor.sp()
+        if cursor.at_end():
+            break
+        names.append(cursor.atom("bad capability name").upper().decode("ascii", "replace"))
+    if not names:
+        raise ParseError("ENABLE needs at least one capability")
+    return c.Enable(tuple(names))
+
+
+def _one_mailbox(cursor: Cursor, uid: bool) -> c.Mailbox:
+    return c.Mailbox(_mailbox(cursor))
+
+
+def _select(readonly: bool) -> Callable[[Cursor, bool], c.Select]:
+    def parse(cursor: Cursor, uid: bool) -> c.Select:
+        name = _mailbox(cursor)
+        if cursor.peek() == 0x20 and not cursor.at_end():
+            cursor.sp()
+            if not cursor.at_end():
+                raise ParseError("no SELECT parameters are supported")
+        return c.Select(name, readonly)
+
+    return parse
+
+
+def _rename(cursor: Cursor, uid: bool) -> c.Rename:
+    old = _mailbox(cursor)
+    return c.Rename(old, _mailbox(cursor))
+
+
+_LIST_SELECT = frozenset({"SUBSCRIBED", "REMOTE", "RECURSIVEMATCH", "SPECIAL-USE"})
+_LIST_RETURN = frozenset({"SUBSCRIBED", "CHILDREN", "SPECIAL-USE", "STATUS"})
+
+
+def _option(cursor: Cursor) -> str:
+    return cursor.atom("bad option").upper().decode("ascii", "replace")
+
+
+def _list(cursor: Cursor, uid: bool) -> c.ListCommand:
+    cursor.sp()
+    select: set[str] = set()
+    if cursor.peek() == 0x28:  # LIST-EXTENDED selection options (RFC 5258)
+        select = set(cursor.parenthesised(_option, "bad LIST selection options"))
+        if not select <= _LIST_SELECT:
+            raise ParseError("unknown LIST selection option")
+        if select == {"RECURSIVEMATCH"} or select == {"RECURSIVEMATCH", "REMOTE"}:
+            raise ParseError("RECURSIVEMATCH needs another selection option")
+        cursor.sp()
+    reference = cursor.astring("LIST takes a reference and a pattern")
+    cursor.sp()
+    if cursor.peek() == 0x28:
+        patterns = tuple(cursor.parenthesised(Cursor.list_mailbox, "bad pattern list", empty=False))
+    else:
+        patterns = (cursor.list_mailbox(),)
+    returns: set[str] = set()
+    status: tuple[str, ...] = ()
+    if cursor.peek() == 0x20:
+        cursor.sp()
+        if not cursor.at_end():
+            if cursor.atom("bad LIST return options").upper() != b"RETURN":
+                raise ParseError("bad LIST return options")
+            cursor.sp()
+            cursor.expect(b"(", "bad LIST return options")
+            while not cursor.accept(b")"):
+                option = _option(cursor)
+                if option not in _LIST_RETURN:
+                    raise ParseError("unknown LIST return option")
+                returns.add(option)
+                if option == "STATUS":
+                    cursor.sp()
+                    status = tuple(cursor.parenthesised(_option, "bad STATUS items", empty=False))
+                if cursor.peek() != 0x29:
+                    cursor.sp()
+    if "SPECIAL-USE" in select:
+        returns.add("SPECIAL-USE")
+    if "SUBSCRIBED" in select:
+        returns.add("SUBSCRIBED")
+    return c.ListCommand(reference, patterns, frozenset(select), frozenset(returns), status)
+
+
+def _lsub(cursor: Cursor, uid: bool) -> c.ListCommand:
+    cursor.sp()
+    reference = cursor.astring("LSUB takes a reference and a pattern")
+    cursor.sp()
+    return c.ListCommand(reference, (cursor.list_mailbox(),), lsub=True)
+
+
+STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN")
+
+
+def _status(cursor: Cursor, uid: bool) -> c.Status:
+    name = _mailbox(cursor)
+    cursor.sp()
+    items = tuple(cursor.parenthesised(_option, "STATUS takes a list of items", empty=False))
+    if not set(items) <= set(STATUS_ITEMS):
+        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY and UNSEEN")
+    return c.Status(name, items)
+
+
+def _append(cursor: Cursor, uid: bool) -> c.Append:
+    name = _mailbox(cursor)
+    cursor.sp()
+    flags: tuple[str, ...] = ()
+    date = None
+    if cursor.peek() == 0x28:
+        flags = cursor.flag_list()
+        cursor.sp()
+    if cursor.peek() == 0x22:
+        date = cursor.date_time()
+        cursor.sp()
+    if not cursor.literal_next():
+        raise ParseError("APPEND needs the message as a literal")
+    return c.Append(name, flags, date, cursor.take_literal())
+
+
+def _expunge(cursor: Cursor, uid: bool) -> c.Expunge:
+    if not uid:
+        return c.Expunge()
+    cursor.sp()
+    return c.Expunge(cursor.sequence_set())
+
+
+def _copy(move: bool) -> Callable[[Cursor, bool], c.Copy]:
+    def parse(cursor: Cursor, uid: bool) -> c.Copy:
+        cursor.sp()
+        messages = cursor.sequence_set()
+        return c.Copy(messages, _mailbox(cursor), move, uid)
+
+    return parse
+
+
+def _store(cursor: Cursor, uid: bool) -> c.Store:
+    cursor.sp()
+    messages = cursor.sequence_set()
+    cursor.sp()
+    item = cursor.atom("STORE takes FLAGS, +FLAGS or -FLAGS").upper()
+    silent = item.endswith(b".SILENT")
+    base = item[: -len(b".SILENT")] if silent else item
+    mode = {b"FLAGS": "set", b"+FLAGS": "add", b"-FLAGS": "remove"}.get(base)
+    if mode is None:
+        raise ParseError("STORE takes FLAGS, +FLAGS or -FLAGS (optionally .SILENT)")
+    cursor.sp()
+    if cursor.peek() == 0x28:
+        flags = cursor.flag_list()
+    else:
+        flags_list = [cursor.flag()]
+        while cursor.peek() == 0x20:
+            cursor.sp()
+            if cursor.at_end():
+                break
+            flags_list.append(cursor.flag())
+        flags = tuple(flags_list)
+    return c.Store(messages, mode, silent, flags, uid)
+
+
+# ---- FETCH
+
+_MACROS = {
+    b"ALL": ("FLAGS", "INTERNALDATE", "RFC822.SIZE", "ENVELOPE"),
+    b"FAST": ("FLAGS", "INTERNALDATE", "RFC822.SIZE"),
+    b"FULL": ("FLAGS", "INTERNALDATE", "RFC822.SIZE", "ENVELOPE", "BODY"),
+}
+_PLAIN_ATTS = frozenset({"FLAGS", "UID", "INTERNALDATE", "RFC822.SIZE", "ENVELOPE", "BODYSTRUCTURE",
+                         "RFC822", "RFC822.HEADER", "RFC822.TEXT", "BODY"})
+_ATT_STOP = frozenset(b" ()[<")
+
+
+def _fetch_att(cursor: Cursor) -> c.FetchAtt:
+    name = cursor.take(_ATT_STOP).upper().decode("ascii", "replace")
+    if name in ("BODY", "BODY.PEEK") and cursor.peek() == 0x5B:
+        section = _section(cursor)
+        partial = _partial(cursor)
+        return c.FetchAtt("BODY", section, partial, peek=name == "BODY.PEEK")
+    if name in _PLAIN_ATTS:
+        return c.FetchAtt(name)
+    raise ParseError("bad FETCH attributes")
+
+
+def _section(cursor: Cursor) -> c.Section:
+    cursor.expect(b"[", "bad FETCH attributes")
+    part: list[int] = []
+    text: str | None = None
+    fields: tuple[str, ...] = ()
+    spec = cursor.take(frozenset(b" ]"))
+    words = spec.split(b".") if spec else []
+    while words and words[0].isdigit():
+        number = words.pop(0)
+        if number.startswith(b"0") or len(number) > 9:
+            raise ParseError("bad FETCH attributes")
+        part.append(int(number))
+        if len(part) > 64:
+            raise ParseError("bad FETCH attributes")
+    if words:
+        text = b".".join(words).upper().decode("ascii", "replace")
+        allowed = ("HEADER", "HEADER.FIELDS", "HEADER.FIELDS.NOT", "TEXT") + (("MIME",) if part else ())
+        if text not in allowed:
+            raise ParseError("bad FETCH attributes")
+        if text.startswith("HEADER.FIELDS"):
+            cursor.sp()
+            names = cursor.parenthesised(_header_name, "bad FETCH attributes", empty=False)
+            fields = tuple(names)
+    elif spec and not part:
+        raise ParseError("bad FETCH attributes")
+    cursor.expect(b"]", "bad FETCH attributes")
+    return c.Section(tuple(part), text, fields)
+
+
+def _header_name(cursor: Cursor) -> str:
+    name = cursor.astring("bad FETCH attributes")
+    if not name or any(ch <= 0x20 or ch >= 0x7F or ch == 0x3A for ch in name):
+        raise ParseError("bad FETCH attributes")
+    return name.decode("ascii")
+
+
+def _partial(cursor: Cursor) -> tuple[int, int] | None:
+    if not cursor.accept(b"<"):
+        return None
+    text = cursor.take(frozenset(b">"))
+    cursor.expect(b">", "bad FETCH attributes")
+    start, dot, length = text.partition(b".")
+    if not (start.isdigit() and dot and length.isdigit()) or len(start) > 10 or len(length) > 10:
+        raise ParseError("bad FETCH attributes")
+    if int(start) > MAX_NUMBER or not 0 < int(length) <= MAX_NUMBER:
+        raise ParseError("bad FETCH attributes")
+    return int(start), int(length)
+
+
+def _fetch(cursor: Cursor, uid: bool) -> c.Fetch:
+    cursor.sp()
+    messages = cursor.sequence_set()
+    cursor.sp()
+    if cursor.peek() == 0x28:
+        atts = cursor.parenthesised(_fetch_att, "bad FETCH attributes", empty=False)
+    else:
+        start = cursor.pos
+        macro = _MACROS.get(cursor.take(_ATT_STOP).upper())
+        if macro is not None and cursor.peek() in (None, 0x20):
+            atts = [c.FetchAtt(n) for n in macro]
+        else:
+            cursor.pos = start
+            atts = [_fetch_att(cursor)]
+    if uid and not any(a.name == "UID" for a in atts):
+        atts.append(c.FetchAtt("UID"))  # RFC 3501 6.4.8: UID FETCH always answers the UID
+    return c.Fetch(messages, tuple(atts), uid)
+
+
+# ---- SEARCH
+
+_NO_ARG = frozenset({"ALL", "ANSWERED", "DELETED", "DRAFT", "FLAGGED", "NEW", "OLD", "RECENT", "SEEN",
+                     "UNANSWERED", "UNDELETED", "UNDRAFT", "UNFLAGGED", "UNSEEN"})
+_STRING_ARG = frozenset({"BCC", "BODY", "CC", "FROM", "SUBJECT", "TEXT", "TO"})
+_DATE_ARG = frozenset({"BEFORE", "ON", "SINCE", "SENTBEFORE", "SENTON", "SENTSINCE"})
+_NUMBER_ARG = frozenset({"LARGER", "SMALLER"})
+
+
+class _SearchParser:
+    def __init__(self, cursor: Cursor) -> None:
+        self.cursor = cursor
+        self.keys = 0
+
+    def program(self) -> c.And:
+        keys = [self.key(0)]
+        while not self.cursor.at_end():
+            self.cursor.sp()
+            if self.cursor.at_end():
+                break
+            keys.append(self.key(0))
+        return c.And(tuple(keys))
+
+    def key(self, depth: int) -> c.SearchKey:
+        cursor = self.cursor
+        if depth > MAX_SEARCH_DEPTH:
+            raise LimitExceeded("search program nested too deeply")
+        self.keys += 1
+        if self.keys > MAX_SEARCH_KEYS:
+            raise LimitExceeded("too many search keys")
+        if cursor.accept(b"("):
+            keys = [self.key(depth + 1)]
+            while not cursor.accept(b")"):
+                cursor.sp()
+                if cursor.accept(b")"):
+                    break
+                keys.append(self.key(depth + 1))
+            return c.And(tuple(keys))
+        if cursor.literal_next():
+            raise ParseError("bad search key")
+        word = cursor.take(_SET_STOP)
+        if not word:
+            raise ParseError("bad search key")
+        name = word.upper().decode("ascii", "replace")
+        if name in _NO_ARG:
+            return c.Key(name)
+        if name == "NOT":
+            cursor.sp()
+            return c.Not(self.key(depth + 1))
+        if name == "OR":
+            cursor.sp()
+            left = self.key(depth + 1)
+            cursor.sp()
+            return c.Or(left, self.key(depth + 1))
+        if name in _STRING_ARG:
+            cursor.sp()
+            return c.Key(name, (cursor.astring(f"{name} needs a string"),))
+        if name == "HEADER":
+            cursor.sp()
+            field = cursor.astring("HEADER needs a field name")
+            cursor.sp()
+            return c.Key(name, (field, cursor.astring("HEADER needs a string")))
+        if name in _DATE_ARG:
+            cursor.sp()
+            return c.Key(name, (cursor.date(),))
+        if name in _NUMBER_ARG:
+            cursor.sp()
+            return c.Key(name, (cursor.number(f"{name} needs a number"),))
+        if name in ("KEYWORD", "UNKEYWORD"):
+            cursor.sp()
+            return c.Key(name, (cursor.flag(),))
+        if name == "UID":
+            cursor.sp()
+            return c.Key(name, (cursor.sequence_set(),))
+        if word[:1].isdigit() or word[:1] == b"*":
+            return c.Key("SET", (tuple(parse_set(word)),))
+        raise ParseError("unknown search key")
+
+
+def _search(cursor: Cursor, uid: bool) -> c.Search:
+    cursor.sp()
+    charset = None
+    if cursor.text[cursor.pos : cursor.pos + 8].upper() == b"CHARSET ":
+        cursor.pos += 7
+        cursor.sp()
+        charset = cursor.astring("CHARSET needs a name").decode("ascii", "replace").upper()
+        cursor.sp()
+    return c.Search(charset, _SearchParser(cursor).program(), uid)
+
+
+Rule = Callable[[Cursor, bool], c.Args]
+
+_RULES: dict[bytes, Rule | None] = {
+    b"CAPABILITY": None, b"NOOP": None, b"LOGOUT": None, b"STARTTLS": None, b"NAMESPACE": None,
+    b"IDLE": None, b"CHECK": None, b"CLOSE": None, b"UNSELECT": None,
+    b"ID": _id, b"LOGIN": _login, b"AUTHENTICATE": _authenticate, b"ENABLE": _enable,
+    b"SELECT": _select(False), b"EXAMINE": _select(True),
+    b"CREATE": _one_mailbox, b"DELETE": _one_mailbox, b"SUBSCRIBE": _one_mailbox, b"UNSUBSCRIBE": _one_mailbox,
+    b"RENAME": _rename, b"LIST": _list, b"LSUB": _lsub, b"STATUS": _status, b"APPEND": _append,
+    b"EXPUNGE": _expunge, b"SEARCH": _search, b"FETCH": _fetch, b"STORE": _store,
+    b"COPY": _copy(False), b"MOVE": _copy(True),
+}
+_UID_COMMANDS = frozenset({b"COPY", b"MOVE", b"FETCH", b"STORE", b"SEARCH", b"EXPUNGE"})
+
+#: Every command cassmail knows (CAPABILITY lists the extensions that bring some of them).
+KNOWN = frozenset(name.decode("ascii") for name in _RULES) | {"UID"}
+
+
+def message_limit(max_message: int) -> Callable[[bytes, int, bytes], int | None]:
+    """For `Connection.read_command`: an APPEND's literal after its mailbox name is the message
+    (up to `max_message` bytes); every other literal is a string."""
+
+    def limit(first: bytes, index: int, before: bytes) -> int | None:
+        words = first.split(b" ")
+        if len(words) < 3 or words[1].upper() != b"APPEND":
+            return None
+        name_is_literal = len(words) == 3 and words[2][:1] == b"{"
+        return max_message if index == int(name_is_literal) else None
+
+    return limit

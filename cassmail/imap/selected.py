@@ -1,0 +1,138 @@
+"""Commands of the selected state that change or refresh the view: NOOP and CHECK, CLOSE,
+UNSELECT, EXPUNGE and UID EXPUNGE, STORE, COPY and MOVE (RFC 6851). FETCH and SEARCH have
+modules of their own."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from cassmail.imap import commands as c
+from cassmail.imap import wire
+from cassmail.imap.errors import No
+from cassmail.logs import kv
+from cassmail.model import flag_set
+from cassmail.store.base import NoSuchMailbox, NoSuchMessage, StoreUnavailable
+
+if TYPE_CHECKING:
+    from cassmail.imap.session import Session
+
+log = logging.getLogger("cassmail.imap")
+
+
+async def noop(session: Session, args: c.Simple) -> str:
+    """NOOP (and CHECK): the moments a client is told what changed meanwhile."""
+    if session.view is not None:
+        await session.refresh(expunge=True)
+    return "NOOP completed"
+
+
+async def check(session: Session, args: c.Simple) -> str:
+    await session.refresh(expunge=True)
+    return "CHECK completed"
+
+
+async def close(session: Session, args: c.Simple) -> str:
+    view = session.selected()
+    if not view.readonly:
+        await view.refresh(expunge=False)
+        doomed = [u for u in view.uids if "\\Deleted" in view.messages[u].flags]
+        if doomed:
+            await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed])
+    session.close_view()
+    return "CLOSE completed"
+
+
+async def unselect(session: Session, args: c.Simple) -> str:
+    session.close_view()
+    return "UNSELECT completed"
+
+
+async def expunge(session: Session, args: c.Expunge) -> str:
+    view = session.selected()
+    if view.readonly:
+        raise No("Mailbox is read-only", "READ-ONLY")
+    await session.refresh(expunge=True)
+    candidates = session.uids(args.uids, True) if args.uids is not None else list(view.uids)
+    doomed = [u for u in candidates if "\\Deleted" in view.messages[u].flags]
+    if doomed:
+        await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed])
+        for seq in view.remove(doomed):
+            session.untagged(b"%d EXPUNGE" % seq)
+    return ("UID " if args.uids is not None else "") + "EXPUNGE completed"
+
+
+async def store(session: Session, args: c.Store) -> str:
+    view = session.selected()
+    if view.readonly:
+        raise No("Mailbox is read-only", "READ-ONLY")
+    flags = flag_set(f for f in args.flags if f.lower() != "\\recent")
+    uids = session.uids(args.messages, args.uid)
+    if uids:
+        await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in uids], flags, args.mode)
+    for u in uids:
+        old = view.messages[u].flags
+        new = flags if args.mode == "set" else (old | flags if args.mode == "add" else old - flags)
+        view.set_flags(u, frozenset(new))
+    if not args.silent:
+        session.announce_flags(uids)
+        for u in uids:
+            session.untagged(b"%d FETCH (FLAGS %s%s)" % (
+                view.seq(u), wire.flag_list(view.flags(u)), b" UID %d" % u if args.uid else b""))
+    return ("UID " if args.uid else "") + "STORE completed"
+
+
+async def copy(session: Session, args: c.Copy) -> str:
+    """COPY, and MOVE: the copies stored first, then the originals deleted and expunged."""
+    view = session.selected()
+    if args.move and view.readonly:
+        raise No("Mailbox is read-only", "READ-ONLY")
+    dest = session.mailbox(args.name)
+    uids = session.uids(args.messages, args.uid)
+    verb = ("UID " if args.uid else "") + ("MOVE" if args.move else "COPY")
+    store = session.store
+    try:
+        info = await store.mailbox_info(view.user, dest)
+    except NoSuchMailbox:
+        raise No("No such mailbox", "TRYCREATE") from None
+    if not uids:
+        return f"{verb} completed"
+    ids = [view.messages[u].id for u in uids]
+    try:
+        new_ids = await store.copy_messages(view.user, view.name, ids, dest)
+    except NoSuchMessage:
+        raise No("Some messages were expunged meanwhile", "EXPUNGEISSUED") from None
+    # The copies are stored: from here on the answer is OK, with COPYUID when the UIDs can be
+    # had now (RFC 4315 lets a server leave it out; it is logged when it is).
+    code = ""
+    try:
+        new_uids = await store.assign_uids(view.user, dest, new_ids)
+        code = "[COPYUID %d %s %s]" % (
+            info.uidvalidity, uid_set(uids), uid_set([new_uids[i] for i in new_ids if i in new_uids]))
+    except StoreUnavailable as exc:
+        log.warning(kv("imap-uids", user=view.user, mailbox=dest, waiting=len(new_ids), error=exc))
+    if args.move:
+        await store.delete_messages(view.user, view.name, ids)
+        session.untagged(b"OK " + (code + " Moved").strip().encode())
+        for seq in view.remove(uids):
+            session.untagged(b"%d EXPUNGE" % seq)
+        code = ""
+    if dest == view.name:
+        await session.refresh(expunge=False)
+    return f"{code} {verb} completed".strip()
+
+
+def uid_set(uids: list[int]) -> str:
+    """A compact uid-set: 4,5,6,9 -> 4:6,9."""
+    out: list[str] = []
+    run: list[int] = []
+    for u in uids:
+        if run and u == run[-1] + 1:
+            run.append(u)
+            continue
+        if run:
+            out.append(f"{run[0]}:{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [u]
+    if run:
+        out.append(f"{run[0]}:{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)

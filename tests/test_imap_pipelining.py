@@ -1,0 +1,213 @@
+"""IMAP pipelining over raw sockets: commands with literals (LITERAL+ `{n+}` and synchronising
+`{n}`) sent in one write, byte by byte and split anywhere are all answered, in order; what a
+client sends ahead of its answers is bounded; LIST patterns cannot stall a worker."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cassmail.store.base import Store, Target
+from tests.nodes import Node, node_settings
+
+pytestmark = pytest.mark.cassandra
+
+MESSAGE = b"Subject: x\r\n\r\nhi\r\n"  # 18 bytes: the issue's {18+}
+
+
+@pytest.fixture(scope="module")
+def pipe_node(backend_settings, tmp_path_factory) -> Iterator[Node]:
+    running = Node(node_settings(backend_settings), tmp_path_factory.mktemp("pipenode"),
+                   imap={"allow_plaintext_auth": True, "auth_failure_delay": 0.0, "max_pipelined_bytes": 64 * 1024}).start()
+    yield running
+    assert running.stop() == 0
+    assert "Traceback" not in running.log_text()
+
+
+class Wire:
+    """A raw IMAP connection that reads whole responses (literals included)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+        self.file = self.sock.makefile("rb")
+        assert self.file.readline().startswith(b"* OK")
+
+    def line(self) -> bytes:
+        line = self.file.readline()
+        assert line, "the server closed the connection"
+        m = re.search(rb"\{(\d+)\}\r\n\Z", line)
+        return line + self.file.read(int(m.group(1))) + self.line() if m else line
+
+    def until(self, tag: bytes) -> list[bytes]:
+        lines = []
+        while not lines or not lines[-1].startswith(tag + b" "):
+            lines.append(self.line())
+        return lines
+
+    def login(self, user: str, password: str, mailbox: bytes = b"INBOX") -> None:
+        self.sock.sendall(b"L1 LOGIN %s %s\r\nL2 SELECT %s\r\n" % (user.encode(), password.encode(), mailbox))
+        assert self.until(b"L1")[-1].startswith(b"L1 OK")
+        assert self.until(b"L2")[-1].startswith(b"L2 OK")
+
+    def send_in(self, data: bytes, cuts: list[int]) -> None:
+        """`data` in pieces cut at the given offsets, each its own write (with a pause, so the
+        server reads them apart)."""
+        start = 0
+        for cut in [*cuts, len(data)]:
+            if cut > start:
+                self.sock.sendall(data[start:cut])
+                time.sleep(0.002)
+            start = cut
+
+
+def _answers(wire: Wire, tags: list[bytes]) -> dict[bytes, bytes]:
+    """Each tag's tagged answer, checking they come in the order sent."""
+    got: list[tuple[bytes, bytes]] = []
+    while len(got) < len(tags):
+        line = wire.line()
+        tag = line.split(b" ", 1)[0]
+        if tag in tags:
+            got.append((tag, line))
+    assert [t for t, _ in got] == tags
+    return dict(got)
+
+
+def _stall_script(n: int) -> tuple[bytes, list[bytes]]:
+    tags = [b"c%d" % n, b"b%d" % n, b"z%d" % n]
+    script = (b"c%d NOOP\r\nb%d APPEND Junk {18+}\r\n" % (n, n)) + MESSAGE + b"\r\nz%d NOOP\r\n" % n
+    return script, tags
+
+
+async def test_a_literal_plus_append_pipelined_behind_a_command_is_answered(pipe_node: Node, store: Store, users) -> None:
+    """The issue's stall: `c NOOP`, `b APPEND INBOX {18+}` with its message and `z NOOP` in one
+    write. Every answer comes, in order, and the message is stored byte-exact; the same with
+    the script split at every byte and sent byte by byte."""
+    user = users["anne"]
+    wire = Wire(pipe_node.port("imap"))
+    wire.login(user, "anne", b"Junk")
+    script, tags = _stall_script(0)
+    answers = _answers_after(wire, script, [], tags)
+    assert answers[b"b0"].startswith(b"b0 OK [APPENDUID ")
+    splits = [[cut] for cut in range(1, len(script))] + [list(range(1, len(script)))]
+    for n, cuts in enumerate(splits, 1):
+        script, tags = _stall_script(n)
+        answers = _answers_after(wire, script, cuts, tags)
+        assert all(a.split(b" ", 2)[1] == b"OK" for a in answers.values()), (cuts, answers)
+    stored = [await store.read_message(user, "Junk", s.id) async for s in store.list_messages(user, "Junk")]
+    assert stored == [MESSAGE] * (len(splits) + 1)
+
+
+def _answers_after(wire: Wire, script: bytes, cuts: list[int], tags: list[bytes]) -> dict[bytes, bytes]:
+    wire.send_in(script, cuts)
+    return _answers(wire, tags)
+
+
+def test_synchronising_literals_wait_for_their_turn_and_go_on(pipe_node: Node, users) -> None:
+    """A `{n}` literal's continuation comes only once the commands before it are answered;
+    after the literal, commands written in the same piece are answered too. LOGIN, APPEND and
+    SEARCH with literals, pipelined."""
+    user = users["bob"]
+    wire = Wire(pipe_node.port("imap"))
+    wire.sock.sendall(b"a NOOP\r\nb LOGIN {%d}\r\n" % len(user))
+    assert wire.line() == b"a OK NOOP completed\r\n"
+    assert wire.line().startswith(b"+ ")
+    wire.sock.sendall(user.encode() + b" {3}\r\n")
+    assert wire.line().startswith(b"+ ")
+    wire.sock.sendall(b"bob\r\nc SELECT Drafts\r\nd APPEND Drafts {18}\r\n")
+    answers = _answers(wire, [b"b", b"c"])
+    assert answers[b"b"].startswith(b"b OK") and answers[b"c"].startswith(b"c OK")
+    assert wire.line().startswith(b"+ ")
+    wire.sock.sendall(MESSAGE + b"\r\ne SEARCH SUBJECT {1+}\r\nx\r\nf SEARCH CHARSET UTF-8 BODY {2}\r\n")
+    assert _answers(wire, [b"d"])[b"d"].startswith(b"d OK [APPENDUID")
+    lines = wire.until(b"e")
+    assert lines[-2:] == [b"* SEARCH 1\r\n", b"e OK SEARCH completed\r\n"], lines
+    assert wire.line().startswith(b"+ ")
+    wire.sock.sendall(b"hi\r\ng LOGOUT\r\n")
+    assert wire.until(b"f")[-2:] == [b"* SEARCH 1\r\n", b"f OK SEARCH completed\r\n"]
+    assert wire.until(b"g")[-1] == b"g OK LOGOUT completed\r\n"
+
+
+def test_a_literal_too_large_is_refused_before_it_is_sent_and_the_session_goes_on(pipe_node: Node, users) -> None:
+    wire = Wire(pipe_node.port("imap"))
+    wire.login(users["carol"], "carol")
+    wire.sock.sendall(b"a APPEND INBOX {200000000}\r\nb LOGIN {9000}\r\nc NOOP\r\n")
+    assert wire.line() == b"a NO [TOOBIG] Literal too large\r\n"
+    assert wire.line() == b"b NO [TOOBIG] Literal too large\r\n"
+    assert wire.line().startswith(b"c OK")
+    wire.sock.sendall(b"d APPEND INBOX {99999999999}\r\n")
+    assert wire.line() == b"d BAD Syntax error: literal size out of range\r\n"
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_commands_sent_behind_an_unread_fetch_are_bounded(pipe_node: Node, store: Store, users) -> None:
+    """A client that fetches a large message without reading it and keeps sending NOOPs: past
+    max_pipelined_bytes the server stops reading, so the socket stops taking them (they back up
+    in TCP, not in the worker); once the client reads, every NOOP is answered, in order."""
+    user = users["anne"]
+    big = b"Subject: big\r\n\r\n" + (b"x" * 998 + b"\r\n") * 20_000  # 20 MB
+    await store.deliver(big, [Target(user, "Archive")])
+    wire = Wire(pipe_node.port("imap"))
+    wire.login(user, "anne", b"Archive")
+    pid = pipe_node.process.pid
+    before = _rss_kib(pid)
+    wire.sock.sendall(b"f FETCH 1:* BODY.PEEK[]\r\n")
+    time.sleep(0.5)
+    wire.sock.setblocking(False)
+    sent, n, started = 0, 0, time.monotonic()
+    pending = b""
+    while time.monotonic() - started < 10:
+        if not pending:
+            n += 1
+            pending = b"n%d NOOP\r\n" % n
+        try:
+            written = wire.sock.send(pending)
+        except BlockingIOError:
+            time.sleep(0.05)
+            if time.monotonic() - started > 3:
+                break  # the server has stopped taking them
+            continue
+        sent += written
+        pending = pending[written:]
+    assert sent < 20 * 1024 * 1024, f"the server kept reading: {sent} bytes of NOOPs taken"
+    grown = _rss_kib(pid) - before
+    assert grown < 64 * 1024, f"the worker grew by {grown} KiB"
+    wire.sock.setblocking(True)
+    wire.sock.settimeout(20)
+    rest = threading.Thread(target=wire.sock.sendall, args=(pending,))  # taken once the FETCH is read
+    rest.start()
+    lines = wire.until(b"f")
+    rest.join()
+    assert lines[-1] == b"f OK FETCH completed\r\n" and lines[0].endswith(big + b")\r\n")
+    last = b"n%d" % n
+    answered = 0
+    while True:
+        line = wire.line()
+        answered += 1
+        assert line == b"n%d OK NOOP completed\r\n" % answered, line
+        if line.startswith(last + b" "):
+            break
+    assert answered == n
+
+
+def test_list_wildcard_patterns_are_answered_at_once(pipe_node: Node, users) -> None:
+    wire = Wire(pipe_node.port("imap"))
+    wire.login(users["carol"], "carol")
+    wire.sock.sendall(b"a CREATE " + b"a" * 30 + b"\r\n")
+    assert wire.until(b"a")[-1].startswith(b"a OK")
+    started = time.monotonic()
+    for n, pattern in enumerate((b"*" * 16 + b"x", b"*" * 40, b"%*" * 500 + b"q", b"*a" * 1000 + b"b")):
+        wire.sock.sendall(b'l%d LIST "" "%s"\r\n' % (n, pattern))
+        assert wire.until(b"l%d" % n)[-1] == b"l%d OK LIST completed\r\n" % n
+    assert time.monotonic() - started < 5
