@@ -67,7 +67,7 @@ def mutate(rng: random.Random, command: bytes) -> bytes:
 
 class _Session:
     def __init__(self, port: int, user: str, password: str) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=3)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=1)
         self.file = self.sock.makefile("rb")
         self.file.readline()
         self.tag = 0
@@ -123,6 +123,8 @@ def run(port: int, user: str, password: str, count: int = 2000, seed: int = 1) -
             findings.answers[key] = findings.answers.get(key, 0) + 1
             if b"SERVERBUG" in line or b"Internal error" in line:
                 findings.problems.append(f"{data!r} -> {line!r}")
+            if b"Command not allowed now" in line:  # a mutated CLOSE or a failed SELECT: select again
+                session.command(b"SELECT INBOX")
             if how == "timeout":
                 # an announced non-synchronising literal may wait for bytes the mutation cut off
                 session.sock.sendall(b"\r\n" * 4 + b"x" * 70_000 + b"\r\n")

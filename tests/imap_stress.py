@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import random
 import re
+import select
 import socket
 import threading
 import time
@@ -90,8 +91,8 @@ class Session:
 
     def connect(self) -> None:
         self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.answer_timeout)
-        self.buffer = self.sock.makefile("rb")
-        greeting = self.buffer.readline()
+        self.received = bytearray()
+        greeting = self.readline()
         self.check(greeting.startswith(b"* OK"), f"greeting {greeting!r}")
         self.reset()
         self.run([f"LOGIN {self.user} {self.password}".encode(), f"SELECT {self.mailbox}".encode()])
@@ -109,15 +110,43 @@ class Session:
         self.tag += 1
         return b"%s.%d" % (self.name.encode(), self.tag)
 
+    def _fill(self, timeout: float) -> bool:
+        """Receive what is there within `timeout` seconds; False when nothing came."""
+        assert self.sock is not None
+        if not select.select([self.sock], [], [], timeout)[0]:
+            return False
+        data = self.sock.recv(1 << 16)
+        self.check(bool(data), "the server closed the connection")
+        self.received += data
+        return True
+
+    def readline(self, timeout: float | None = None) -> bytes | None:
+        """A line; None when `timeout` is given and no whole line came within it."""
+        deadline = time.monotonic() + (self.answer_timeout if timeout is None else timeout)
+        while (end := self.received.find(b"\n")) < 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._fill(left):
+                if timeout is not None:
+                    return None
+                raise Violation(f"{self.name}: no answer within {self.answer_timeout} s")
+        line = bytes(self.received[: end + 1])
+        del self.received[: end + 1]
+        return line
+
+    def read(self, size: int) -> bytes:
+        while len(self.received) < size:
+            if not self._fill(self.answer_timeout):
+                raise Violation(f"{self.name}: no answer within {self.answer_timeout} s")
+        data = bytes(self.received[:size])
+        del self.received[:size]
+        return data
+
     def response(self) -> bytes:
-        try:
-            line = self.buffer.readline()
-        except TimeoutError:
-            raise Violation(f"{self.name}: no answer within {self.answer_timeout} s") from None
-        self.check(bool(line), "the server closed the connection")
+        line = self.readline()
+        assert line is not None
         m = _LITERAL.search(line)
         if m:
-            data = self.buffer.read(int(m.group(1)))
+            data = self.read(int(m.group(1)))
             return line + data + self.response()
         return line
 
@@ -258,14 +287,17 @@ class Session:
             elif kind < 0.74 and self.seq:
                 batch.append(b"COPY " + self.some() + rng.choice([b" " + OTHER_MAILBOX.encode(), b" " + self.mailbox.encode()]))
             elif kind < 0.78 and self.seq:
+                # sequence numbers change with an expunge: nothing pipelined after it may use them
+                # (RFC 3501 5.5), so it ends the batch
                 batch.append(b"MOVE " + self.some() + b" " + OTHER_MAILBOX.encode())
+                break
             elif kind < 0.86 and self.seq:
                 batch.append(b"STORE " + self.some() + b" +FLAGS.SILENT (\\Deleted)")
                 batch.append(b"EXPUNGE")
-            elif kind < 0.93:
-                batch.append(b"NOOP")
-            else:
-                batch.append(b"CHECK")
+                break
+            else:  # these report others' expunges: they end the batch too
+                batch.append(b"NOOP" if kind < 0.93 else b"CHECK")
+                break
         self.run(batch, literals)
 
     def idle(self) -> None:
@@ -276,17 +308,12 @@ class Session:
         line = self.response()
         self.check(line.startswith(b"+"), f"IDLE got {line!r}")
         end = time.monotonic() + self.rng.uniform(0.1, 1.0)
-        self.sock.settimeout(0.1)
-        try:
-            while time.monotonic() < end:
-                try:
-                    line = self.buffer.readline()
-                except TimeoutError:
-                    continue
-                self.check(line.startswith(b"* "), f"during IDLE: {line!r}")
-                self.untagged(line[2:])
-        finally:
-            self.sock.settimeout(self.answer_timeout)
+        while (left := end - time.monotonic()) > 0:
+            got = self.readline(left)
+            if got is None:
+                break
+            self.check(got.startswith(b"* "), f"during IDLE: {got!r}")
+            self.untagged(got[2:])
         self.sock.sendall(b"DONE\r\n")
         while True:
             line = self.response()

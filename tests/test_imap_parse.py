@@ -108,7 +108,8 @@ def test_list_extended_and_status_items() -> None:
     assert command(b'l LIST (SPECIAL-USE) "" "*"').args.returns == frozenset({"SPECIAL-USE"})
     assert command(b"l LSUB \"\" %").args.lsub
     for bad in (b'l LIST (RECURSIVEMATCH) "" "*"', b'l LIST (BOGUS) "" "*"', b'l LIST "" "*" RETURN (BOGUS)',
-                b"l STATUS INBOX MESSAGES", b"l STATUS INBOX (MESSAGES BOGUS)"):
+                b"l STATUS INBOX MESSAGES", b"l STATUS INBOX (MESSAGES BOGUS)",
+                b'l LIST "" "*" RETURN (STATUS (MES))'):
         with pytest.raises(ParseError):
             command(bad)
 

@@ -362,7 +362,7 @@ def _list(cursor: Cursor, uid: bool) -> c.ListCommand:
                 returns.add(option)
                 if option == "STATUS":
                     cursor.sp()
-                    status = tuple(cursor.parenthesised(_option, "bad STATUS items", empty=False))
+                    status = _status_items(cursor)
                 if cursor.peek() != 0x29:
                     cursor.sp()
     if "SPECIAL-USE" in select:
@@ -382,13 +382,17 @@ def _lsub(cursor: Cursor, uid: bool) -> c.ListCommand:
 STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN")
 
 
-def _status(cursor: Cursor, uid: bool) -> c.Status:
-    name = _mailbox(cursor)
-    cursor.sp()
+def _status_items(cursor: Cursor) -> tuple[str, ...]:
     items = tuple(cursor.parenthesised(_option, "STATUS takes a list of items", empty=False))
     if not set(items) <= set(STATUS_ITEMS):
         raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY and UNSEEN")
-    return c.Status(name, items)
+    return items
+
+
+def _status(cursor: Cursor, uid: bool) -> c.Status:
+    name = _mailbox(cursor)
+    cursor.sp()
+    return c.Status(name, _status_items(cursor))
 
 
 def _append(cursor: Cursor, uid: bool) -> c.Append:
