@@ -460,6 +460,7 @@ class MixRun:
     messages: int = 0
     bytes: int = 0
     reconnects: int = 0
+    load: float = 0.0  # the machine's load average as the measured seconds began
 
     def rate(self, kind: str | None = None) -> float:
         n = sum(len(t.latencies) for k, t in self.tallies.items() if kind in (None, k))
@@ -615,7 +616,7 @@ async def mix_phase(server: Server, users: list[str], args: argparse.Namespace) 
     clock.start, clock.end = now + args.warmup, now + args.warmup + args.seconds
     loops = asyncio.gather(*(s.loop(args.weights) for s in sessions))
     await asyncio.sleep(max(0.0, clock.start - time.monotonic()))
-    before = _sample(server)
+    before, run.load = _sample(server), os.getloadavg()[0]
     await asyncio.sleep(max(0.0, clock.end - time.monotonic()))
     after = _sample(server)
     run.wall = clock.end - clock.start
@@ -685,7 +686,9 @@ async def login_phase(server: Server, scheme: Scheme, args: argparse.Namespace) 
 
 
 def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a is not None and b else "-"
+    if a is None or not b:
+        return "-"
+    return f"{a / b:.2f}x" if a / b >= 0.1 else f"{a / b:.3f}x"
 
 
 def mix_tables(runs: list[MixRun], args: argparse.Namespace) -> list[str]:
@@ -716,7 +719,7 @@ def mix_tables(runs: list[MixRun], args: argparse.Namespace) -> list[str]:
                                  for r in runs)])
     out += ["", "Latency, from the command sent to its tagged reply:", ""] + markdown(head, rows, {0})
     head = ["target", "commands", "errors", "server CPU s", "Cassandra CPU s", "server+Cassandra CPU ms/command",
-            "load generator CPU s", "everything else CPU s", "machine busy cores", "mailboxes (messages, MB)"]
+            "load generator CPU s", "everything else CPU s", "machine busy cores", "load average", "mailboxes (messages, MB)"]
     rows = []
     for r in runs:
         used = (r.cpu.get("server") or 0.0) + (r.cpu.get("Cassandra") or 0.0)
@@ -725,7 +728,7 @@ def mix_tables(runs: list[MixRun], args: argparse.Namespace) -> list[str]:
         rows.append([TITLES[r.target], str(r.commands), str(r.errors), fmt(r.cpu.get("server")),
                      fmt(r.cpu.get("Cassandra")), fmt(used * 1000 / r.commands if r.commands else None, ".2f"),
                      fmt(r.cpu.get("load generator")), fmt(rest),
-                     fmt(machine / r.wall if r.wall and machine is not None else None, ".2f"),
+                     fmt(machine / r.wall if r.wall and machine is not None else None, ".2f"), f"{r.load:.2f}",
                      f"{r.messages}, {r.bytes / 1e6:.1f}"])
     out += ["", "CPU seconds over the measured seconds (server: Dovecot's master and every process it forked, or "
             "cassmail serve and its workers; everything else: the rest of the machine, other work on it "
@@ -772,7 +775,7 @@ def to_json(mix: list[MixRun], logins: list[LoginRun], preface: list[str]) -> di
     return {
         "preface": preface,
         "mix": {r.target: {"seconds": r.wall, "cpu": r.cpu, "messages": r.messages, "bytes": r.bytes,
-                           "commands_per_s": r.rate(), "reconnects": r.reconnects,
+                           "commands_per_s": r.rate(), "reconnects": r.reconnects, "load": r.load,
                            "types": {k: {"count": len(t.latencies), "per_s": r.rate(k), "errors": t.errors,
                                          "first_error": t.first_error, "p50": pct(t.latencies, 50),
                                          "p99": pct(t.latencies, 99)} for k, t in r.tallies.items()}}
