@@ -188,7 +188,8 @@ def message(user: str, n: int, size: int) -> bytes:
 
 
 def sizes_of(user: str, count: int, sizes: tuple[int, int]) -> list[int]:
-    rng = random.Random(f"sizes/{user}")
+    """The same sizes in every run: drawn from the user's name without its (fresh) domain."""
+    rng = random.Random(f"sizes/{user.split('@', 1)[0]}")
     return [rng.randint(*sizes) for _ in range(count)]
 
 
@@ -724,7 +725,8 @@ def mix_tables(runs: list[MixRun], args: argparse.Namespace) -> list[str]:
     for r in runs:
         used = (r.cpu.get("server") or 0.0) + (r.cpu.get("Cassandra") or 0.0)
         machine = r.cpu.get("machine")
-        rest = None if machine is None else machine - used - (r.cpu.get("load generator") or 0.0)
+        # /proc/stat and the processes are read a moment apart: a slightly negative rest is 0.
+        rest = None if machine is None else max(0.0, machine - used - (r.cpu.get("load generator") or 0.0))
         rows.append([TITLES[r.target], str(r.commands), str(r.errors), fmt(r.cpu.get("server")),
                      fmt(r.cpu.get("Cassandra")), fmt(used * 1000 / r.commands if r.commands else None, ".2f"),
                      fmt(r.cpu.get("load generator")), fmt(rest),
