@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cassmail import config
 from cassmail.auth import HashParams, hash_password
 from cassmail.config import Settings, to_toml
 from cassmail.store.base import Store
@@ -331,20 +333,51 @@ class CassandraCpu:
         common = before.keys() & after.keys()
         return sum(after[p] - before[p] for p in common) if common else None
 
+    def wait_quiet(self, limit: float = 60.0, cores: float = 0.3, step: float = 5.0) -> float:
+        """Block until the JVMs use less than `cores` (the previous run's flushes and compactions
+        are done), at most `limit` seconds; the seconds waited."""
+        t0 = time.monotonic()
+        if not self.enabled:
+            return 0.0
+        while time.monotonic() - t0 < limit:
+            before = self.sample()
+            time.sleep(step)
+            used = self.delta(before, self.sample())
+            if used is None or used / step < cores:
+                break
+        return time.monotonic() - t0
+
 
 def delta(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else after - before
 
 
-# --------------------------------------------------------------------------- the store: users and counts
+# --------------------------------------------------------------------------- the store: settings, users and counts
 
 
-async def make_users(store: Store, domain: str, n: int, concurrency: int = 32, password: str = PASSWORD) -> list[str]:
+def bench_settings(config_file: str | None, overrides: Sequence[str], backend: str, keyspace_prefix: str = "bench",
+                   mbox_path: Path | None = None) -> Settings:
+    """Settings for one benchmarked store: on Cassandra a fresh `<prefix>_<random>` keyspace at
+    RF1_CL_ONE (after --config and --set, so they always win); on mbox the given directory."""
+    if backend == "cassandra":
+        fixed = [f"{k}={v}" for k, v in RF1_CL_ONE.items()]
+        fixed.append(f"store.cassandra.keyspace={keyspace_prefix}_{secrets.token_hex(5)}")
+        return config.load(config_file, overrides=[*overrides, *fixed])
+    settings = config.load(config_file, overrides=[*overrides, f"store.backend={backend}"])
+    if backend == "mbox" and mbox_path is not None:
+        settings.store = dataclasses.replace(settings.store,
+                                             mbox=dataclasses.replace(settings.store.mbox, path=str(mbox_path)))
+    return settings
+
+
+async def make_users(store: Store, domain: str, n: int, concurrency: int = 32, password: str = PASSWORD,
+                     params: HashParams = BENCH_HASH, prefix: str = "u") -> list[str]:
     """Create u0000@domain.. (the domain must exist), `concurrency` at a time (each creation is a
-    lightweight transaction in Cassandra), all with one cheap hash: user creation is set-up."""
-    hashed = hash_password(password, BENCH_HASH)
+    lightweight transaction in Cassandra), all with one hash: cheap unless a benchmark measures
+    logins at a given cost, since user creation is set-up."""
+    hashed = hash_password(password, params)
     limit = asyncio.Semaphore(concurrency)
-    users = [f"u{i:04d}@{domain}" for i in range(n)]
+    users = [f"{prefix}{i:04d}@{domain}" for i in range(n)]
 
     async def one(user: str) -> None:
         async with limit:

@@ -260,15 +260,19 @@ class Dovecot(PrivateServer):
     """A Dovecot instance of its own (`dovecot -c DIR/dovecot.conf`) serving POP3 and IMAP on
     loopback ports from the Maildirs Postfix delivers to; /etc/dovecot is never read or written.
 
-    Users and passwords come from a passwd-file in the instance's directory; mail is read and
-    written as `uid` (nobody, the owner Postfix's virtual delivery gives the Maildirs).
+    Users and passwords come from a passwd-file in the instance's directory: `password` in clear
+    (Dovecot's {PLAIN}) unless `hashes` gives a user a stored hash of its own ("{SCHEME}..."), so
+    logins can be measured with a slow hash too. Mail is read and written as `uid` (nobody, the
+    owner Postfix's virtual delivery gives the Maildirs).
     """
 
-    def __init__(self, workdir: Path, mail: Path, users: list[str], password: str, uid: int = 65534) -> None:
+    def __init__(self, workdir: Path, mail: Path, users: list[str], password: str, uid: int = 65534,
+                 hashes: dict[str, str] | None = None) -> None:
         self.dir = workdir / "dovecot"
         self.mail = mail
         self.users = users
         self.password = password
+        self.hashes = hashes or {}
         self.uid = uid
         self.pop3_port = free_port()
         self.imap_port = free_port()
@@ -280,7 +284,8 @@ class Dovecot(PrivateServer):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o755)
         os.chown(self.mail, self.uid, self.uid)
-        (self.dir / "passwd").write_text("".join(f"{u}:{{PLAIN}}{self.password}\n" for u in self.users))
+        plain = "{PLAIN}" + self.password
+        (self.dir / "passwd").write_text("".join(f"{u}:{self.hashes.get(u, plain)}\n" for u in self.users))
         mail = self.mail
         self.conf.write_text(f"""# A private Dovecot for cassmail's load tests; nothing here is read from /etc/dovecot.
 base_dir = {self.dir / 'run'}

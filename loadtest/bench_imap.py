@@ -48,6 +48,7 @@ from _common import (  # noqa: E402
     PASSWORD,
     CassandraCpu,
     CassmailNode,
+    bench_settings,
     delta,
     fmt,
     make_users,
@@ -90,23 +91,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    overrides = list(args.overrides)
-    settings = config.load(args.config, overrides=overrides)
-    if settings.store.backend == "cassandra":
-        settings = config.load(args.config, overrides=overrides + [
-            f"store.cassandra.keyspace=bench_imap_{secrets.token_hex(5)}",
-            "store.cassandra.replication_factor=1",
-            "store.cassandra.read_consistency=ONE",
-            "store.cassandra.write_consistency=ONE",
-        ])
-    return settings
+    backend = config.load(args.config, overrides=list(args.overrides)).store.backend
+    return bench_settings(args.config, args.overrides, backend, "bench_imap")
 
 
 # --------------------------------------------------------------------------- a small IMAP client
 
 
 class Imap:
-    """Just enough IMAP for the benchmark: tagged commands, literals read exactly."""
+    """Just enough IMAP for the benchmarks: tagged commands, literals read exactly, APPEND with a
+    synchronizing literal and IDLE ended by DONE, one command at a time."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer, self.n = reader, writer, 0
@@ -120,24 +114,49 @@ class Imap:
             raise RuntimeError(f"bad greeting {greeting!r}")
         return client
 
-    async def cmd(self, text: str) -> tuple[list[bytes], list[bytes]]:
-        """(response lines, literals) of one command; raises unless it ends in OK."""
+    def _send(self, text: str | bytes) -> bytes:
         self.n += 1
         tag = b"b%d" % self.n
-        self.writer.write(tag + b" " + text.encode() + b"\r\n")
+        self.writer.write(tag + b" " + (text if isinstance(text, bytes) else text.encode()) + b"\r\n")
+        return tag
+
+    async def _reply(self, tag: bytes, continuation: bytes | None = None) -> Reply:
+        """Lines up to the tagged one; on the server's first continuation request ("+ ...")
+        `continuation` is sent (a literal, or DONE for IDLE)."""
         lines, literals = [], []
         while True:
             line = await self.reader.readline()
             if not line:
                 raise ConnectionError("connection closed")
+            if line.startswith(b"+") and continuation is not None:
+                self.writer.write(continuation)
+                continuation = None
+                continue
             lines.append(line)
             m = re.search(rb"\{(\d+)\}\r\n\Z", line)
             if m:
                 literals.append(await self.reader.readexactly(int(m.group(1))))
             if line.startswith(tag + b" "):
-                if not line.startswith(tag + b" OK"):
-                    raise RuntimeError(f"{text[:40]}: {line!r}")
-                return lines, literals
+                return Reply(line[len(tag) + 1:].split(b" ", 1)[0].upper().decode("ascii", "replace"), lines, literals)
+
+    async def command(self, text: str) -> Reply:
+        """One command and its reply, whatever its status."""
+        return await self._reply(self._send(text))
+
+    async def cmd(self, text: str) -> tuple[list[bytes], list[bytes]]:
+        """(response lines, literals) of one command; raises unless it ends in OK."""
+        reply = await self.command(text)
+        if reply.status != "OK":
+            raise RuntimeError(f"{text[:40]}: {reply.lines[-1]!r}")
+        return reply.lines, reply.literals
+
+    async def append(self, mailbox: str, message: bytes, flags: str = "") -> Reply:
+        head = f"APPEND {mailbox} " + (f"({flags}) " if flags else "") + "{%d}" % len(message)
+        return await self._reply(self._send(head), message + b"\r\n")
+
+    async def idle(self) -> Reply:
+        """IDLE, and DONE as soon as the server says it is idling."""
+        return await self._reply(self._send("IDLE"), b"DONE\r\n")
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -145,6 +164,13 @@ class Imap:
         self.writer.close()
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
+
+
+@dataclasses.dataclass
+class Reply:
+    status: str  # OK, NO or BAD
+    lines: list[bytes]
+    literals: list[bytes]
 
 
 async def login(port: int, user: str) -> Imap:

@@ -257,13 +257,7 @@ async def wait_quiet(meter: CpuMeter) -> float:
     """Let Cassandra finish flushing/compacting the previous run (bounded), and start postal early in
     a clock minute so its first, discarded minute is a real warm-up."""
     t0 = time.monotonic()
-    if meter.cass.enabled:
-        while time.monotonic() - t0 < QUIET_MAX:
-            a = meter.cass.sample()
-            await asyncio.sleep(5)
-            used = CassandraCpu.delta(a, meter.cass.sample())
-            if used is None or used / 5 < QUIET_CORES:
-                break
+    await asyncio.to_thread(meter.cass.wait_quiet, QUIET_MAX, QUIET_CORES)
     second = time.time() % 60
     if second > 45:
         await asyncio.sleep(61 - second)

@@ -25,23 +25,20 @@ Ctrl-C), the keyspace dropped and the temporary directory removed (--keep keeps 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import secrets
 import shutil
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cassmail import config
 from cassmail.config import ConfigError, Settings
 
 import report
-from _common import (PASSWORD, RF1_CL_ONE, CassandraCpu, CassmailNode, count_inboxes, make_users, number,
+from _common import (PASSWORD, CassandraCpu, CassmailNode, bench_settings, count_inboxes, make_users, number,
                      parse_ranges, range_label, run_cmd)
 from baseline import Dovecot, Postfix, ensure_packages, maildir_count
 from postal import LoadRun, Probes, StoreSide, run_postal, run_rabid, write_users
@@ -85,18 +82,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Absolute: the load generators run in directories of their own and read the users file from there.
     args.out = (args.out or Path("loadtest-results") / f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
     return args
-
-
-def cassandra_settings(args: argparse.Namespace) -> Settings:
-    fixed = [f"{k}={v}" for k, v in RF1_CL_ONE.items()]
-    fixed.append(f"store.cassandra.keyspace=compare_{secrets.token_hex(5)}")
-    return config.load(args.config, overrides=[*args.overrides, *fixed])
-
-
-def mbox_settings(args: argparse.Namespace, path: Path) -> Settings:
-    settings = config.load(args.config, overrides=[*args.overrides, "store.backend=mbox"])
-    settings.store = dataclasses.replace(settings.store, mbox=dataclasses.replace(settings.store.mbox, path=str(path)))
-    return settings
 
 
 class Target:
@@ -207,16 +192,7 @@ class Cassmail(Target):
 
     def quiet(self) -> float:
         """Wait (bounded) until Cassandra is done with the previous run's flushes and compactions."""
-        if self.cass is None or not self.cass.enabled:
-            return 0.0
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < QUIET_MAX:
-            a = self.cass.seconds()
-            time.sleep(5)
-            b = self.cass.seconds()
-            if a is None or b is None or (b - a) / 5 < QUIET_CORES:
-                break
-        return time.monotonic() - t0
+        return self.cass.wait_quiet(QUIET_MAX, QUIET_CORES) if self.cass is not None else 0.0
 
     def stop(self) -> list[str]:
         out = []
@@ -272,7 +248,8 @@ def run_target(target: Target, args: argparse.Namespace, users_files: tuple[Path
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cass_settings = cassandra_settings(args) if "cassandra" in args.targets else None
+        cass_settings = (bench_settings(args.config, args.overrides, "cassandra", "compare")
+                         if "cassandra" in args.targets else None)
     except ConfigError as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
@@ -310,8 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert cass_settings is not None
             target = Cassmail("cassmail (Cassandra)", cass_settings, workdir / "cassandra", domain, args.users, args.workers)
         else:
-            target = Cassmail("cassmail (mbox)", mbox_settings(args, workdir / "mbox-store"), workdir / "mbox", domain,
-                              args.users, args.workers)
+            settings = bench_settings(args.config, args.overrides, "mbox", mbox_path=workdir / "mbox-store")
+            target = Cassmail("cassmail (mbox)", settings, workdir / "mbox", domain, args.users, args.workers)
         say(f"\n## {target.name}")
         try:
             target.start()

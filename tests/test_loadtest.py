@@ -256,3 +256,38 @@ def test_compare_runs_the_baseline_and_cassmail_and_prints_ratios(tmp_path: Path
     text = (out / "report.md").read_text()
     assert "Compared with Postfix+Dovecot" in text and (out / "throughput.png").exists()
     assert "Dovecot: stopped" in done.stdout and "Postfix: stopped" in done.stdout
+
+
+def test_imap_mix_answers_every_command_on_dovecot_and_cassmail_and_prints_the_ratios(
+        tmp_path: Path, cassandra_endpoint: tuple[str, int]) -> None:
+    _tools(postal=False, dovecot=True)
+    host, port = cassandra_endpoint
+    figures = tmp_path / "mix.json"
+    # Every type in a deck of 13, so two short sessions draw each one several times.
+    weights = ",".join(f"{k}={2 if k == 'append' else 1}" for k in (
+        "fetch-flags", "fetch-headers", "fetch-body", "store", "search-unseen", "search-subject", "noop", "append",
+        "copy", "expunge", "status", "idle"))
+    cmd = [PY, str(LOADTEST / "bench_imap_mix.py"), "--set", f"store.cassandra.contact_points={host}",
+           "--set", f"store.cassandra.port={port}", "--clients", "2", "--seconds", "2", "--warmup", "0.5",
+           "--login-seconds", "1", "--messages", "20", "--sizes", "2K-20K", "--weights", weights,
+           "--dovecot-hash", "BLF-CRYPT:5", "--quiet-max", "0", "--json", str(figures)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    data = json.loads(figures.read_text())
+    assert list(data["mix"]) == ["dovecot", "mbox", "cassandra"]
+    for target, mix in data["mix"].items():
+        for kind, tally in mix["types"].items():
+            assert tally["count"] > 0 and tally["errors"] == 0, (target, kind, tally)
+        assert mix["cpu"]["server"] > 0 and mix["reconnects"] == 0, (target, mix)
+    # The same mailboxes, byte for byte, on every target: 2 x 20 messages.
+    assert len({(m["messages"], m["bytes"]) for m in data["mix"].values()}) == 1
+    assert data["mix"]["mbox"]["messages"] == 40
+    schemes = [(r["target"], r["scheme"].split()[0]) for r in data["logins"]]
+    assert schemes == [("dovecot", "{PLAIN}"), ("dovecot", "{BLF-CRYPT}"), ("mbox", "scrypt"), ("mbox", "scrypt"),
+                       ("cassandra", "scrypt"), ("cassandra", "scrypt")]
+    assert all(r["sessions"] > 0 and r["errors"] == 0 for r in data["logins"]), data["logins"]
+    out = done.stdout
+    assert "| **all commands**" in out and "cassmail Cassandra / Dovecot" in out  # the command table, its ratios
+    assert "Dovecot mean / p50 / p99 ms" in out and "server+Cassandra CPU ms/command" in out
+    assert "| Dovecot            | {BLF-CRYPT} cost 5" in out and "sessions/s" in out  # the logins, apart
+    assert "Dovecot: stopped" in out and "dropped keyspace bench_imap_mix_" in out
