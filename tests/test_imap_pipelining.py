@@ -152,9 +152,10 @@ def _rss_kib(pid: int) -> int:
 
 
 async def test_commands_sent_behind_an_unread_fetch_are_bounded(pipe_node: Node, store: Store, users) -> None:
-    """A client that fetches a large message without reading it and keeps sending NOOPs: past
+    """A client that fetches a large message without reading it and keeps sending commands: past
     max_pipelined_bytes the server stops reading, so the socket stops taking them (they back up
-    in TCP, not in the worker); once the client reads, every NOOP is answered, in order."""
+    in TCP, not in the worker); once the client reads, every one is answered, in order. (ID, not
+    NOOP: tens of thousands of NOOPs would each list the mailbox once the FETCH is done.)"""
     user = users["anne"]
     big = b"Subject: big\r\n\r\n" + (b"x" * 998 + b"\r\n") * 20_000  # 20 MB
     await store.deliver(big, [Target(user, "Archive")])
@@ -170,7 +171,7 @@ async def test_commands_sent_behind_an_unread_fetch_are_bounded(pipe_node: Node,
     while time.monotonic() - started < 10:
         if not pending:
             n += 1
-            pending = b"n%d NOOP\r\n" % n
+            pending = b"n%d ID NIL\r\n" % n
         try:
             written = wire.sock.send(pending)
         except BlockingIOError:
@@ -194,8 +195,10 @@ async def test_commands_sent_behind_an_unread_fetch_are_bounded(pipe_node: Node,
     answered = 0
     while True:
         line = wire.line()
+        if line.startswith(b"* ID "):
+            continue
         answered += 1
-        assert line == b"n%d OK NOOP completed\r\n" % answered, line
+        assert line == b"n%d OK ID completed\r\n" % answered, line
         if line.startswith(last + b" "):
             break
     assert answered == n
