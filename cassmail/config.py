@@ -408,6 +408,9 @@ class ImapSettings(ListenerSettings):
     #: Bytes a client may send ahead of the command being answered (pipelining); past it the
     #: server stops reading from that client until it has caught up.
     max_pipelined_bytes: int = 64 * 1024
+    #: Bytes of parsed message headers each worker keeps (ENVELOPE, HEADER.FIELDS and SEARCH on
+    #: headers read a message's header from the store once); 0 keeps none.
+    header_cache_bytes: int = 32 * 1024 * 1024
     #: Seconds a client may take no bytes while the server has a message for it (RETR/TOP or
     #: FETCH); past it the connection is dropped, so a client that stops reading cannot hold a
     #: session forever. Not the idle timer: that one waits for the client's next command.
@@ -426,6 +429,7 @@ class ImapSettings(ListenerSettings):
             f"{prefix}.max_pipelined_bytes",
             f"must be 1024..16777216 bytes, got {self.max_pipelined_bytes}",
         )
+        _check(0 <= self.header_cache_bytes <= 1 << 34, f"{prefix}.header_cache_bytes", "must be 0..17179869184 bytes")
 
 
 @dataclass

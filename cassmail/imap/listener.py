@@ -12,6 +12,7 @@ from cassmail import auth
 from cassmail.config import ImapSettings, Settings, host_port
 from cassmail.imap import parse
 from cassmail.imap.connection import Connection
+from cassmail.imap.fetch import HeaderCache
 from cassmail.imap.session import Session, load_commands
 from cassmail.logs import kv
 from cassmail.store.base import Store
@@ -32,6 +33,7 @@ class Listener:
         self.tls = server_context(settings) if not settings.implicit_tls else None
         self.logins = auth.Logins("imap", settings.auth_failure_delay)
         self.message_limit = parse.message_limit(store.max_message_size or (1 << 31))
+        self.headers = HeaderCache(settings.header_cache_bytes)
         self.sessions = 0
         self.open: set[Session] = set()
         #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).
