@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -149,7 +147,7 @@ def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, 
 
 async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity | None:
     """The message's header, parsed; None when the message is gone. A message's bytes never
-    change, so the parsed header is kept by id (`HeaderCache`): a client listing a mailbox and
+    change, so the parsed header is kept by id (the listener's `headers`): a client listing a mailbox and
     SEARCH on header fields read each header from the store once."""
     cache = session.listener.headers
     entity = cache.get(summary.id)
@@ -169,35 +167,8 @@ async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity
         return None
     header = mime.parse(bytes(data)).header_bytes()
     entity = mime.parse(header)
-    cache.put(summary.id, entity, len(header))
+    cache.put(summary.id, entity, 3 * len(header) + 256)  # a parsed header takes about three times its bytes
     return entity
-
-
-class HeaderCache:
-    """Parsed message headers by message id, least recently used first out, up to about
-    `limit` bytes of header (each parsed header is counted at three times its size)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.size = 0
-        self._entries: OrderedDict[uuid.UUID, tuple[mime.Entity, int]] = OrderedDict()
-
-    def get(self, message_id: uuid.UUID) -> mime.Entity | None:
-        found = self._entries.get(message_id)
-        if found is None:
-            return None
-        self._entries.move_to_end(message_id)
-        return found[0]
-
-    def put(self, message_id: uuid.UUID, entity: mime.Entity, size: int) -> None:
-        cost = 3 * size + 256
-        if cost > self.limit or message_id in self._entries:
-            return
-        self._entries[message_id] = (entity, cost)
-        self.size += cost
-        while self.size > self.limit:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self.size -= dropped
 
 
 Stream = tuple[bytes, int, bytes, "AsyncIterator[bytes] | None"]

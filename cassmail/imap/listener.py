@@ -6,19 +6,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Hashable
 from typing import Any
 
 from cassmail import auth
 from cassmail.config import ImapSettings, Settings, host_port
 from cassmail.imap import parse
 from cassmail.imap.connection import Connection
-from cassmail.imap.fetch import HeaderCache
+from cassmail.imap.cache import Lru
+from cassmail.imap.mime import Entity
 from cassmail.imap.session import Session, load_commands
 from cassmail.logs import kv
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
 log = logging.getLogger("cassmail.imap")
+
+#: Mailboxes whose STATUS counts a worker keeps.
+STATUSES_KEPT = 10_000
 
 
 class Listener:
@@ -33,7 +38,12 @@ class Listener:
         self.tls = server_context(settings) if not settings.implicit_tls else None
         self.logins = auth.Logins("imap", settings.auth_failure_delay)
         self.message_limit = parse.message_limit(store.max_message_size or (1 << 31))
-        self.headers = HeaderCache(settings.header_cache_bytes)
+        #: Parsed message headers by message id (a message's bytes never change), up to about
+        #: header_cache_bytes.
+        self.headers: Lru[Entity] = Lru(settings.header_cache_bytes)
+        #: (user, mailbox) -> (changes token, STATUS values): a STATUS of a mailbox that did not
+        #: change since is answered without listing it again.
+        self.statuses: Lru[tuple[Hashable, dict[str, int]]] = Lru(STATUSES_KEPT)
         self.sessions = 0
         self.open: set[Session] = set()
         #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).

@@ -242,21 +242,28 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
     user = session.user
     assert user is not None
     store = session.store
-    info = await store.mailbox_info(user, name)
-    messages = unseen = unnumbered = recent = 0
-    mark = await store.recent_mark(user, name) if "RECENT" in items else 0
-    async for s in store.list_messages(user, name, session.settings.page_size):
-        messages += 1
-        unseen += "\\Seen" not in s.flags
-        unnumbered += s.uid is None
-        recent += s.uid is None or s.uid >= mark
-    values = {
-        "MESSAGES": messages,
-        "RECENT": recent,  # no session has claimed them yet
-        "UIDNEXT": (await store.uid_next(user, name)) + unnumbered if "UIDNEXT" in items else 0,
-        "UIDVALIDITY": info.uidvalidity,
-        "UNSEEN": unseen,
-    }
+    token = await store.changes_token(user, name)
+    known = session.listener.statuses.get((user, name))
+    if token is not None and known is not None and known[0] == token:
+        values = known[1]  # nothing changed since it was counted
+    else:
+        info = await store.mailbox_info(user, name)
+        messages = unseen = unnumbered = recent = 0
+        mark = await store.recent_mark(user, name)
+        async for s in store.list_messages(user, name, session.settings.page_size):
+            messages += 1
+            unseen += "\\Seen" not in s.flags
+            unnumbered += s.uid is None
+            recent += s.uid is None or s.uid >= mark
+        values = {
+            "MESSAGES": messages,
+            "RECENT": recent,  # no session has claimed them yet
+            "UIDNEXT": (await store.uid_next(user, name)) + unnumbered,
+            "UIDVALIDITY": info.uidvalidity,
+            "UNSEEN": unseen,
+        }
+        if token is not None:
+            session.listener.statuses.put((user, name), (token, values))
     line = " ".join(f"{item} {values[item]}" for item in items).encode()
     session.untagged(b"STATUS " + wire.astring(wire.encode_mailbox(name)) + b" (" + line + b")")
 

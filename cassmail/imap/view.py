@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import uuid
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from cassmail.logs import kv
@@ -91,6 +92,8 @@ class MailboxView:
         self.recent_mark: int | None = None
         #: Keywords the client was told of in FLAGS (a new one is announced before it is shown).
         self.keywords: set[str] = set()
+        #: The store's changes token read before the last listing (Store.changes_token).
+        self.token: Hashable | None = None
         #: The highest UID this session has ever shown (expunged ones included): a listed UID at
         #: or below it that is not in the view may not be shown again, only renumbered.
         self.shown = 0
@@ -169,7 +172,13 @@ class MailboxView:
         Without `expunge` messages gone from the store stay in the view until a later refresh
         may announce them."""
         if listing is None:
+            token = await self.store.changes_token(self.user, self.name)
+            if token is not None and token == self.token:
+                return Changes()  # nothing changed since the last listing: no need to read it
             listing = await read_listing(self.store, self.user, self.name, self.page_size)
+            self.token = token
+        else:
+            self.token = None  # a listing read by someone else: the next refresh reads its own
         current: dict[int, MessageSummary] = {}
         for s in listing.summaries:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)

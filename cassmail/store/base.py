@@ -17,7 +17,7 @@ import abc
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
@@ -387,6 +387,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def uid_next(self, user: str, mailbox: str) -> int:
         """The UID the next assignment would hand out (IMAP UIDNEXT)."""
+
+    async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
+        """A value that is different after any change to the mailbox's messages (a delivery, a
+        flag change, a deletion, a UID or \\Recent assignment), or None when the store cannot
+        tell that cheaply. Equal tokens mean nothing changed, so a session may skip reading the
+        listing; read it before the listing it goes with. Raises NoSuchMailbox."""
+        return None
 
     # ----------------------------------------------------------------- IMAP \Recent
     # RFC 3501 gives \Recent to exactly one session: the first read-write session told of the

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -716,6 +716,9 @@ class MboxStore(Store):
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.uid_next())
+
+    async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.changes_token())
 
     async def recent_mark(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.recent_mark())

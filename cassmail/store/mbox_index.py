@@ -97,7 +97,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -171,6 +171,8 @@ class Segment:
     flags: frozenset[str] = frozenset()
     uid: int = 0
     deleted: bool = False
+    made: MessageSummary | None = field(default=None, repr=False)
+    made_us: int = field(default=0, repr=False)
 
     @property
     def live(self) -> bool:
@@ -203,9 +205,16 @@ class Segment:
         )
 
     def summary(self) -> MessageSummary:
+        """The listing's view of it; the last one made is kept while the fields it shows stay the
+        same (a listing of a large mailbox would otherwise build every summary anew)."""
         assert self.id is not None
+        made = self.made
+        if made is not None and made.id is self.id and made.flags is self.flags and made.size == self.raw \
+                and (made.uid or 0) == self.uid and self.date_us == self.made_us:
+            return made
         when = datetime.fromtimestamp(self.date_us / 1_000_000, tz=timezone.utc)
-        return MessageSummary(self.id, self.raw, self.flags, when, self.uid or None)
+        self.made, self.made_us = MessageSummary(self.id, self.raw, self.flags, when, self.uid or None), self.date_us
+        return self.made
 
 
 @dataclass(slots=True)
@@ -852,6 +861,12 @@ class MailboxFile:
     def uid_next(self) -> int:
         with self.reading():
             return self.uidnext
+
+    def changes_token(self) -> tuple[int, int, int]:
+        """Every change appends to the index (a checkpoint writes a new one): its identity and
+        length after replaying what others appended tell whether anything changed."""
+        with self.reading():
+            return self.generation, self._idx_ino or 0, self._log_pos
 
     def recent_mark(self) -> int:
         with self.reading():

@@ -685,3 +685,34 @@ async def test_the_recent_mark_is_kept_by_the_store_across_reopening_and_renames
     assert await store.recent_mark(user, "Lists2") == 3
     await store.rename_mailbox(user, INBOX, "Old")  # RFC 3501: a new, empty INBOX, never claimed
     assert await store.recent_mark(user, "Old") == 10 and await store.recent_mark(user, INBOX) == 1
+
+
+async def test_a_changes_token_changes_with_every_change_and_only_then(store: Store, user: str) -> None:
+    """Store.changes_token: None (the store cannot tell cheaply), or a value that stays the same
+    while nothing changes and differs after a delivery, a flag change, a UID, a \\Recent claim
+    and a deletion."""
+    first = await store.changes_token(user, "Junk")
+    if first is None:
+        assert await store.changes_token(user, "Junk") is None
+        return
+    assert await store.changes_token(user, "Junk") == first
+    seen = [first]
+
+    async def changed() -> None:
+        token = await store.changes_token(user, "Junk")
+        assert token not in seen, "a change left the token as it was"
+        assert await store.changes_token(user, "Junk") == token
+        seen.append(token)
+
+    [message_id] = await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user, "Junk")])
+    await changed()
+    await store.store_flags(user, "Junk", [message_id], ["\\Seen"], "add")
+    await changed()
+    await store.assign_uids(user, "Junk", [message_id])
+    await changed()
+    await store.claim_recent(user, "Junk", 2)
+    await changed()
+    await store.delete_messages(user, "Junk", [message_id])
+    await changed()
+    with pytest.raises(NoSuchMailbox):
+        await store.changes_token(user, "Nowhere")
