@@ -77,7 +77,7 @@ _STORE_FAILED = (None, "tempfail", "cut", "fail")
 _STORE_ERRORS: dict[str, str] = {
     "delivery": "smtp", "rcpt": "smtp", "mail": "smtp", "auth": NODE, "retr": "pop3", "quit": "pop3",
     "imap-store": "imap", "imap-idle": "imap", "imap-uids": "imap", "imap-uidnext": "imap",
-    "imap-renumber": "imap", "store-open": NODE,
+    "imap-renumber": "imap", "imap-recent": "imap", "store-open": NODE,
 }
 #: Seconds; mail sessions last from milliseconds (a delivery) to half an hour (an IMAP IDLE).
 SESSION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0)
