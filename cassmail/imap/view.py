@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 import uuid
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ from cassmail.model import MessageSummary
 from cassmail.store.base import Store, StoreUnavailable
 
 log = logging.getLogger("cassmail.imap")
+
+#: Seconds a changes token is trusted: past them a refresh reads the listing whatever the token
+#: says. On Cassandra the token is written last-write-wins with each change, so a change whose
+#: write of it lost to a concurrent one's (clock skew between nodes) is seen within this long.
+TOKEN_TRUST = 10.0
 
 #: Renumbering asks the store at most this many times per refresh: a message renumbered by
 #: another session meanwhile comes back with that session's UID, which may still be one this
@@ -92,8 +98,9 @@ class MailboxView:
         self.recent_mark: int | None = None
         #: Keywords the client was told of in FLAGS (a new one is announced before it is shown).
         self.keywords: set[str] = set()
-        #: The store's changes token read before the last listing (Store.changes_token).
+        #: The store's changes token read before the last listing (Store.changes_token), and when.
         self.token: Hashable | None = None
+        self.listed_at = 0.0
         #: The highest UID this session has ever shown (expunged ones included): a listed UID at
         #: or below it that is not in the view may not be shown again, only renumbered.
         self.shown = 0
@@ -173,10 +180,11 @@ class MailboxView:
         may announce them."""
         if listing is None:
             token = await self.store.changes_token(self.user, self.name)
-            if token is not None and token == self.token:
+            fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
+            if token is not None and token == self.token and fresh:
                 return Changes()  # nothing changed since the last listing: no need to read it
             listing = await read_listing(self.store, self.user, self.name, self.page_size)
-            self.token = token
+            self.token, self.listed_at = token, time.monotonic()
         else:
             self.token = None  # a listing read by someone else: the next refresh reads its own
         current: dict[int, MessageSummary] = {}

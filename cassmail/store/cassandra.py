@@ -24,7 +24,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -275,8 +275,8 @@ class CassandraStore(Store):
             "l",
         ),
         "msg_insert": (
-            "INSERT INTO messages (mailbox_id, id, size, flags, internal_date, body_id, chunk_size, shared) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO messages (mailbox_id, id, size, flags, internal_date, body_id, chunk_size, shared, changed) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             "w",
         ),
         "msg_page": (
@@ -316,14 +316,16 @@ class CassandraStore(Store):
         ),
         "msg_delete": ("DELETE FROM messages WHERE mailbox_id = ? AND id IN ?", "w"),
         "msg_purge": ("DELETE FROM messages WHERE mailbox_id = ?", "w"),
-        "flags_set": ("UPDATE messages SET flags = ? WHERE mailbox_id = ? AND id = ?", "w"),
-        "flags_add": ("UPDATE messages SET flags = flags + ? WHERE mailbox_id = ? AND id = ?", "w"),
-        "flags_remove": ("UPDATE messages SET flags = flags - ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "flags_set": ("UPDATE messages SET flags = ?, changed = ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "flags_add": ("UPDATE messages SET flags = flags + ?, changed = ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "flags_remove": ("UPDATE messages SET flags = flags - ?, changed = ? WHERE mailbox_id = ? AND id = ?", "w"),
+        "msg_changed": ("UPDATE messages SET changed = ? WHERE mailbox_id = ?", "w"),
+        "msg_changes_token": ("SELECT changed, uid FROM messages WHERE mailbox_id = ? AND id = ?", "r"),
         "uid_read": ("SELECT id, uid, size, uidnext FROM messages WHERE mailbox_id = ? AND id IN ?", "s"),
         "uid_bump": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = ?", "l"),
         "uid_bump_first": ("UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = null", "l"),
         "uid_set": ("UPDATE messages SET uid = ? WHERE mailbox_id = ? AND id = ?", "l"),
-        "uid_anchor": ("UPDATE messages SET uid = 0 WHERE mailbox_id = ? AND id = ?", "l"),
+        "uid_anchor": ("UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?", "l"),
         "recent_raise": ("UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?", "l"),
         "recent_raise_first": ("UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = null", "l"),
         "body_insert": ("INSERT INTO bodies (body_id, size, chunk_size, refs) VALUES (?, ?, ?, ?)", "w"),
@@ -774,7 +776,7 @@ class CassandraStore(Store):
             refs = {_ref(mailbox_ids[k], ids[k]) for k in unique}
             await self._run("body_insert", body_id, size, chunk, refs)
         inserts = [
-            (mailbox_ids[k], ids[k], size, set(t.flags) or None, when, body_id, chunk, shared)
+            (mailbox_ids[k], ids[k], size, set(t.flags) or None, when, body_id, chunk, shared, ids[k])
             for k, t in unique.items()
         ]
         if len(inserts) == 1:
@@ -882,8 +884,9 @@ class CassandraStore(Store):
         statement = self._ps[f"flags_{mode}"]
         for group in _groups([i for i in wanted if i in existing], IN_BATCH):
             batch = self._batch(BatchType.UNLOGGED)
+            token = new_message_id()
             for message_id in group:
-                batch.add(statement, (values or None if mode == "set" else values, mailbox_id, message_id))
+                batch.add(statement, (values or None if mode == "set" else values, token, mailbox_id, message_id))
             await self._exec(batch)
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
@@ -896,7 +899,10 @@ class CassandraStore(Store):
         newest: uuid.UUID | None = None
         for group in _groups(wanted, IN_BATCH):
             rows = [r for r in await self._run("msg_body_infos", mailbox_id, group) if r.body_id is not None]
-            await self._run("msg_delete", mailbox_id, group)
+            batch = self._batch(BatchType.UNLOGGED)
+            batch.add(self._ps["msg_delete"], (mailbox_id, group))
+            batch.add(self._ps["msg_changed"], (new_message_id(), mailbox_id))
+            await self._exec(batch)
             for r in rows:
                 newest = _later(newest, r.id)
             await self._release_bodies(mailbox_id, rows)
@@ -986,6 +992,13 @@ class CassandraStore(Store):
         rows = await self._run("msg_anchor", mailbox_id, ANCHOR)
         return rows[0] if rows else None
 
+    async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
+        """The `changed` column (schema 005), read through the anchor row; None before the mailbox
+        was first numbered (no anchor yet: the listing is read)."""
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        rows = await self._run("msg_changes_token", mailbox_id, ANCHOR)
+        return (mailbox_id, rows[0].changed) if rows else None
+
     async def assign_uids(
         self,
         user: str,
@@ -1023,7 +1036,7 @@ class CassandraStore(Store):
                 batch.add(self._ps["uid_bump"], (first + len(missing), mailbox_id, uidnext))
             for offset, message_id in enumerate(missing):
                 batch.add(self._ps["uid_set"], (first + offset, mailbox_id, message_id))
-            batch.add(self._ps["uid_anchor"], (mailbox_id, ANCHOR))
+            batch.add(self._ps["uid_anchor"], (new_message_id(), mailbox_id, ANCHOR))
             applied, _ = await self._conditional(batch)
             if applied:
                 alive.update({m: first + n for n, m in enumerate(missing)})
@@ -1055,7 +1068,7 @@ class CassandraStore(Store):
                 batch.add(self._ps["recent_raise_first"], (below, mailbox_id))
             else:
                 batch.add(self._ps["recent_raise"], (below, mailbox_id, current))
-            batch.add(self._ps["uid_anchor"], (mailbox_id, ANCHOR))
+            batch.add(self._ps["uid_anchor"], (new_message_id(), mailbox_id, ANCHOR))
             applied, _ = await self._conditional(batch)
             if applied:
                 return mark

@@ -691,6 +691,8 @@ async def test_a_changes_token_changes_with_every_change_and_only_then(store: St
     """Store.changes_token: None (the store cannot tell cheaply), or a value that stays the same
     while nothing changes and differs after a delivery, a flag change, a UID, a \\Recent claim
     and a deletion."""
+    [numbered] = await store.deliver(b"Subject: n\r\n\r\nx\r\n", [Target(user, "Junk")])
+    await store.assign_uids(user, "Junk", [numbered])  # a mailbox IMAP has listed
     first = await store.changes_token(user, "Junk")
     if first is None:
         assert await store.changes_token(user, "Junk") is None
