@@ -72,9 +72,9 @@ class Report:
 class Session:
     """One IMAP connection and its model of the selected mailbox."""
 
-    def __init__(self, name: str, port: int, user: str, password: str, mailbox: str, shared: Shared,
+    def __init__(self, name: str, address: tuple[str, int], user: str, password: str, mailbox: str, shared: Shared,
                  rng: random.Random, answer_timeout: float) -> None:
-        self.name, self.port, self.user, self.password, self.mailbox = name, port, user, password, mailbox
+        self.name, self.address, self.user, self.password, self.mailbox = name, address, user, password, mailbox
         self.shared, self.rng, self.answer_timeout = shared, rng, answer_timeout
         self.tag = 0
         self.appends = 0
@@ -90,7 +90,7 @@ class Session:
     # ------------------------------------------------------------------ wire
 
     def connect(self) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.answer_timeout)
+        self.sock = socket.create_connection(self.address, timeout=self.answer_timeout)
         self.received = bytearray()
         greeting = self.readline()
         self.check(greeting.startswith(b"* OK"), f"greeting {greeting!r}")
@@ -331,13 +331,15 @@ class Session:
             self.run([b"FETCH 1:* (UID FLAGS)"])
 
 
-def run(ports: Sequence[int], user: str, password: str, sessions: int = 10, seconds: float = 30.0,
+def run(ports: Sequence[int | tuple[str, int]], user: str, password: str, sessions: int = 10, seconds: float = 30.0,
         mailbox: str = "INBOX", seed: int | None = None, answer_timeout: float = 10.0) -> Report:
-    """`sessions` sessions spread over the front ends at `ports`, for `seconds`."""
+    """`sessions` sessions spread over the front ends at `ports` (on loopback, or (host, port)),
+    for `seconds`."""
     shared = Shared()
     seed = random.randrange(1 << 30) if seed is None else seed
-    clients = [Session(f"s{i}", ports[i % len(ports)], user, password, mailbox, shared, random.Random(seed + i),
-                       answer_timeout) for i in range(sessions)]
+    addresses = [p if isinstance(p, tuple) else ("127.0.0.1", p) for p in ports]
+    clients = [Session(f"s{i}", addresses[i % len(addresses)], user, password, mailbox, shared,
+                       random.Random(seed + i), answer_timeout) for i in range(sessions)]
     started = time.monotonic()
 
     def drive(client: Session) -> None:

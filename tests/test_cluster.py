@@ -35,6 +35,7 @@ from cassmail.config import CassandraSettings, Settings
 from cassmail.store import cassandra_schema
 from cassmail.store.base import Target
 from cassmail.store.cassandra import CassandraStore
+from tests import imap_stress
 from tests.cluster_clients import Outcome, imap_read, make_message, pop3_read, smtp_send, subject_of
 from tests.conftest import FAST_HASH, hash_password, unavailable
 from tests.nodes import Node, free_port
@@ -48,6 +49,7 @@ HEAP_MB = 512
 DOMAIN = "cluster.test"
 DOWN = 3  # the node whose Cassandra the outage kills
 LEVELS = ("ONE", "QUORUM", "ALL")
+STRESS_SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "15"))
 
 @dataclasses.dataclass
 class Cluster:
@@ -221,6 +223,17 @@ def test_any_node_serves_any_user(cluster: Cluster) -> None:
             assert fetched.ok and {subject_of(m) for m in fetched.messages} == wanted, fetched.text
             seen = imap_read(cluster.address(i), cluster.ports["imap"], user, _password(user))
             assert seen.ok and {subject_of(m) for m in seen.messages} == wanted, seen.text
+
+
+def test_imap_sessions_on_two_nodes_keep_one_mailbox_consistent(cluster: Cluster) -> None:
+    """The state-checking stress run (tests/imap_stress.py) with its sessions spread over the front
+    ends of nodes 1 and 2, each on its own Cassandra coordinator (RF=2, reads and writes at ONE)."""
+    [user] = _users("stress", 1)
+    run(_prepare(cluster.store_settings(), [user], 0))
+    report = imap_stress.run([(cluster.address(i), cluster.ports["imap"]) for i in (1, 2)], user, _password(user),
+                             sessions=8, seconds=STRESS_SECONDS)
+    assert not report.violations, "\n".join(report.violations[:10])
+    assert report.flags_agree and report.answers.get("APPEND OK") and report.answers.get("EXPUNGE OK")
 
 
 # ----------------------------------------------------------------------------- the outage experiment
