@@ -13,13 +13,10 @@ from typing import Any
 from cassmail.config import Settings
 from cassmail.imap.session import ImapFactory
 from cassmail.store.base import Store
-from cassmail.twisted_asyncio import listen, tls_options
+from cassmail.twisted_asyncio import listen_all
 
 
 def start(settings: Settings, store: Store, reactor: Any) -> list[tuple[Any, ImapFactory]]:
-    """(listening port, factory) of the enabled IMAP listener (none when disabled); the factory
-    counts the sessions in progress (`sessions`)."""
-    if not settings.imap.enabled:
-        return []
-    factory = ImapFactory(store, settings.imap, tls_options(settings.imap))
-    return [(listen(reactor, settings.imap, factory), factory)]
+    """(listening port, factory) of each enabled IMAP listener, `[imap]` and `[imaps]`; each
+    factory counts its sessions in progress (`sessions`)."""
+    return listen_all(reactor, (settings.imap, settings.imaps), lambda listener, tls: ImapFactory(store, listener, tls))

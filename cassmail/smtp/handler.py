@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import format_datetime
 from datetime import datetime, timezone
@@ -50,6 +51,7 @@ class Role:
 
 MX = Role("smtp")
 SUBMISSION = Role("submission", submission=True)
+SUBMISSIONS = Role("submissions", submission=True)
 LMTP_ROLE = Role("lmtp", lmtp=True)
 
 
@@ -78,8 +80,11 @@ class LocalDomains:
 
 
 class DeliveryHandler:
-    def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str) -> None:
+    def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
+                 queued: Callable[[], None] | None = None) -> None:
         self.store = store
+        #: Called after a message was queued for other domains (wakes this process's delivery worker).
+        self.queued = queued
         self.settings = settings
         self.role = role
         self.node_name = node_name
@@ -176,15 +181,16 @@ class DeliveryHandler:
         try:
             local = await self.domains.contains(rcpt.domain)
             if not local:
-                if session.authenticated:
-                    return "550 5.7.1 Delivery to other domains is not available on this server"
+                if self.role.submission and session.authenticated:
+                    # An authenticated user may send anywhere: the message is queued for it.
+                    envelope.rcpt_tos.append(str(rcpt))
+                    _remote(envelope).append(str(rcpt))
+                    envelope.rcpt_options.extend(rcpt_options)
+                    return "250 2.1.5 Recipient OK"
                 return "550 5.7.1 Relaying denied"
-            if await self.store.user_exists(rcpt.key):
-                users = [rcpt.key]
-            else:  # the common case costs nothing more: an alias is looked up only on a miss
-                users = await self.store.get_alias(rcpt.key) or []
-                if not users:
-                    return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
+            users = await self.store.local_recipients(rcpt.key)
+            if not users:
+                return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
         except StoreError as exc:
             log.warning(kv("rcpt", listener=self.role.name, peer=_peer(session), rcpt=rcpt.key, result="tempfail", error=exc))
             return TEMPORARY
@@ -206,14 +212,21 @@ class DeliveryHandler:
         queue_id = uuid.uuid4().hex[:16]
         body = envelope.original_content
         assert isinstance(body, bytes)
-        recipients = _recipients(envelope)
-        targets = [Target(user) for user in recipients]
+        targets = [Target(user) for user in _recipients(envelope)]
         if self.role.submission and session.auth_data:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
+        remote = _remote(envelope)
         message = self.trace_headers(server, session, envelope, queue_id) + body
         fields = self._delivery_fields(session, envelope, len(body), queue_id)
         try:
-            await self.store.deliver(message, targets)
+            ids = await self.store.deliver(message, targets) if targets else []
+            if remote:
+                try:
+                    await self.store.enqueue(message, "" if envelope.mail_from == "<>" else envelope.mail_from, remote,
+                                             smtputf8=envelope.smtp_utf8)
+                except BaseException:
+                    await self._undo(targets, ids)
+                    raise
         except MessageTooLarge:
             log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
             return self.per_recipient(envelope, "552 5.3.4 Message too big for system")
@@ -225,7 +238,18 @@ class DeliveryHandler:
             return self.per_recipient(envelope, TEMPORARY)
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
+        if remote and self.queued is not None:
+            self.queued()
         return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
+
+    async def _undo(self, targets: list[Target], ids: list[uuid.UUID]) -> None:
+        """The local copies of a message whose queued part could not be stored: the sender is
+        told to retry, and the retry must not leave them twice (best effort)."""
+        for target, message_id in zip(targets, ids):
+            try:
+                await self.store.delete_messages(target.user, target.mailbox, [message_id])
+            except StoreError as exc:
+                log.warning(kv("delivery-undo", user=target.user, mailbox=target.mailbox, result="fail", error=exc))
 
     def log_too_large(self, server: Any, size: int, ms: int) -> None:
         """The delivery line of a message refused while DATA was read (past max_message_size):
@@ -239,7 +263,8 @@ class DeliveryHandler:
         expanded = len(_recipients(envelope)) if aliased else None  # users reached, logged when an alias was named
         return dict(
             listener=self.role.name, peer=_peer(session), helo=session.host_name, user=session.auth_data,
-            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), users=expanded, size=size, id=queue_id,
+            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), users=expanded, queued=len(_remote(envelope)) or None,
+            size=size, id=queue_id,
         )
 
     def per_recipient(self, envelope: Envelope, status: str) -> str:
@@ -290,11 +315,20 @@ def _expansions(envelope: Envelope) -> dict[str, list[str]]:
     return found
 
 
+def _remote(envelope: Envelope) -> list[str]:
+    """The recipients in other domains (submission only), queued for delivery, as given."""
+    found: list[str] | None = getattr(envelope, "cassmail_remote", None)
+    if found is None:
+        found = []
+        envelope.cassmail_remote = found  # type: ignore[attr-defined]
+    return found
+
+
 def _recipients(envelope: Envelope) -> list[str]:
-    """The users a message goes to, each once in the order first named: a user named directly
-    and through an alias, or by two aliases, gets one copy."""
+    """The local users a message goes to, each once in the order first named: a user named
+    directly and through an alias, or by two aliases, gets one copy."""
     expansions = _expansions(envelope)
-    return list(dict.fromkeys(user for rcpt in envelope.rcpt_tos for user in expansions.get(rcpt, [rcpt])))
+    return list(dict.fromkeys(user for rcpt in envelope.rcpt_tos if rcpt in expansions for user in expansions[rcpt]))
 
 
 def _path(address: str, envelope: Envelope, syntax_error: str) -> Address | str:

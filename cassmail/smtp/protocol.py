@@ -290,6 +290,7 @@ class _CassmailEngine:
     #: max_connection_rate) or dropped (the client went away without QUIT).
     result = "dropped"
     _opened_at: float | None = None
+    _tls_from_start = False
     #: This connection's command budget (None: no limit).
     _commands: TokenBucket | None = None
 
@@ -319,6 +320,8 @@ class _CassmailEngine:
         if not new_connection:
             return
         self._opened_at = time.monotonic()
+        # TLS from the first byte (an implicit-TLS listener): aiosmtpd only notes STARTTLS's.
+        self._tls_from_start = transport.get_extra_info("ssl_object") is not None
         handler = self.event_handler
         handler.sessions += 1
         handler.open.add(self)
@@ -362,7 +365,7 @@ class _CassmailEngine:
             log.info(
                 kv(
                     "session", listener=handler.role.name, peer=peer_ip(session.peer), helo=session.host_name,
-                    user=session.auth_data, tls=bool(session.ssl), deliveries=self.deliveries,
+                    user=session.auth_data, tls=bool(session.ssl) or self._tls_from_start, deliveries=self.deliveries,
                     result=self.result, ms=int((time.monotonic() - self._opened_at) * 1000),
                 )
             )

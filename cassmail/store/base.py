@@ -290,6 +290,14 @@ class Store(abc.ABC):
             return False
         return True
 
+    async def local_recipients(self, address: str) -> list[str]:
+        """The users mail to a local address reaches: the user, or an alias's users; [] when
+        the address is neither. The user lookup comes first, so the common case is one read."""
+        key = address_key(address)
+        if await self.user_exists(key):
+            return [key]
+        return await self.get_alias(key) or []
+
     # ----------------------------------------------------------------- aliases
     # An alias is an address of a local domain that delivers to one or more local users: SMTP
     # accepts it as a recipient (the user lookup missed, then one read of the alias) and a user
