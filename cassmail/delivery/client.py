@@ -194,7 +194,7 @@ async def _open(route: Route, settings: RelaySettings, helo: str, name: str, add
         raise Trouble(f"cannot connect: {reason}", remote) from None
     # The socket is connected to the address DNS gave; the name is what TLS checks and presents.
     client = aiosmtplib.SMTP(
-        hostname=name, port=port, sock=sock, local_hostname=helo, timeout=settings.timeout,
+        hostname=name, sock=sock, local_hostname=helo, timeout=settings.timeout,
         use_tls=route.implicit_tls, start_tls=False, tls_context=context,
     )
     try:
@@ -313,10 +313,16 @@ class Pool:
             self._wake(dest)
 
     def _drop(self, dest: _Destination, conn: Connection) -> None:
-        dest.open -= 1
+        """Close a connection; it counts against the limit until it is closed."""
         task = asyncio.ensure_future(conn.close())
         self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+
+        def closed(done: asyncio.Task[None]) -> None:
+            self._closing.discard(done)
+            dest.open -= 1
+            self._wake(dest)
+
+        task.add_done_callback(closed)
 
     @staticmethod
     def _wake(dest: _Destination) -> None:

@@ -95,7 +95,8 @@ QUEUE_STATEMENTS: dict[str, tuple[str, str]] = {
         "l",
     ),
     "q_retry": ("UPDATE queue SET due = ? WHERE id = ? IF held = false", "l"),
-    "q_hold": ("UPDATE queue SET held = ? WHERE id = ? IF EXISTS", "l"),
+    "q_hold": ("UPDATE queue SET held = true WHERE id = ? IF EXISTS", "l"),
+    "q_unhold": ("UPDATE queue SET held = false, due = ? WHERE id = ? IF EXISTS", "l"),
     "q_delete": ("DELETE FROM queue WHERE id = ?", "w"),
     "q_due_insert": ("INSERT INTO queue_due (shard, bucket, due, id) VALUES (?, ?, ?, ?)", "w"),
     "q_due_delete": ("DELETE FROM queue_due WHERE shard = ? AND bucket = ? AND due = ? AND id = ?", "w"),
@@ -414,11 +415,13 @@ class CassandraQueue(Store):
         return count
 
     async def hold_queued(self, entry_id: uuid.UUID, held: bool) -> None:
-        applied, _ = await self._conditional(self._ps["q_hold"].bind((held, entry_id)))
+        now = time.time()
+        statement = self._ps["q_hold"].bind((entry_id,)) if held else self._ps["q_unhold"].bind((_ts(now), entry_id))
+        applied, _ = await self._conditional(statement)
         if not applied:
             raise NoSuchQueueEntry(entry_id)
         if not held:
-            await self._put_due(entry_id, time.time())
+            await self._put_due(entry_id, now)
 
     async def delete_queued(self, entry_id: uuid.UUID) -> None:
         if await self._holding(entry_id) is None:

@@ -392,7 +392,8 @@ class FileQueue:
         path = os.path.join(self._dir(entry_id), "held")
         if held:
             self.fs.write_file(path, b"", exclusive=False, fsync=self.fsync)
-        else:
+        else:  # released: due now
+            self.fs.write_file(os.path.join(self._dir(entry_id), "retry"), b"", exclusive=False, fsync=self.fsync)
             self.fs.unlink(path, missing_ok=True)
             self._put_marker(sortable_id(entry.id), max(time.time(), entry.lease_until))
 
