@@ -336,6 +336,10 @@ class SmtpSettings(ListenerSettings):
     rate_limit_exempt: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     #: Seconds the list of local domains is cached for RCPT checks.
     domain_cache_seconds: float = 10.0
+    #: Submission listeners only: client networks that may submit without AUTH, like Postfix's
+    #: mynetworks (applications on the same host, a load generator): their mail may go to any
+    #: domain, from any sender, with no copy in Sent. [] = every client authenticates.
+    trusted_networks: list[str] = field(default_factory=list)
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -362,6 +366,15 @@ class SmtpSettings(ListenerSettings):
                     f"{prefix}.rate_limit_exempt[{i}]: must be an IP address or network like 10.0.0.0/8, got {network!r}"
                 ) from None
         _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
+        _check(not self.trusted_networks or prefix not in ("smtp", "lmtp"), f"{prefix}.trusted_networks",
+               "is for the submission listeners only (the MX never relays)")
+        for i, network in enumerate(self.trusted_networks):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"{prefix}.trusted_networks[{i}]: must be an IP address or network like 10.0.0.0/8, got {network!r}"
+                ) from None
 
 
 @dataclass

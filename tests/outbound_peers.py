@@ -149,6 +149,8 @@ class MxHandler:
         self.open = 0
         self.most_open = 0
         self.sessions = 0
+        #: When each DATA arrived whole (before a slow answer): a copy the sender may not have seen taken.
+        self.data_started: list[float] = []
 
     def connected(self, delta: int) -> None:
         with self.lock:
@@ -173,6 +175,8 @@ class MxHandler:
         return "250 2.1.5 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        with self.lock:
+            self.data_started.append(time.monotonic())
         if any(r.rpartition("@")[0].lower().startswith("slow") for r in envelope.rcpt_tos):
             await asyncio.sleep(self.slow_seconds)
         with self.lock:

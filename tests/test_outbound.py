@@ -40,6 +40,7 @@ pytestmark = pytest.mark.cassandra
 OUTBOUND_BACKENDS = ["cassandra", "mbox", "wheelfs"]
 GOOD, IMPLICIT, PLAIN, DOWN = "127.0.0.2", "127.0.0.3", "127.0.0.9", "127.0.0.10"
 BAD = {"garbage": "127.0.0.4", "silent": "127.0.0.5", "huge": "127.0.0.6", "close-mid-data": "127.0.0.7"}
+TRUSTED = "127.0.0.11"  # a client the submission listener trusts without AUTH (Postfix's mynetworks)
 LIFETIME = 8.0
 DELAY_WARNING = 3.0
 
@@ -170,7 +171,8 @@ async def outbound(out_settings: Settings, out_store: Store, world: World, tls_f
                    tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Outbound]:
     node = Node(
         node_settings(out_settings), tmp_path_factory.mktemp("outbound"),
-        submission={**tls_files}, pop3={"allow_plaintext_auth": True}, imap={"enabled": False},
+        submission={**tls_files, "trusted_networks": [TRUSTED]}, pop3={"allow_plaintext_auth": True},
+        imap={"enabled": False},
         lmtp={"enabled": False},
         delivery={"enabled": True, "min_backoff": 1.0, "max_backoff": 2.0, "max_lifetime": LIFETIME,
                   "delay_warning": DELAY_WARNING, "lease": 10.0, "poll_interval": 0.2, "destination_concurrency": 2},
@@ -287,6 +289,22 @@ async def test_per_destination_concurrency_holds(outbound: Outbound) -> None:
     # and both were used (the six slow messages did not go one by one).
     assert mx.most_open == 2, mx.most_open
     assert all(len(mx.for_recipient(r)) == 1 for r in rcpts)
+
+
+async def test_a_trusted_network_submits_without_auth_and_others_must_authenticate(outbound: Outbound) -> None:
+    rcpt = f"app-{uuid.uuid4().hex[:6]}@remote.test"
+
+    def send(source: str) -> dict:
+        with smtplib.SMTP("127.0.0.1", outbound.node.port("submission"), timeout=30,
+                          source_address=(source, 0)) as client:
+            return client.sendmail("app@anywhere.example", [rcpt], b"Subject: from an app\r\n\r\nx\r\n")
+
+    with pytest.raises(smtplib.SMTPSenderRefused) as refused:
+        await asyncio.to_thread(send, "127.0.0.1")
+    assert refused.value.smtp_code == 530
+    assert await asyncio.to_thread(send, TRUSTED) == {}
+    [got] = await eventually(lambda: asyncio.sleep(0, outbound.world.good.mx.for_recipient(rcpt)))
+    assert got.sender == "app@anywhere.example"
 
 
 # ----------------------------------------------------------------------------- what the remote lacks

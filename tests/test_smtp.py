@@ -856,9 +856,9 @@ async def test_a_store_failure_at_rcpt_or_a_bug_is_451_never_a_traceback(flaky, 
     failing, cmd = flaky
     await cmd("EHLO client.test")
     await cmd("MAIL FROM:<a@b.test>")
-    failing.failing["local_recipients"] = StoreUnavailable("injected: cassandra down")
+    failing.failing["user_exists"] = StoreUnavailable("injected: cassandra down")
     assert (await cmd(f"RCPT TO:<{users['anne']}>")).startswith("451 4.3.0")
-    failing.failing = {"local_recipients": RuntimeError("injected bug")}
+    failing.failing = {"user_exists": RuntimeError("injected bug")}
     reply = await cmd(f"RCPT TO:<{users['anne']}>")
     assert reply.startswith("451 4.3.0") and "RuntimeError" not in reply and "injected" not in reply
     failing.failing.clear()

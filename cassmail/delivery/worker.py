@@ -35,7 +35,15 @@ from cassmail.delivery.message import needs_smtputf8
 from cassmail.delivery.routing import Route, RouteError, Router
 from cassmail.logs import Timer, kv
 from cassmail.model import InvalidInput, address_key
-from cassmail.store.base import NoSuchQueueEntry, QueuedRecipient, QueueEntry, Store, StoreError, Target
+from cassmail.store.base import (
+    NoSuchQueueEntry,
+    QueuedRecipient,
+    QueueEntry,
+    Store,
+    StoreError,
+    Target,
+    local_recipients,
+)
 
 log = logging.getLogger("cassmail.delivery")
 
@@ -345,7 +353,7 @@ class DeliveryWorker:
         except InvalidInput:
             return
         if local:
-            users = await self.store.local_recipients(sender)
+            users = await local_recipients(self.store, sender)
             if not users:
                 log.warning(kv("dsn", id=entry.id.hex, to=sender, result="dropped", error="no such local user"))
                 return

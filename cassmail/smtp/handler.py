@@ -7,6 +7,7 @@ One handler object serves every session of one listener (aiosmtpd calls its
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from cassmail.store.base import (
     StoreError,
     StoreUnavailable,
     Target,
+    local_recipients,
 )
 from cassmail.smtp.protocol import peer_ip
 from cassmail.tls import describe
@@ -89,6 +91,9 @@ class DeliveryHandler:
         self.role = role
         self.node_name = node_name
         self.domains = LocalDomains(store, settings.domain_cache_seconds)
+        #: Networks whose clients may submit without AUTH (submission only: the MX never relays).
+        self.trusted_networks = tuple(ipaddress.ip_network(n, strict=False) for n in settings.trusted_networks
+                                      ) if role.submission else ()
         self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
         #: Sessions open on this listener in this worker (limited by settings.max_connections).
         self.sessions = 0
@@ -156,7 +161,7 @@ class DeliveryHandler:
                 return sender
         elif self.role.submission:
             return "553 5.7.1 The null sender is not allowed for submission"
-        if self.role.submission and not null and sender.key != session.auth_data:
+        if self.role.submission and not null and sender.key != session.auth_data and session.authenticated:
             # Not their own address: one read, whether it is an alias that lists them.
             try:
                 owners = await self.store.get_alias(sender.key)
@@ -181,14 +186,14 @@ class DeliveryHandler:
         try:
             local = await self.domains.contains(rcpt.domain)
             if not local:
-                if self.role.submission and session.authenticated:
+                if self.role.submission and (session.authenticated or getattr(session, "trusted", False)):
                     # An authenticated user may send anywhere: the message is queued for it.
                     envelope.rcpt_tos.append(str(rcpt))
                     _remote(envelope).append(str(rcpt))
                     envelope.rcpt_options.extend(rcpt_options)
                     return "250 2.1.5 Recipient OK"
                 return "550 5.7.1 Relaying denied"
-            users = await self.store.local_recipients(rcpt.key)
+            users = await local_recipients(self.store, rcpt.key)
             if not users:
                 return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
         except StoreError as exc:

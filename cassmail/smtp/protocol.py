@@ -151,6 +151,18 @@ def with_enhanced_code(line: str) -> str:
     return f"{line[:4]}{match.group(1)}.0.0 {text}"
 
 
+def peer_in(peer: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    """Whether a client address is in one of `networks` (an address that is not IP, such as a
+    Unix socket's, is local and so in)."""
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return True
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack socket's view of an IPv4 client
+    return any(address in network for network in networks)
+
+
 class TokenBucket:
     """`per_minute` events a minute on average, in bursts of up to a minute's worth.
 
@@ -193,15 +205,8 @@ class RateLimits:
         self._sweep_at = 1024
 
     def exempt(self, peer: str) -> bool:
-        """Whether `peer` is in an exempt network (an address that is not IP, such as a Unix
-        socket's, is local and so exempt)."""
-        try:
-            address = ipaddress.ip_address(peer)
-        except ValueError:
-            return True
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped  # a dual-stack socket's view of an IPv4 client
-        return any(address in network for network in self.exempt_networks)
+        """Whether `peer` is in an exempt network."""
+        return peer_in(peer, self.exempt_networks)
 
     def admit(self, peer: str) -> bool:
         """Count a new connection from `peer` (not exempt); False when it is over the rate."""
@@ -326,6 +331,9 @@ class _CassmailEngine:
         handler.sessions += 1
         handler.open.add(self)
         peer = peer_ip(self.session.peer)
+        trusted = handler.trusted_networks
+        # A trusted client of a submission listener (Postfix's mynetworks) may send without AUTH.
+        self.session.trusted = bool(trusted) and peer_in(peer, trusted)
         rates = self.rates if self.rates is not None and not self.rates.exempt(peer) else None
         if rates is not None:
             self._commands = rates.commands(self._opened_at)
@@ -341,6 +349,12 @@ class _CassmailEngine:
         self._handler_coroutine.cancel()  # type: ignore[attr-defined]
         self.transport.write(reply)
         self.transport.close()
+
+    async def check_auth_needed(self, caller_method: str) -> bool:
+        """aiosmtpd's check, except for a trusted client of a submission listener."""
+        if getattr(self.session, "trusted", False):
+            return False
+        return await super().check_auth_needed(caller_method)  # type: ignore[misc]
 
     async def command_read(self) -> None:
         """Called by the reader for each command line: take a token, or answer 421 4.7.0 and close.

@@ -290,14 +290,6 @@ class Store(abc.ABC):
             return False
         return True
 
-    async def local_recipients(self, address: str) -> list[str]:
-        """The users mail to a local address reaches: the user, or an alias's users; [] when
-        the address is neither. The user lookup comes first, so the common case is one read."""
-        key = address_key(address)
-        if await self.user_exists(key):
-            return [key]
-        return await self.get_alias(key) or []
-
     # ----------------------------------------------------------------- aliases
     # An alias is an address of a local domain that delivers to one or more local users: SMTP
     # accepts it as a recipient (the user lookup missed, then one read of the alias) and a user
@@ -540,6 +532,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def list_dkim_keys(self) -> list[DkimKey]:
         """Every key, sorted by domain."""
+
+
+async def local_recipients(store: Store, address: str) -> list[str]:
+    """The users mail to a local address reaches: the user, or an alias's users; [] when the
+    address is neither. The user lookup comes first, so the common case is one read, and the
+    alias is read only on a miss. (A function over the contract, so a wrapped store sees both calls.)"""
+    key = address_key(address)
+    if await store.user_exists(key):
+        return [key]
+    return await store.get_alias(key) or []
 
 
 # --------------------------------------------------------------------------- helpers for backends

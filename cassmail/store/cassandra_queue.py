@@ -47,6 +47,7 @@ from cassmail.store.base import (
     QueuedRecipient,
     QueueEntry,
     Store,
+    StoreUnavailable,
     check_dkim_key,
     check_enqueue,
 )
@@ -240,11 +241,19 @@ class CassandraQueue(Store):
         random.shuffle(candidates)  # workers of every node start at different entries
         taken: list[QueueEntry] = []
         left: dict[int, list[float]] = {}
+        failure: StoreUnavailable | None = None
         for shard, row in candidates:
             if len(taken) >= limit:
                 left.setdefault(shard, []).append(_secs(row.due))
                 continue
-            entry = await self._take(row.id, row.due, owner, lease, now)
+            try:
+                entry = await self._take(row.id, row.due, owner, lease, now)
+            except StoreUnavailable as exc:
+                # This entry's replicas cannot decide a lease now (a Paxos quorum is down):
+                # the others go on; it stays due, and is looked at again next time.
+                left.setdefault(shard, []).append(_secs(row.due))
+                failure = exc
+                continue
             if entry is not None:
                 taken.append(entry)
         settled = now - SETTLE_SECONDS
@@ -261,6 +270,8 @@ class CassandraQueue(Store):
                 reached = min(now, (bucket + 1) * BUCKET_SECONDS)
             if self._cursor[shard][0] == bucket:  # else an earlier minute is still settling: stay there
                 self._cursor[shard] = (bucket, max(self._cursor[shard][1], min(reached, settled)))
+        if failure is not None and not taken:
+            raise failure
         return taken
 
     async def _scan(self, shard: int, now: float, limit: int) -> tuple[int, list[Any]]:
