@@ -171,8 +171,12 @@ class DeliveryWorker:
         except NoSuchQueueEntry:
             pass  # deleted by an operator while we worked
         except StoreError as exc:
-            # Nothing recorded: the entry comes back when its lease runs out.
+            # Nothing was sent: try again soon (or, if the store cannot even take that, when the
+            # lease runs out).
             log.warning(kv("outbound", id=entry.id.hex, result="tempfail", error=exc))
+            with contextlib.suppress(StoreError):
+                await self.store.reschedule(entry.id, self.owner, time.time() + min(self.delivery.min_backoff, STORE_BACKOFF),
+                                            f"store: {exc}")
         except Exception:  # noqa: BLE001 - one entry's bug must not take the worker down
             log.exception(kv("outbound", id=entry.id.hex, result="error"))
             with contextlib.suppress(StoreError):

@@ -64,6 +64,8 @@ SWEEP_SECONDS = 600.0
 #: Minutes one shard's reader moves through per take: a sweep over the default grace (3 h) is done
 #: in one call, a longer one in a few.
 BUCKETS_PER_TAKE = 240
+#: Reads of a queued body before a missing chunk is reported (see read_queued).
+READ_ATTEMPTS = 4
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 _ENTRY_COLUMNS = (
@@ -301,10 +303,19 @@ class CassandraQueue(Store):
 
     async def _take(self, entry_id: uuid.UUID, row_due: datetime, owner: str, lease: float, now: float) -> QueueEntry | None:
         until = now + lease
-        applied, current = await self._conditional(
-            self._ps["q_take"].bind((owner, _ts(until), entry_id, _ts(now), _ts(now)))
-        )
+        # The row at the lease's end is written before the lease: an entry's next look time
+        # (its due time or its lease's end) always has its row, so a row at another time is
+        # stale, and whoever finds one may drop it.
+        await self._put_due(entry_id, until)
+        try:
+            applied, current = await self._conditional(
+                self._ps["q_take"].bind((owner, _ts(until), entry_id, _ts(now), _ts(now)))
+            )
+        except StoreUnavailable:
+            await self._drop_due_quietly(entry_id, until)
+            raise
         if not applied:
+            await self._drop_due_quietly(entry_id, until)
             if getattr(current, "lease_until", None) is not None:
                 # The entry is not free now: held (a release writes a new due row), leased (its
                 # holder's row is at the lease's end) or due later (its row is there): this
@@ -313,7 +324,6 @@ class CassandraQueue(Store):
             elif _secs(row_due) < now - self.settings.tombstone_grace:
                 await self._drop_due(entry_id, row_due)  # no entry, for longer than a write can be late
             return None
-        await self._put_due(entry_id, until)
         await self._drop_due(entry_id, row_due)
         rows = await self._run("q_entry_serial", entry_id)
         entry = _entry(rows)
@@ -322,6 +332,14 @@ class CassandraQueue(Store):
             return None
         self._held[entry_id] = _Held.of(entry, rows[0])
         return entry
+
+    async def _drop_due_quietly(self, entry_id: uuid.UUID, when: float) -> None:
+        """Remove a due row written for a change that did not happen; if even that fails, the
+        row is stale and the next reader drops it."""
+        try:
+            await self._drop_due(entry_id, when)
+        except StoreUnavailable:
+            pass
 
     async def _holding(self, entry_id: uuid.UUID) -> _Held | None:
         """What this process knows of an entry it took, else what the store says now."""
@@ -334,11 +352,12 @@ class CassandraQueue(Store):
 
     async def renew_lease(self, entry_id: uuid.UUID, owner: str, lease: float) -> bool:
         until = time.time() + lease
+        await self._put_due(entry_id, until)  # before the lease moves (see _take)
         applied, _ = await self._conditional(self._ps["q_renew"].bind((_ts(until), entry_id, owner)))
         old = self._held.pop(entry_id, None)
         if not applied:
+            await self._drop_due_quietly(entry_id, until)
             return False
-        await self._put_due(entry_id, until)
         if old is not None:
             await self._drop_due(entry_id, old.until)
             self._held[entry_id] = replace(old, until=until)
@@ -348,10 +367,20 @@ class CassandraQueue(Store):
         held = await self._holding(entry_id)
         if held is None or held.body_id is None:
             raise NoSuchQueueEntry(entry_id)
-        chunks = await self._gather_limited(
-            self._chunk(held.body_id, i, "the queue") for i in range(math.ceil(held.size / held.chunk_size))
-        )
-        return b"".join(chunks)
+        body_id = held.body_id
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                chunks = await self._gather_limited(
+                    self._chunk(body_id, i, "the queue") for i in range(math.ceil(held.size / held.chunk_size))
+                )
+                return b"".join(chunks)
+            except StoreUnavailable:
+                # Taken a moment after it was queued: at consistency ONE the replica asked may
+                # not have applied the chunk yet.
+                if attempt == READ_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _result_batch(self, entry_id: uuid.UUID, owner: str, results: Sequence[QueuedRecipient]) -> Any:
         batch = self._batch(conditional=True)
@@ -377,10 +406,11 @@ class CassandraQueue(Store):
         batch = self._result_batch(entry_id, owner, results)
         batch.add(self._ps["q_release"],
                   (_ts(due), held.attempts + 1, error[:1000], warned or held.warned, _EPOCH, entry_id, owner))
+        await self._put_due(entry_id, due)  # before the entry says so (see _take)
         applied, _ = await self._conditional(batch)
         if not applied:
+            await self._drop_due_quietly(entry_id, due)
             return False
-        await self._put_due(entry_id, due)
         await self._drop_due(entry_id, held.until)
         return True
 
@@ -419,20 +449,25 @@ class CassandraQueue(Store):
         count = 0
         now = time.time()
         for entry in entries:
+            await self._put_due(entry.id, now)  # before the entry says so (see _take)
             applied, _ = await self._conditional(self._ps["q_retry"].bind((_ts(now), entry.id)))
             if applied:
-                await self._put_due(entry.id, now)
                 count += 1
+            else:
+                await self._drop_due_quietly(entry.id, now)
         return count
 
     async def hold_queued(self, entry_id: uuid.UUID, held: bool) -> None:
         now = time.time()
-        statement = self._ps["q_hold"].bind((entry_id,)) if held else self._ps["q_unhold"].bind((_ts(now), entry_id))
-        applied, _ = await self._conditional(statement)
+        if held:
+            applied, _ = await self._conditional(self._ps["q_hold"].bind((entry_id,)))
+        else:
+            await self._put_due(entry_id, now)  # before the entry says so (see _take)
+            applied, _ = await self._conditional(self._ps["q_unhold"].bind((_ts(now), entry_id)))
         if not applied:
+            if not held:
+                await self._drop_due_quietly(entry_id, now)
             raise NoSuchQueueEntry(entry_id)
-        if not held:
-            await self._put_due(entry_id, now)
 
     async def delete_queued(self, entry_id: uuid.UUID) -> None:
         if await self._holding(entry_id) is None:
