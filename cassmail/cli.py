@@ -488,25 +488,21 @@ def cmd_queue_retry(settings: config.Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_queue_delete(settings: config.Settings, args: argparse.Namespace) -> int:
-    entry_id = _entry_id(args.id)
-    _with_store(settings, lambda s: s.delete_queued(entry_id))
-    print(f"deleted {entry_id.hex}")
-    return 0
+def _queue_action(done: str, call: Callable[[Store, uuid.UUID], Awaitable[None]]) -> Callable[..., int]:
+    """A `queue delete|hold|release ID` command: `call` on the entry, then one line saying `done`."""
+
+    def command(settings: config.Settings, args: argparse.Namespace) -> int:
+        entry_id = _entry_id(args.id)
+        _with_store(settings, lambda store: call(store, entry_id))
+        print(f"{done} {entry_id.hex}")
+        return 0
+
+    return command
 
 
-def cmd_queue_hold(settings: config.Settings, args: argparse.Namespace) -> int:
-    entry_id = _entry_id(args.id)
-    _with_store(settings, lambda s: s.hold_queued(entry_id, True))
-    print(f"held {entry_id.hex}")
-    return 0
-
-
-def cmd_queue_release(settings: config.Settings, args: argparse.Namespace) -> int:
-    entry_id = _entry_id(args.id)
-    _with_store(settings, lambda s: s.hold_queued(entry_id, False))
-    print(f"released {entry_id.hex}")
-    return 0
+cmd_queue_delete = _queue_action("deleted", lambda store, entry_id: store.delete_queued(entry_id))
+cmd_queue_hold = _queue_action("held", lambda store, entry_id: store.hold_queued(entry_id, True))
+cmd_queue_release = _queue_action("released", lambda store, entry_id: store.hold_queued(entry_id, False))
 
 
 # --------------------------------------------------------------------------- DKIM keys

@@ -257,10 +257,8 @@ class BadRemote:
                 writer.write(b"220-" + b"x" * (1 << 20) + b"\r\n220 hi\r\n")
                 await writer.drain()
                 await reader.read(1024)
-            elif self.mode == "close-mid-data":
-                await self._until_data(reader, writer)
-            elif self.mode == "plain":
-                await self._plain(reader, writer)
+            elif self.mode in ("close-mid-data", "plain"):
+                await self._smtp(reader, writer, plain=self.mode == "plain")
             else:
                 raise ValueError(self.mode)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -268,31 +266,9 @@ class BadRemote:
         finally:
             writer.close()
 
-    @staticmethod
-    async def _until_data(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"220 mid.test ESMTP\r\n")
-        while True:
-            line = await reader.readline()
-            if not line:
-                return
-            verb = line[:4].upper()
-            if verb == b"EHLO":
-                writer.write(b"250-mid.test\r\n250 8BITMIME\r\n")
-            elif verb == b"DATA":
-                writer.write(b"354 go ahead\r\n")
-                await writer.drain()
-                await reader.read(10)  # some of the message, then hang up
-                return
-            elif verb == b"QUIT":
-                writer.write(b"221 bye\r\n")
-                return
-            else:
-                writer.write(b"250 OK\r\n")
-            await writer.drain()
-
-
-    async def _plain(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"220 plain.test SMTP\r\n")
+    async def _smtp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, plain: bool) -> None:
+        """`plain`: RFC 5321 only, every message kept; else 8BITMIME offered and a hang-up once DATA began."""
+        writer.write(b"220 plain.test SMTP\r\n" if plain else b"220 mid.test ESMTP\r\n")
         commands = b""
         while True:
             line = await reader.readline()
@@ -300,10 +276,13 @@ class BadRemote:
                 return
             verb = line[:4].upper()
             if verb == b"EHLO":
-                writer.write(b"250 plain.test\r\n")
+                writer.write(b"250 plain.test\r\n" if plain else b"250-mid.test\r\n250 8BITMIME\r\n")
             elif verb == b"DATA":
                 writer.write(b"354 go ahead\r\n")
                 await writer.drain()
+                if not plain:
+                    await reader.read(10)  # some of the message, then hang up
+                    return
                 data = await reader.readuntil(b"\r\n.\r\n")
                 self.received.append((commands, data[:-3].replace(b"\r\n..", b"\r\n.")))
                 commands = b""

@@ -81,7 +81,6 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
-    Store,
     StoreUnavailable,
     Target,
     UserExists,
