@@ -94,6 +94,8 @@ class DeliveryWorker:
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Entries an attempt of this process is working on.
+        self._working: set[uuid.UUID] = set()
         self._runner: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- the loop
@@ -137,15 +139,19 @@ class DeliveryWorker:
                     await self._sleep(STORE_BACKOFF)
                     continue
             for entry in taken:
+                if entry.id in self._working:
+                    continue  # already being delivered here (the store handed it out again)
+                self._working.add(entry.id)
                 task = asyncio.ensure_future(self._attempt(entry))
                 self._tasks.add(task)
-                task.add_done_callback(self._done)
+                task.add_done_callback(lambda done, entry_id=entry.id: self._done(done, entry_id))
             if taken and len(taken) == free:
                 continue  # more may be due
             await self._sleep(self.delivery.poll_interval)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[None], entry_id: uuid.UUID) -> None:
         self._tasks.discard(task)
+        self._working.discard(entry_id)
         self._wake.set()
 
     async def _sleep(self, seconds: float) -> None:
@@ -320,7 +326,15 @@ class DeliveryWorker:
                 deferred += [Outcome(o.address, "pending", o.reply, o.remote, o.status) for o in failed]
                 final = [o for o in final if o.state == "sent"]
         if not deferred:
-            await self.store.finish(entry.id)
+            try:
+                await self.store.finish(entry.id)
+            except StoreError as exc:
+                # What was done is recorded, so the next attempt only finishes the entry (and
+                # sends nothing twice); if this fails too, the lease's end brings it back.
+                log.warning(kv("outbound", id=entry.id.hex, result="tempfail", error=exc))
+                if not await self.store.reschedule(entry.id, self.owner, now + STORE_BACKOFF, f"store: {exc}",
+                                                   results=[o.recipient() for o in final]):
+                    return
             self._log_final(entry, final, now)
             return
         warned = False

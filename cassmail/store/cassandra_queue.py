@@ -241,6 +241,7 @@ class CassandraQueue(Store):
         scans = await asyncio.gather(*(self._scan(shard, now, limit) for shard in range(SHARDS)))
         candidates = [(shard, row) for shard, (_, rows) in enumerate(scans) for row in rows]
         random.shuffle(candidates)  # workers of every node start at different entries
+        seen: set[uuid.UUID] = set()
         taken: list[QueueEntry] = []
         left: dict[int, list[float]] = {}
         failure: StoreUnavailable | None = None
@@ -248,6 +249,9 @@ class CassandraQueue(Store):
             if len(taken) >= limit:
                 left.setdefault(shard, []).append(_secs(row.due))
                 continue
+            if row.id in seen:
+                continue  # a second row of one entry (a stale one a failed write left): one take a call
+            seen.add(row.id)
             try:
                 entry = await self._take(row.id, row.due, owner, lease, now)
             except StoreUnavailable as exc:
