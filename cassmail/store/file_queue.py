@@ -6,8 +6,8 @@ disk, the WheelFS store in its strong tree (no `.EventualConsistency`), where an
 exclusive create succeeds for one node only. No lock is taken: the one
 compare-and-set is that exclusive create, as for the WheelFS store's UIDs::
 
-    entries/<sid>/message         the message, written once, fsync'd
-    entries/<sid>/envelope        sender, recipients, size, created (JSON, written once)
+    entries/<sid>/message         a JSON line (sender, recipients, size, created, first due
+                                  time), then the message; written once, fsync'd
     entries/<sid>/state.<k>       schedule and recipients' results, written by lease k's holder
     entries/<sid>/lease.<k>       attempt k's lease: owner and until (exclusive create)
     entries/<sid>/held            present while an operator holds the entry
@@ -27,6 +27,12 @@ removing the old, so a worker that dies leaves the entry due at the end of its
 lease. `<sid>` is the entry's id as a sortable UUIDv6 (directory order is
 arrival order) and markers sort by time inside a bucket of a minute, so a
 scan lists only the buckets that are due.
+
+Accepting is durable before it returns (the message file, its directory, its
+marker's directory fsync'd: one file and three directory fsyncs). What a worker
+writes when it takes an entry (its lease, the marker at the lease's end) is not:
+a crash that loses it only frees the entry early, and the old marker is still
+there. Results and schedules are fsync'd (losing them would send twice).
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ class FileQueue:
         micros = max(int(when * _US), 0)
         return os.path.join(self.due, f"{micros // (BUCKET_SECONDS * _US):012d}", f"{micros:017d}.{sid}")
 
-    def _put_marker(self, sid: str, when: float) -> str:
+    def _put_marker(self, sid: str, when: float, durable: bool = True) -> str:
         path = self._marker(sid, when)
         for _ in range(3):  # a scan may remove an empty bucket directory between the two calls
             self.fs.makedirs(os.path.dirname(path))
@@ -100,50 +106,58 @@ class FileQueue:
                 break
             except FileNotFoundError:
                 continue
-        if self.fsync:
+        if self.fsync and durable:
             self.fs.fsync_dir(os.path.dirname(path))
         return path
 
-    def _move_marker(self, sid: str, old: float | None, new: float) -> None:
+    def _move_marker(self, sid: str, old: float | None, new: float, durable: bool = True) -> None:
         """The new marker first, then the old one goes: the entry is never without one."""
         if old is not None and self._marker(sid, old) == self._marker(sid, new):
             return
-        self._put_marker(sid, new)
+        self._put_marker(sid, new, durable)
         if old is not None:
             self.fs.unlink(self._marker(sid, old), missing_ok=True)
 
     def _json(self, path: str) -> Any:
         return json.loads(self.fs.read_bytes(path))
 
-    def _write_json(self, path: str, value: Any, exclusive: bool = False) -> None:
+    def _write_json(self, path: str, value: Any, exclusive: bool = False, durable: bool = True) -> None:
         data = json.dumps(value, separators=(",", ":")).encode() + b"\n"
         if exclusive:
-            self.fs.write_file(path, data, exclusive=True, fsync=self.fsync)
+            self.fs.write_file(path, data, exclusive=True, fsync=self.fsync and durable)
         else:
-            self.fs.replace_file(path, data, self.fsync)
+            self.fs.replace_file(path, data, self.fsync and durable)
 
-    def _numbered(self, directory: str, prefix: str) -> int:
-        """The highest k of the files `<prefix>.<k>` in an entry's directory (0 when none)."""
-        best = 0
-        for name in self.fs.listdir(directory):
-            head, dot, tail = name.partition(".")
-            if head == prefix and dot and tail.isdigit():
-                best = max(best, int(tail))
-        return best
+    def _envelope(self, directory: str) -> tuple[dict[str, Any], int]:
+        """The JSON line at the head of an entry's message file, and where the message starts."""
+        path = os.path.join(directory, "message")
+        fd = self.fs.open_read(path)
+        try:
+            head = b""
+            while b"\n" not in head:
+                more = self.fs.pread(fd, path, 65536, len(head))
+                if not more:
+                    raise FileNotFoundError(path)  # still being written: not there yet
+                head += more
+        finally:
+            self.fs.close(fd, path)
+        line = head[: head.index(b"\n")]
+        return json.loads(line), len(line) + 1
 
     def _load(self, entry_id: uuid.UUID) -> tuple[QueueEntry, int, dict[str, Any]]:
         """The entry, its current lease number and the lease record ({} before the first);
         NoSuchQueueEntry when it is not (or no longer, or not yet) there."""
         directory = self._dir(entry_id)
         try:
-            envelope = self._json(os.path.join(directory, "envelope"))
+            envelope, _ = self._envelope(directory)
             names = set(self.fs.listdir(directory))
         except (FileNotFoundError, NotADirectoryError):
             raise NoSuchQueueEntry(entry_id) from None
         lease_k = max((int(n[6:]) for n in names if n.startswith("lease.") and n[6:].isdigit()), default=0)
         state_k = max((int(n[6:]) for n in names if n.startswith("state.") and n[6:].isdigit()), default=0)
         try:
-            state = self._json(os.path.join(directory, f"state.{state_k}"))
+            state = (self._json(os.path.join(directory, f"state.{state_k}")) if state_k
+                     else {"due": envelope["due"], "attempts": 0, "recipients": {}})
             lease = self._lease(os.path.join(directory, f"lease.{lease_k}")) if lease_k else {}
         except FileNotFoundError:
             raise NoSuchQueueEntry(entry_id) from None
@@ -197,11 +211,17 @@ class FileQueue:
         marker: str | None = None
         self.fs.mkdir(staging)
         try:
-            self.fs.write_file(os.path.join(staging, "message"), view, exclusive=True, fsync=self.fsync)
-            state = {"due": due, "attempts": 0, "recipients": {}}
-            self._write_json(os.path.join(staging, "state.0"), state, exclusive=True)
-            envelope = {"sender": sender, "recipients": rcpts, "size": view.nbytes, "created": now, "smtputf8": smtputf8}
-            self._write_json(os.path.join(staging, "envelope"), envelope, exclusive=True)
+            envelope = {"sender": sender, "recipients": rcpts, "size": view.nbytes, "created": now, "due": due,
+                        "smtputf8": smtputf8}
+            path = os.path.join(staging, "message")
+            fd = self.fs.open_write(path, exclusive=True)
+            try:
+                self.fs.write_all(fd, path, json.dumps(envelope, separators=(",", ":")).encode() + b"\n")
+                self.fs.write_all(fd, path, view)
+                if self.fsync:
+                    self.fs.fsync(fd, path)
+            finally:
+                self.fs.close(fd, path)
             if self.fsync:
                 self.fs.fsync_dir(staging)
             marker = self._put_marker(sid, due)
@@ -270,12 +290,12 @@ class FileQueue:
         until = now + lease
         try:
             self._write_json(os.path.join(self._dir(entry_id), f"lease.{lease_k + 1}"),
-                             {"owner": owner, "until": until}, exclusive=True)
+                             {"owner": owner, "until": until}, exclusive=True, durable=False)
         except FileExistsError:
             return None  # another worker took it first
         except FileNotFoundError:
             return None  # finished meanwhile
-        self._move_marker(sid, marker_time, until)
+        self._move_marker(sid, marker_time, until, durable=False)
         directory = self._dir(entry_id)
         self.fs.unlink(os.path.join(directory, "retry"), missing_ok=True)
         for k in range(max(lease_k - 2, 1), lease_k):  # older leases say nothing any more
@@ -298,8 +318,9 @@ class FileQueue:
             return False
         entry, k, _ = held
         until = time.time() + lease
-        self._write_json(os.path.join(self._dir(entry_id), f"lease.{k}"), {"owner": owner, "until": until})
-        self._move_marker(sortable_id(entry_id), entry.lease_until, until)
+        self._write_json(os.path.join(self._dir(entry_id), f"lease.{k}"), {"owner": owner, "until": until},
+                         durable=False)
+        self._move_marker(sortable_id(entry_id), entry.lease_until, until, durable=False)
         return True
 
     def record_results(self, entry_id: uuid.UUID, owner: str, results: Sequence[QueuedRecipient]) -> bool:
@@ -346,12 +367,17 @@ class FileQueue:
         self.fs.unlink(self._marker(sid, max(entry.due, entry.lease_until)), missing_ok=True)
 
     def read(self, entry_id: uuid.UUID) -> bytes:
-        path = os.path.join(self._dir(entry_id), "message")
+        directory = self._dir(entry_id)
+        path = os.path.join(directory, "message")
         try:
-            size = self.fs.stat(path).st_size
-            return self.fs.read_bytes(path, limit=size + 1)
+            envelope, start = self._envelope(directory)
+            fd = self.fs.open_read(path)
         except (FileNotFoundError, NotADirectoryError):
             raise NoSuchQueueEntry(entry_id) from None
+        try:
+            return self.fs.pread(fd, path, envelope["size"], start)
+        finally:
+            self.fs.close(fd, path)
 
     # ----------------------------------------------------------------- operators
 
