@@ -311,14 +311,20 @@ class CassandraQueue(Store):
         # (its due time or its lease's end) always has its row, so a row at another time is
         # stale, and whoever finds one may drop it.
         await self._put_due(entry_id, until)
+        # The entry is read at the read level beside the lease: an entry no worker ever held is
+        # as it was queued, so no serial read is needed for it (the common case).
+        read = asyncio.ensure_future(self._run("q_entry", entry_id))
+        read.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved if unused
         try:
             applied, current = await self._conditional(
                 self._ps["q_take"].bind((owner, _ts(until), entry_id, _ts(now), _ts(now)))
             )
         except StoreUnavailable:
+            read.cancel()
             await self._drop_due_quietly(entry_id, until)
             raise
         if not applied:
+            read.cancel()
             await self._drop_due_quietly(entry_id, until)
             if getattr(current, "lease_until", None) is not None:
                 # The entry is not free now: held (a release writes a new due row), leased (its
@@ -328,12 +334,18 @@ class CassandraQueue(Store):
             elif _secs(row_due) < now - self.settings.tombstone_grace:
                 await self._drop_due(entry_id, row_due)  # no entry, for longer than a write can be late
             return None
-        await self._drop_due(entry_id, row_due)
-        rows = await self._run("q_entry_serial", entry_id)
+        try:
+            rows = (await asyncio.gather(read, self._drop_due(entry_id, row_due)))[0]
+        except StoreUnavailable:
+            rows = []
         entry = _entry(rows)
+        if entry is None or entry.attempts or entry.lease_owner not in ("", owner) or entry.held:
+            rows = await self._run("q_entry_serial", entry_id)
+            entry = _entry(rows)
         if entry is None:  # deleted between the lease and the read
             await self._drop_due(entry_id, until)
             return None
+        entry = replace(entry, lease_owner=owner, lease_until=until)
         self._held[entry_id] = _Held.of(entry, rows[0])
         return entry
 
@@ -421,14 +433,13 @@ class CassandraQueue(Store):
     async def finish(self, entry_id: uuid.UUID) -> None:
         held = await self._holding(entry_id)
         self._held.pop(entry_id, None)
-        await self._run("q_delete", entry_id)
         if held is None:
+            await self._run("q_delete", entry_id)
             return
-        await self._drop_due(entry_id, held.until)
+        work = [self._run("q_delete", entry_id), self._drop_due(entry_id, held.until)]
         if held.body_id is not None and held.chunk_size:
-            await self._gather_limited(
-                self._run("chunk_delete", held.body_id, i) for i in range(math.ceil(held.size / held.chunk_size))
-            )
+            work += [self._run("chunk_delete", held.body_id, i) for i in range(math.ceil(held.size / held.chunk_size))]
+        await self._gather_limited(work)
 
     # ----------------------------------------------------------------- operators
 

@@ -28,8 +28,10 @@ lease. `<sid>` is the entry's id as a sortable UUIDv6 (directory order is
 arrival order) and markers sort by time inside a bucket of a minute, so a
 scan lists only the buckets that are due.
 
-Accepting is durable before it returns (the message file, its directory, its
-marker's directory fsync'd: one file and three directory fsyncs). What a worker
+Accepting is durable before it returns: the message file is fsync'd, then the
+marker made and the entry renamed into place, then the three directories
+fsync'd (one journal commit on ext4 or XFS, which write metadata changes in
+order, so the marker is never lost while the entry is kept). What a worker
 writes when it takes an entry (its lease, the marker at the lease's end) is not:
 a crash that loses it only frees the entry early, and the old marker is still
 there. Results and schedules are fsync'd (losing them would send twice).
@@ -87,6 +89,13 @@ class FileQueue:
     def open(self) -> None:
         self.fs.makedirs(self.entries)
         self.fs.makedirs(self.due)
+        for name in self.fs.listdir(self.entries):  # left by an enqueue that died (nothing names them)
+            path = os.path.join(self.entries, name)
+            try:
+                if name.startswith(".new-") and time.time() - self.fs.stat(path).st_mtime > ORPHAN_MARKER_AGE:
+                    self.fs.rmtree(path)
+            except FileNotFoundError:
+                continue
 
     # ----------------------------------------------------------------- paths and records
 
@@ -222,9 +231,7 @@ class FileQueue:
                     self.fs.fsync(fd, path)
             finally:
                 self.fs.close(fd, path)
-            if self.fsync:
-                self.fs.fsync_dir(staging)
-            marker = self._put_marker(sid, due)
+            marker = self._put_marker(sid, due, durable=False)
             if cancelled():
                 raise TimeoutError("the caller gave up on this enqueue")
             self.fs.rename(staging, self._dir(entry_id))
@@ -234,7 +241,11 @@ class FileQueue:
                 self.fs.unlink(marker, missing_ok=True)
             raise
         if self.fsync:
-            self.fs.fsync_dir(self.entries)
+            # One journal commit makes all three durable: a journaling file system (ext4, XFS)
+            # commits metadata changes in the order they were made, so the marker can never
+            # be lost while the entry it names is kept.
+            for directory in (self._dir(entry_id), self.entries, os.path.dirname(marker)):
+                self.fs.fsync_dir(directory)
         return entry_id
 
     # ----------------------------------------------------------------- workers
