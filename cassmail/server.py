@@ -267,7 +267,7 @@ async def run_worker(settings: Settings) -> int:
 
         outbound = DeliveryWorker(settings, store, settings.node.workers or os.cpu_count() or 1)
         outbound.start()
-    servers = await smtp.start(settings, store, queued=outbound.notify if outbound is not None else None)
+    servers = await smtp.start(settings, store, outbound=outbound)
     ports: list = []
     #: Each listener's keeper of sessions (an SMTP handler, a POP3 or IMAP factory): its
     #: `sessions` count and its `open` sessions, under the listener name its session lines

@@ -98,6 +98,9 @@ class DeliveryWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         #: Entries an attempt of this process is working on.
         self._working: set[uuid.UUID] = set()
+        #: Slots promised to messages being queued in this process (see reserve).
+        self._reserved = 0
+        self.lease = self.delivery.lease
         self._runner: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- the loop
@@ -108,6 +111,25 @@ class DeliveryWorker:
     def notify(self) -> None:
         """New mail was queued in this process: look at the queue now, not at the next poll."""
         self._wake.set()
+
+    def reserve(self) -> str | None:
+        """A slot for a message this process is about to queue, which will then start leased to
+        this worker and be handed over (no look at the queue, no lightweight transaction); None
+        when every slot is busy (the message is queued free and taken from the queue later)."""
+        if self._stopping or len(self._tasks) + self._reserved >= self.limit:
+            return None
+        self._reserved += 1
+        return self.owner
+
+    def unreserve(self) -> None:
+        self._reserved -= 1
+
+    def hand_over(self, entry_id: uuid.UUID, sender: str, recipients: list[str], message: bytes, smtputf8: bool,
+                  queued_at: float) -> None:
+        self._reserved -= 1
+        entry = QueueEntry(entry_id, sender, tuple(QueuedRecipient(r) for r in recipients), len(message), queued_at,
+                           queued_at, lease_owner=self.owner, lease_until=queued_at + self.lease, smtputf8=smtputf8)
+        self._start(entry, message)
 
     async def stop(self) -> None:
         """Take nothing more; let deliveries in progress finish for a while, then cut them."""
@@ -127,7 +149,7 @@ class DeliveryWorker:
     async def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            free = self.limit - len(self._tasks)
+            free = self.limit - len(self._tasks) - self._reserved
             taken: list[QueueEntry] = []
             if free > 0:
                 try:
@@ -141,12 +163,7 @@ class DeliveryWorker:
                     await self._sleep(STORE_BACKOFF)
                     continue
             for entry in taken:
-                if entry.id in self._working:
-                    continue  # already being delivered here (the store handed it out again)
-                self._working.add(entry.id)
-                task = asyncio.ensure_future(self._attempt(entry))
-                self._tasks.add(task)
-                task.add_done_callback(lambda done, entry_id=entry.id: self._done(done, entry_id))
+                self._start(entry)
             if taken and len(taken) == free:
                 continue  # more may be due
             await self._sleep(self.delivery.poll_interval)
@@ -154,6 +171,14 @@ class DeliveryWorker:
                 # Woken by new mail: let the mail of the next moments join it, so a busy node
                 # looks at the queue a few times a second rather than once per message.
                 await asyncio.sleep(WAKE_BATCH)
+
+    def _start(self, entry: QueueEntry, body: bytes | None = None) -> None:
+        if entry.id in self._working:
+            return  # already being delivered here (the store handed it out again)
+        self._working.add(entry.id)
+        task = asyncio.ensure_future(self._attempt(entry, body))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done, entry_id=entry.id: self._done(done, entry_id))
 
     def _done(self, task: asyncio.Task[None], entry_id: uuid.UUID) -> None:
         self._tasks.discard(task)
@@ -176,10 +201,10 @@ class DeliveryWorker:
 
     # ----------------------------------------------------------------- one attempt
 
-    async def _attempt(self, entry: QueueEntry) -> None:
+    async def _attempt(self, entry: QueueEntry, body: bytes | None = None) -> None:
         keeper = asyncio.ensure_future(self._keep_lease(entry.id))
         try:
-            await self._deliver(entry)
+            await self._deliver(entry, body)
         except NoSuchQueueEntry:
             pass  # deleted by an operator while we worked
         except StoreError as exc:
@@ -197,9 +222,10 @@ class DeliveryWorker:
         finally:
             keeper.cancel()
 
-    async def _deliver(self, entry: QueueEntry) -> None:
+    async def _deliver(self, entry: QueueEntry, body: bytes | None) -> None:
         started = time.time()
-        body = await self.store.read_queued(entry.id)
+        if body is None:
+            body = await self.store.read_queued(entry.id)
         headers = header_section(body)
         pending = [r.address for r in entry.pending]
         outcomes: list[Outcome] = []

@@ -11,16 +11,16 @@ import socket
 from collections.abc import Callable
 
 from cassmail.config import Settings, SmtpSettings, host_port
-from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, Role
+from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role
 from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP, RateLimits
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
 
 def _factory(
-    settings: Settings, listener: SmtpSettings, role: Role, store: Store, queued: Callable[[], None] | None
+    settings: Settings, listener: SmtpSettings, role: Role, store: Store, outbound: QueueHandoff | None
 ) -> tuple[Callable[[], asyncio.Protocol], DeliveryHandler]:
-    handler = DeliveryHandler(store, listener, role, settings.node.name, queued)
+    handler = DeliveryHandler(store, listener, role, settings.node.name, outbound)
     tls = server_context(listener)
     engine = CassmailLMTP if role.lmtp else CassmailSMTP
     starttls = tls if (tls is not None and not listener.implicit_tls) else None
@@ -64,18 +64,18 @@ LISTENERS: tuple[tuple[str, Role], ...] = (
 
 async def start(
     settings: Settings, store: Store, sockets: dict[str, socket.socket] | None = None,
-    queued: Callable[[], None] | None = None,
+    outbound: QueueHandoff | None = None,
 ) -> list[tuple[asyncio.Server, DeliveryHandler]]:
     """Start every enabled SMTP-family listener; `sockets` are pre-bound ones. Each server comes
-    with its handler, which counts the sessions in progress (`sessions`). `queued` is called
-    whenever a message was queued for other domains."""
+    with its handler, which counts the sessions in progress (`sessions`). `outbound` is this
+    process's delivery worker, which takes the messages queued for other domains."""
     loop = asyncio.get_running_loop()
     servers = []
     for name, role in LISTENERS:
         listener: SmtpSettings = getattr(settings, name)
         if not listener.enabled:
             continue
-        factory, handler = _factory(settings, listener, role, store, queued)
+        factory, handler = _factory(settings, listener, role, store, outbound)
         ssl = server_context(listener) if listener.implicit_tls else None
         if sockets and name in sockets:
             server = await loop.create_server(factory, sock=sockets[name], ssl=ssl)

@@ -11,11 +11,10 @@ import ipaddress
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import format_datetime
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from aiosmtpd.smtp import AuthResult, Envelope, Session
 
@@ -57,6 +56,28 @@ SUBMISSIONS = Role("submissions", submission=True)
 LMTP_ROLE = Role("lmtp", lmtp=True)
 
 
+class QueueHandoff(Protocol):
+    """The delivery worker of this process, as the SMTP side sees it: a message queued here is
+    leased to it from the start and handed over at once when it has room (`reserve`), else it
+    is only told to look at the queue (`notify`)."""
+
+    #: Seconds of the lease a handed-over entry starts with.
+    lease: float
+
+    def reserve(self) -> str | None:
+        """A slot for a message about to be queued: the owner its lease is written for, or None."""
+
+    def unreserve(self) -> None:
+        """The reserved message was not queued after all."""
+
+    def hand_over(self, entry_id: uuid.UUID, sender: str, recipients: list[str], message: bytes, smtputf8: bool,
+                  queued_at: float) -> None:
+        """Deliver a message just queued with the reserved lease (the bytes are those queued)."""
+
+    def notify(self) -> None:
+        """A message was queued without a lease: look at the queue now."""
+
+
 class LocalDomains:
     """The store's local domains, cached briefly for the common case (mail to a local domain).
 
@@ -83,10 +104,10 @@ class LocalDomains:
 
 class DeliveryHandler:
     def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
-                 queued: Callable[[], None] | None = None) -> None:
+                 outbound: QueueHandoff | None = None) -> None:
         self.store = store
-        #: Called after a message was queued for other domains (wakes this process's delivery worker).
-        self.queued = queued
+        #: This process's delivery worker, which takes what is queued here (None: no worker here).
+        self.outbound = outbound
         self.settings = settings
         self.role = role
         self.node_name = node_name
@@ -220,31 +241,44 @@ class DeliveryHandler:
         targets = [Target(user) for user in _recipients(envelope)]
         if self.role.submission and session.auth_data:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
-        remote = _remote(envelope)
+        remote = list(dict.fromkeys(_remote(envelope)))
+        sender = "" if envelope.mail_from == "<>" else envelope.mail_from
         message = self.trace_headers(server, session, envelope, queue_id) + body
         fields = self._delivery_fields(session, envelope, len(body), queue_id)
+        # The worker of this process takes a message queued here at once, when it has room.
+        owner = self.outbound.reserve() if remote and self.outbound is not None else None
+        entry_id: uuid.UUID | None = None
+        queued_at = time.time()
         try:
             ids = await self.store.deliver(message, targets) if targets else []
             if remote:
                 try:
-                    await self.store.enqueue(message, "" if envelope.mail_from == "<>" else envelope.mail_from, remote,
-                                             smtputf8=envelope.smtp_utf8)
+                    lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
+                    entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
+                                                        lease=lease)
                 except BaseException:
                     await self._undo(targets, ids)
                     raise
-        except MessageTooLarge:
-            log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
-            return self.per_recipient(envelope, "552 5.3.4 Message too big for system")
-        except (StoreUnavailable, NoSuchUser, NoSuchMailbox) as exc:
-            log.warning(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
-            return self.per_recipient(envelope, TEMPORARY)
-        except StoreError as exc:
-            log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
-            return self.per_recipient(envelope, TEMPORARY)
+        except BaseException as exc:
+            if owner is not None and self.outbound is not None:
+                self.outbound.unreserve()
+            if isinstance(exc, MessageTooLarge):
+                log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
+                return self.per_recipient(envelope, "552 5.3.4 Message too big for system")
+            if isinstance(exc, (StoreUnavailable, NoSuchUser, NoSuchMailbox)):
+                log.warning(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
+                return self.per_recipient(envelope, TEMPORARY)
+            if isinstance(exc, StoreError):
+                log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
+                return self.per_recipient(envelope, TEMPORARY)
+            raise
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
-        if remote and self.queued is not None:
-            self.queued()
+        if entry_id is not None and self.outbound is not None:
+            if owner is not None:
+                self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
+            else:
+                self.outbound.notify()
         return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
 
     async def _undo(self, targets: list[Target], ids: list[uuid.UUID]) -> None:

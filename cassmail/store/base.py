@@ -452,9 +452,15 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def enqueue(
-        self, body: Body, sender: str, recipients: Sequence[str], *, smtputf8: bool = False, due: float | None = None
+        self, body: Body, sender: str, recipients: Sequence[str], *, smtputf8: bool = False, due: float | None = None,
+        lease: tuple[str, float] | None = None,
     ) -> uuid.UUID:
         """Queue one message for `recipients` (each pending), due at `due` (now when None).
+
+        With `lease` (owner, seconds) the new entry starts leased to that owner: the worker of
+        the process that accepted it delivers it at once, with no look at the queue and no
+        lightweight transaction (nobody else can hold a new entry); if it does not finish, the
+        lease runs out and any worker takes the entry.
 
         Returns only once the entry is stored at the configured durability, so SMTP may then
         say 250; the accept path takes no lock and no lightweight transaction. Raises

@@ -69,7 +69,6 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
-    Store,
     StoreUnavailable,
     Target,
     UserExists,

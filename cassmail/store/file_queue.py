@@ -28,10 +28,12 @@ lease. `<sid>` is the entry's id as a sortable UUIDv6 (directory order is
 arrival order) and markers sort by time inside a bucket of a minute, so a
 scan lists only the buckets that are due.
 
-Accepting is durable before it returns: the message file is fsync'd, then the
-marker made and the entry renamed into place, then the three directories
-fsync'd (one journal commit on ext4 or XFS, which write metadata changes in
-order, so the marker is never lost while the entry is kept). What a worker
+Accepting is durable before it returns: the message is written, its marker
+made and the entry renamed into place, and only then is each of them fsync'd
+(the file, the entry's directory, `entries/`, the marker's directory), so a
+journaling file system commits them all at once. A crash before the fsyncs may
+keep the marker without the entry (left alone for an hour, then removed),
+never the entry without its marker: the marker is made first. What a worker
 writes when it takes an entry (its lease, the marker at the lease's end) is not:
 a crash that loses it only frees the entry early, and the old marker is still
 there. Results and schedules are fsync'd (losing them would send twice).
@@ -209,7 +211,7 @@ class FileQueue:
 
     def enqueue(
         self, body: Body, sender: str, recipients: Sequence[str], smtputf8: bool, due: float | None, max_size: int,
-        cancelled: Callable[[], bool] = lambda: False,
+        lease: tuple[str, float] | None = None, cancelled: Callable[[], bool] = lambda: False,
     ) -> uuid.UUID:
         view, sender, rcpts = check_enqueue(body, sender, recipients, max_size)
         entry_id = new_message_id()
@@ -219,31 +221,41 @@ class FileQueue:
         staging = os.path.join(self.entries, f".new-{sid}")
         marker: str | None = None
         self.fs.mkdir(staging)
+        path = os.path.join(staging, "message")
+        fd: int | None = None
         try:
             envelope = {"sender": sender, "recipients": rcpts, "size": view.nbytes, "created": now, "due": due,
                         "smtputf8": smtputf8}
-            path = os.path.join(staging, "message")
             fd = self.fs.open_write(path, exclusive=True)
-            try:
-                self.fs.write_all(fd, path, json.dumps(envelope, separators=(",", ":")).encode() + b"\n")
-                self.fs.write_all(fd, path, view)
-                if self.fsync:
-                    self.fs.fsync(fd, path)
-            finally:
-                self.fs.close(fd, path)
-            marker = self._put_marker(sid, due, durable=False)
+            self.fs.write_all(fd, path, json.dumps(envelope, separators=(",", ":")).encode() + b"\n")
+            self.fs.write_all(fd, path, view)
+            first_look = due
+            if lease:  # held by the accepting worker from the start (see Store.enqueue)
+                first_look = max(due, now + lease[1])
+                self._write_json(os.path.join(staging, "lease.1"), {"owner": lease[0], "until": now + lease[1]},
+                                 exclusive=True, durable=False)
+            marker = self._put_marker(sid, first_look, durable=False)
             if cancelled():
                 raise TimeoutError("the caller gave up on this enqueue")
             self.fs.rename(staging, self._dir(entry_id))
+            path = os.path.join(self._dir(entry_id), "message")
+            if self.fsync:
+                # Every change is made first, then each is made durable: a journaling file system
+                # (ext4) commits them all in the first fsync and the others find nothing left to do.
+                self.fs.fsync(fd, path)
         except BaseException:
+            if fd is not None:
+                self.fs.close(fd, path)
+                fd = None
             self.fs.rmtree(staging)
+            self.fs.rmtree(self._dir(entry_id))
             if marker is not None:
                 self.fs.unlink(marker, missing_ok=True)
             raise
+        finally:
+            if fd is not None:
+                self.fs.close(fd, path)
         if self.fsync:
-            # One journal commit makes all three durable: a journaling file system (ext4, XFS)
-            # commits metadata changes in the order they were made, so the marker can never
-            # be lost while the entry it names is kept.
             for directory in (self._dir(entry_id), self.entries, os.path.dirname(marker)):
                 self.fs.fsync_dir(directory)
         return entry_id
@@ -486,11 +498,12 @@ class FileQueueStore(Store):
         raise NotImplementedError  # pragma: no cover - every file store has its own
 
     async def enqueue(
-        self, body: Body, sender: str, recipients: Sequence[str], *, smtputf8: bool = False, due: float | None = None
+        self, body: Body, sender: str, recipients: Sequence[str], *, smtputf8: bool = False, due: float | None = None,
+        lease: tuple[str, float] | None = None,
     ) -> uuid.UUID:
         cancel = threading.Event()
         return await self._call(self.queue.enqueue, body, sender, recipients, smtputf8, due, self.max_message_size,
-                                cancel.is_set, cancel=cancel)
+                                lease, cancel.is_set, cancel=cancel)
 
     async def take_due(self, owner: str, limit: int, lease: float) -> list[QueueEntry]:
         return await self._call(self.queue.take_due, owner, limit, lease)
