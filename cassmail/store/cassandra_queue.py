@@ -78,13 +78,14 @@ _ENTRY_COLUMNS = (
 QUEUE_STATEMENTS: dict[str, tuple[str, str]] = {
     "q_entry_static": (
         "INSERT INTO queue (id, sender, created, due, attempts, held, warned, lease_owner, lease_until, last_error, "
-        "size, body_id, chunk_size, smtputf8) VALUES (?, ?, ?, ?, 0, false, false, ?, ?, '', ?, ?, ?, ?)",
+        "size, body, body_id, chunk_size, smtputf8) VALUES (?, ?, ?, ?, 0, false, false, ?, ?, '', ?, ?, ?, ?, ?)",
         "w",
     ),
     "q_rcpt_insert": ("INSERT INTO queue (id, rcpt, state, reply, remote) VALUES (?, ?, 'pending', '', '')", "w"),
     "q_entry": (f"SELECT {_ENTRY_COLUMNS} FROM queue WHERE id = ?", "r"),
     "q_entry_serial": (f"SELECT {_ENTRY_COLUMNS} FROM queue WHERE id = ?", "s"),
     "q_all": (f"SELECT {_ENTRY_COLUMNS} FROM queue", "r"),
+    "q_body": ("SELECT body FROM queue WHERE id = ? LIMIT 1", "r"),
     "q_take": (
         "UPDATE queue SET lease_owner = ?, lease_until = ? WHERE id = ? IF lease_until < ? AND held = false AND due <= ?",
         "l",
@@ -163,6 +164,7 @@ class _Held:
     until: float
     attempts: int
     warned: bool
+    #: The body's chunks, or None when the body is kept in the entry.
     body_id: uuid.UUID | None
     size: int
     chunk_size: int
@@ -170,7 +172,7 @@ class _Held:
     @classmethod
     def of(cls, entry: QueueEntry, head: Any) -> _Held:
         return cls(max(entry.due, entry.lease_until), entry.attempts, entry.warned, head.body_id, head.size or 0,
-                   head.chunk_size or 1)
+                   head.chunk_size or 0)
 
 
 class CassandraQueue(Store):
@@ -206,13 +208,17 @@ class CassandraQueue(Store):
         owner, until = (lease[0], now + lease[1]) if lease else ("", 0.0)
         chunk = self.settings.chunk_size
         size = view.nbytes
-        await self._gather_limited(
-            self._run("chunk_insert", body_id, i, bytes(view[i * chunk : (i + 1) * chunk]))
-            for i in range(math.ceil(size / chunk))
-        )
+        inline = size <= chunk  # kept in the entry: one write to accept, none more to finish
+        if inline:
+            body_id, chunk = None, 0
+        else:
+            await self._gather_limited(
+                self._run("chunk_insert", body_id, i, bytes(view[i * chunk : (i + 1) * chunk]))
+                for i in range(math.ceil(size / chunk))
+            )
         batch = self._batch(BatchType.UNLOGGED)  # one partition: applied as a whole
-        batch.add(self._ps["q_entry_static"],
-                  (entry_id, sender, _ts(now), _ts(due), owner, _ts(until), size, body_id, chunk, smtputf8))
+        batch.add(self._ps["q_entry_static"], (entry_id, sender, _ts(now), _ts(due), owner, _ts(until), size,
+                                              bytes(view) if inline else None, body_id, chunk, smtputf8))
         for rcpt in rcpts:
             batch.add(self._ps["q_rcpt_insert"], (entry_id, rcpt))
         await self._exec(batch)
@@ -388,11 +394,16 @@ class CassandraQueue(Store):
 
     async def read_queued(self, entry_id: uuid.UUID) -> bytes:
         held = await self._holding(entry_id)
-        if held is None or held.body_id is None:
+        if held is None:
             raise NoSuchQueueEntry(entry_id)
         body_id = held.body_id
         for attempt in range(READ_ATTEMPTS):
             try:
+                if body_id is None:
+                    rows = await self._run("q_body", entry_id)
+                    if not rows or rows[0].body is None:
+                        raise StoreUnavailable(f"queued message {entry_id} not readable at this consistency")
+                    return bytes(rows[0].body)
                 chunks = await self._gather_limited(
                     self._chunk(body_id, i, "the queue") for i in range(math.ceil(held.size / held.chunk_size))
                 )
@@ -443,7 +454,12 @@ class CassandraQueue(Store):
         if held is None:
             await self._run("q_delete", entry_id)
             return
-        work = [self._run("q_delete", entry_id), self._drop_due(entry_id, held.until)]
+        # The entry and its due row in one request (two small partitions: an unlogged batch).
+        batch = self._batch(BatchType.UNLOGGED)
+        batch.add(self._ps["q_delete"], (entry_id,))
+        at = _ts(held.until)
+        batch.add(self._ps["q_due_delete"], (_shard(entry_id), _bucket(held.until), at, entry_id))
+        work = [self._exec(batch)]
         if held.body_id is not None and held.chunk_size:
             work += [self._run("chunk_delete", held.body_id, i) for i in range(math.ceil(held.size / held.chunk_size))]
         await self._gather_limited(work)
