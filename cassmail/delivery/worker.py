@@ -100,6 +100,10 @@ class DeliveryWorker:
         self._working: set[uuid.UUID] = set()
         #: Slots promised to messages being queued in this process (see reserve).
         self._reserved = 0
+        #: The queue may hold due entries this worker has not looked at (its last look filled
+        #: every free slot, or mail was queued without a lease): a finished delivery then looks
+        #: again at once rather than at the next poll.
+        self._backlog = True
         self.lease = self.delivery.lease
         self._runner: asyncio.Task[None] | None = None
 
@@ -110,6 +114,7 @@ class DeliveryWorker:
 
     def notify(self) -> None:
         """New mail was queued in this process: look at the queue now, not at the next poll."""
+        self._backlog = True
         self._wake.set()
 
     def reserve(self) -> str | None:
@@ -162,6 +167,7 @@ class DeliveryWorker:
                     log.exception(kv("queue-take", owner=self.owner, result="error"))
                     await self._sleep(STORE_BACKOFF)
                     continue
+            self._backlog = free <= 0 or len(taken) == free
             for entry in taken:
                 self._start(entry)
             if taken and len(taken) == free:
@@ -183,7 +189,8 @@ class DeliveryWorker:
     def _done(self, task: asyncio.Task[None], entry_id: uuid.UUID) -> None:
         self._tasks.discard(task)
         self._working.discard(entry_id)
-        self._wake.set()
+        if self._backlog or self._stopping:
+            self._wake.set()
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -182,3 +182,21 @@ async def test_dkim_keys_are_kept_per_local_domain(store: Store, domain: str) ->
     await store.delete_dkim_key(domain)
     await store.delete_dkim_key(domain)
     assert await store.get_dkim_key(domain) is None
+
+
+async def test_an_entry_queued_with_a_lease_is_its_owners_until_the_lease_runs_out(empty_queue: Store) -> None:
+    store = empty_queue
+    entry_id = await store.enqueue(MESSAGE, "anne@here.example", ["bob@there.example"], lease=("accepting/1", 1.0))
+    entry = await store.get_queued(entry_id)
+    assert entry.lease_owner == "accepting/1" and entry.lease_until > time.time()
+    assert await store.take_due("other/1", 10, lease=30.0) == []  # the accepting worker delivers it
+    assert await store.renew_lease(entry_id, "accepting/1", 1.0)
+    assert await store.read_queued(entry_id) == MESSAGE
+    await asyncio.sleep(1.3)  # ... unless it died: then anyone takes it when the lease ran out
+    [taken] = await store.take_due("other/1", 10, lease=30.0)
+    assert taken.id == entry_id and taken.lease_owner == "other/1"
+    assert not await store.reschedule(entry_id, "accepting/1", time.time(), "too late")
+    sent = QueuedRecipient("bob@there.example", "sent", "250 ok")
+    assert await store.record_results(entry_id, "other/1", [sent])
+    await store.finish(entry_id)
+    assert await store.list_queue() == []
