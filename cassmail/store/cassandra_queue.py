@@ -221,8 +221,13 @@ class CassandraQueue(Store):
                                               bytes(view) if inline else None, body_id, chunk, smtputf8))
         for rcpt in rcpts:
             batch.add(self._ps["q_rcpt_insert"], (entry_id, rcpt))
-        await self._exec(batch)
-        await self._put_due(entry_id, max(due, until))
+        if lease:
+            # Its due row is at the lease's end, when no reader can yet be looking for it: both
+            # writes at once (a due row whose entry failed to be written is dropped as stale).
+            await asyncio.gather(self._exec(batch), self._put_due(entry_id, max(due, until)))
+        else:
+            await self._exec(batch)  # the entry before its due row: a reader finds it whole
+            await self._put_due(entry_id, due)
         if lease:
             self._held[entry_id] = _Held(until, 0, False, body_id, size, chunk)
         return entry_id
