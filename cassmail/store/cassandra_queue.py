@@ -223,7 +223,8 @@ class CassandraQueue(Store):
             batch.add(self._ps["q_rcpt_insert"], (entry_id, rcpt))
         if lease:
             # Its due row is at the lease's end, when no reader can yet be looking for it: both
-            # writes at once (a due row whose entry failed to be written is dropped as stale).
+            # writes at once (a due row whose entry was never written is skipped, and dropped
+            # once it is older than the tombstone grace).
             await asyncio.gather(self._exec(batch), self._put_due(entry_id, max(due, until)))
         else:
             await self._exec(batch)  # the entry before its due row: a reader finds it whole
