@@ -81,8 +81,12 @@ class QueueHandoff(Protocol):
 class LocalDomains:
     """The store's local domains, cached briefly for the common case (mail to a local domain).
 
-    Only hits are trusted from the cache: a domain not in it is asked of the store, so a
-    domain added a moment ago is accepted at once; a removed one is refused within `ttl`.
+    On the MX only hits are trusted from the cache: a domain not in it is asked of the store,
+    so a domain added a moment ago is accepted at once (refusing it would bounce its mail); a
+    removed one is refused within `ttl`. Submission, where most recipients are in other
+    domains, trusts misses too (`trust_miss`) except for the sender's own domain: mail to
+    another domain added less than `ttl` ago goes out through its MX, which is this service,
+    rather than costing a store read per remote recipient.
     """
 
     def __init__(self, store: Store, ttl: float) -> None:
@@ -91,7 +95,7 @@ class LocalDomains:
         self._expires = 0.0
         self._lock = asyncio.Lock()
 
-    async def contains(self, domain: str) -> bool:
+    async def contains(self, domain: str, trust_miss: bool = False) -> bool:
         if self.ttl > 0 and time.monotonic() >= self._expires:
             async with self._lock:
                 if time.monotonic() >= self._expires:
@@ -99,6 +103,8 @@ class LocalDomains:
                     self._expires = time.monotonic() + self.ttl
         if domain in self._domains:
             return True
+        if trust_miss and self.ttl > 0:
+            return False
         return await self.store.is_local_domain(domain)
 
 
@@ -205,7 +211,8 @@ class DeliveryHandler:
         if isinstance(rcpt, str):
             return rcpt
         try:
-            local = await self.domains.contains(rcpt.domain)
+            own = (session.auth_data or envelope.mail_from or "").rpartition("@")[2].lower()
+            local = await self.domains.contains(rcpt.domain, trust_miss=self.role.submission and rcpt.domain != own)
             if not local:
                 if self.role.submission and (session.authenticated or getattr(session, "trusted", False)):
                     # An authenticated user may send anywhere: the message is queued for it.
