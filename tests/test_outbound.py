@@ -178,6 +178,7 @@ async def outbound(out_settings: Settings, out_store: Store, world: World, tls_f
                   "delay_warning": DELAY_WARNING, "lease": 10.0, "poll_interval": 0.2, "destination_concurrency": 2},
         relay={"nameservers": [world.dns.address], "port": world.port, "connect_timeout": 2.0, "timeout": 3.0,
                "connection_reuse_time": 1.0, "dns_timeout": 3.0},
+        metrics={"enabled": True},
     )
     people = await make_users(out_store, "dora")
     node.start()
@@ -424,3 +425,23 @@ async def test_a_remote_down_past_the_lifetime_bounces_after_one_delay_warning_a
         assert not outbound.log_lines(rf"event=dsn id={entry_id.hex}")
     remaining = {e.id for e in await outbound.store.list_queue()}
     assert not remaining & set(doomed["nulls"])
+
+
+def test_the_counters_say_what_was_queued_sent_deferred_and_bounced(outbound: Outbound) -> None:
+    """Last in the module: what the tests above did, as the node's Prometheus endpoint counts it."""
+    from tests.test_metrics import scrape
+
+    samples = scrape(outbound.node)
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    sent = len(outbound.log_lines(r"event=outbound .*result=sent"))
+    assert sent >= 10 and value("cassmail_outbound_total", result="sent") == sent
+    assert value("cassmail_outbound_total", result="deferred") == len(outbound.log_lines(r"event=outbound .*result=deferred"))
+    assert value("cassmail_outbound_total", result="bounced") >= 4  # 5.1.1, null MX, SMTPUTF8, the expiries
+    assert value("cassmail_outbound_queued_total") >= 10
+    assert value("cassmail_outbound_queued_recipients_total") >= value("cassmail_outbound_queued_total")
+    finals = len(outbound.log_lines(r"event=outbound-done "))
+    assert value("cassmail_outbound_queue_age_seconds_count") == finals and finals >= sent
+    assert value("cassmail_store_seconds_count", op="enqueue") >= value("cassmail_outbound_queued_total")
