@@ -150,8 +150,9 @@ class Metrics:
         self.outbound_recipients_queued = counter(
             "cassmail_outbound_queued_recipients", "Recipients in other domains of the messages queued")
         self.outbound = counter(
-            "cassmail_outbound", "Delivery attempts to other domains, one per recipient and attempt: sent (2xx), "
-            "deferred (4xx, no connection, ...: tried again later) or bounced (5xx, expired: a DSN went to the sender)",
+            "cassmail_outbound", "Recipients in other domains: sent (a 2xx), bounced (a 5xx or the lifetime over: "
+            "a DSN went to the sender, unless it was <>), and attempts deferred (4xx, no connection, ...: tried "
+            "again later)",
             ("result",))
         self.outbound_seconds = histogram(
             "cassmail_outbound_seconds", "Length of delivery attempts (connection and transaction)", (),
@@ -211,11 +212,14 @@ class Metrics:
                 self.outbound_queued.inc()
                 self.outbound_recipients_queued.inc(queued)
         elif event == "outbound" and fields.get("result") in OUTBOUND_RESULTS:
-            self.outbound.labels(fields["result"]).inc()
+            # Every attempt is timed; a deferral is counted here, the final outcome below.
+            if fields["result"] == "deferred":
+                self.outbound.labels("deferred").inc()
             seconds = _seconds(fields.get("ms"))
             if seconds is not None:
                 self.outbound_seconds.observe(seconds)
-        elif event == "outbound-done":
+        elif event == "outbound-done" and fields.get("result") in OUTBOUND_RESULTS:
+            self.outbound.labels(fields["result"]).inc()
             age = fields.get("age")
             if isinstance(age, (int, float)) and not isinstance(age, bool):
                 self.queue_age.observe(age)
