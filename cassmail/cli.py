@@ -11,8 +11,11 @@ import argparse
 import asyncio
 import getpass
 import importlib.util
+import json
 import sys
 import time
+import uuid
+from datetime import datetime, timezone
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +24,7 @@ from typing import Any, TextIO
 from cassmail import auth, config
 from cassmail.model import InvalidInput, address_key, normalize_domain
 from cassmail.server import make_store
-from cassmail.store.base import Store, StoreError, UserExists, check_alias
+from cassmail.store.base import DkimKey, QueueEntry, Store, StoreError, UserExists, check_alias
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO_ROOT / "deploy" / "cassandra" / "launcher.py"
@@ -116,6 +119,42 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=int, metavar="BYTES", help="write at most this much per mailbox (default: no limit)")
     s.add_argument("--no-defrag", action="store_true", help="reclaim space only, move no data to merge extents")
     s.set_defaults(run=cmd_store_compact)
+
+    queue = sub.add_parser("queue", help="the outbound queue: mail waiting for other domains").add_subparsers(
+        metavar="ACTION"
+    )
+    q = queue.add_parser("list", help="every queued message: recipients and their state, attempts, next try")
+    q.add_argument("--domain", help="only messages with a recipient in this domain")
+    q.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    q.set_defaults(run=cmd_queue_list)
+    q = queue.add_parser("show", help="one queued message: envelope, each recipient's last reply, its header")
+    q.add_argument("id")
+    q.set_defaults(run=cmd_queue_show)
+    q = queue.add_parser("retry", help="try a message (or every message) now")
+    target = q.add_mutually_exclusive_group(required=True)
+    target.add_argument("id", nargs="?")
+    target.add_argument("--all", action="store_true")
+    q.set_defaults(run=cmd_queue_retry)
+    for action, fn, text in (("delete", cmd_queue_delete, "remove a message without delivering it (no DSN)"),
+                             ("hold", cmd_queue_hold, "keep a message in the queue without trying it"),
+                             ("release", cmd_queue_release, "let a held message go (tried now)")):
+        q = queue.add_parser(action, help=text)
+        q.add_argument("id")
+        q.set_defaults(run=fn)
+
+    dkim = sub.add_parser("dkim", help="DKIM signing keys of local domains").add_subparsers(metavar="ACTION")
+    d = dkim.add_parser("add", help="make a key for a domain (its mail is signed from now on) and print the TXT record")
+    d.add_argument("domain")
+    d.add_argument("--selector", default=None, help="DNS selector (default: s + this year and month, e.g. s202611)")
+    d.add_argument("--bits", type=int, default=2048, choices=(1024, 2048, 3072, 4096))
+    d.set_defaults(run=cmd_dkim_add)
+    d = dkim.add_parser("show", help="print the TXT record of a domain's key")
+    d.add_argument("domain")
+    d.set_defaults(run=cmd_dkim_show)
+    d = dkim.add_parser("del", help="stop signing a domain's mail")
+    d.add_argument("domain")
+    d.set_defaults(run=cmd_dkim_del)
+    dkim.add_parser("list", help="domains that sign, with their selectors").set_defaults(run=cmd_dkim_list)
 
     cass = sub.add_parser("cassandra", help="a local Apache Cassandra for development and tests").add_subparsers(
         metavar="ACTION"
@@ -366,6 +405,142 @@ def cmd_store_compact(settings: config.Settings, args: argparse.Namespace) -> in
     for user, mailbox, r in rows:
         extents = "-" if r.extents_before is None else f"{r.extents_before}->{r.extents_after}"
         print(f"{user:<30} {mailbox:<20} {r.reclaimed:>10} {r.written:>9} {r.moved:>10} {extents:>11} {r.left:>8} {r.seconds:>7.3f}")
+    return 0
+
+
+# --------------------------------------------------------------------------- the outbound queue
+
+
+def _entry_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text.strip())
+    except ValueError:
+        raise CommandError(f"not a queue id: {text!r} (32 hex digits, as `queue list` shows)") from None
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if seconds else "-"
+
+
+def _entry_json(entry: QueueEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id.hex, "sender": entry.sender, "size": entry.size, "created": _when(entry.created),
+        "due": _when(entry.due), "attempts": entry.attempts, "held": entry.held, "warned": entry.warned,
+        "last_error": entry.last_error, "lease_owner": entry.lease_owner,
+        "lease_until": _when(entry.lease_until) if entry.lease_until > time.time() else None,
+        "recipients": [{"address": r.address, "state": r.state, "reply": r.reply, "remote": r.remote}
+                       for r in entry.recipients],
+    }
+
+
+def cmd_queue_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    entries = _with_store(settings, lambda s: s.list_queue(args.domain))
+    if args.json:
+        print(json.dumps([_entry_json(e) for e in entries], indent=2, ensure_ascii=False))
+        return 0
+    now = time.time()
+    print(f"{'ID':<32}  {'AGE':>7}  {'SIZE':>9}  {'TRIES':>5}  {'NEXT':>7}  SENDER -> RECIPIENTS")
+    for e in entries:
+        leased = e.lease_until > now and e.lease_owner
+        next_try = "held" if e.held else "now" if leased or e.due <= now else _age(e.due - now)
+        rcpts = ", ".join(f"{r.address}{'' if r.state == 'pending' else ' (' + r.state + ')'}" for r in e.recipients)
+        print(f"{e.id.hex:<32}  {_age(now - e.created):>7}  {e.size:>9}  {e.attempts:>5}  {next_try:>7}  "
+              f"<{e.sender}> -> {rcpts}")
+        if e.last_error:
+            print(f"{'':<34}{e.last_error[:200]}")
+    print(f"{len(entries)} message(s), {sum(len(e.pending) for e in entries)} recipient(s) pending")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def cmd_queue_show(settings: config.Settings, args: argparse.Namespace) -> int:
+    from cassmail.delivery.message import header_section
+
+    entry_id = _entry_id(args.id)
+
+    async def show(store: Store) -> tuple[QueueEntry, bytes]:
+        return await store.get_queued(entry_id), await store.read_queued(entry_id)
+
+    entry, message = _with_store(settings, show)
+    data = _entry_json(entry)
+    for key in ("id", "sender", "size", "created", "due", "attempts", "held", "warned", "last_error", "lease_owner",
+                "lease_until"):
+        print(f"{key + ':':<13}{data[key] if data[key] not in (None, '') else '-'}")
+    print("recipients:")
+    for r in entry.recipients:
+        print(f"  {r.address}  {r.state}" + (f"  {r.remote}: {r.reply}" if r.reply else ""))
+    print()
+    print(header_section(message).decode("utf-8", "replace").rstrip())
+    return 0
+
+
+def cmd_queue_retry(settings: config.Settings, args: argparse.Namespace) -> int:
+    entry_id = None if args.all else _entry_id(args.id)
+    count = _with_store(settings, lambda s: s.retry_queued(entry_id))
+    print(f"{count} message(s) due now")
+    return 0
+
+
+def _queue_action(done: str, call: Callable[[Store, uuid.UUID], Awaitable[None]]) -> Callable[..., int]:
+    """A `queue delete|hold|release ID` command: `call` on the entry, then one line saying `done`."""
+
+    def command(settings: config.Settings, args: argparse.Namespace) -> int:
+        entry_id = _entry_id(args.id)
+        _with_store(settings, lambda store: call(store, entry_id))
+        print(f"{done} {entry_id.hex}")
+        return 0
+
+    return command
+
+
+cmd_queue_delete = _queue_action("deleted", lambda store, entry_id: store.delete_queued(entry_id))
+cmd_queue_hold = _queue_action("held", lambda store, entry_id: store.hold_queued(entry_id, True))
+cmd_queue_release = _queue_action("released", lambda store, entry_id: store.hold_queued(entry_id, False))
+
+
+# --------------------------------------------------------------------------- DKIM keys
+
+
+def cmd_dkim_add(settings: config.Settings, args: argparse.Namespace) -> int:
+    from cassmail.delivery import dkim
+
+    domain = normalize_domain(args.domain)
+    selector = args.selector or datetime.now(timezone.utc).strftime("s%Y%m")
+    pem, _ = dkim.generate(args.bits)
+    _with_store(settings, lambda s: s.set_dkim_key(domain, selector, pem))
+    print(f"mail from {domain} is signed with selector {selector} from now on; publish this TXT record:")
+    print(dkim.txt_record(DkimKey(domain, selector, pem)))
+    return 0
+
+
+def cmd_dkim_show(settings: config.Settings, args: argparse.Namespace) -> int:
+    from cassmail.delivery import dkim
+
+    domain = normalize_domain(args.domain)
+    key = _with_store(settings, lambda s: s.get_dkim_key(domain))
+    if key is None:
+        raise CommandError(f"{domain} has no DKIM key (its mail is not signed): `cassmail dkim add {domain}`")
+    print(dkim.txt_record(key))
+    return 0
+
+
+def cmd_dkim_del(settings: config.Settings, args: argparse.Namespace) -> int:
+    domain = normalize_domain(args.domain)
+    _with_store(settings, lambda s: s.delete_dkim_key(domain))
+    print(f"mail from {domain} is no longer signed")
+    return 0
+
+
+def cmd_dkim_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    for key in _with_store(settings, lambda s: s.list_dkim_keys()):
+        print(f"{key.domain}  selector={key.selector}")
     return 0
 
 

@@ -306,7 +306,8 @@ class ListenerSettings:
         for key in ("tls_cert", "tls_key"):
             path = getattr(self, key)
             _check(not path or Path(path).is_file(), f"{prefix}.{key}", f"no such file: {path}")
-        _check(not self.implicit_tls or bool(self.tls_cert), f"{prefix}.implicit_tls", "needs tls_cert and tls_key")
+        _check(not (self.enabled and self.implicit_tls) or bool(self.tls_cert), f"{prefix}.implicit_tls",
+               "needs tls_cert and tls_key")
         _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
         _check(self.max_auth_failures >= 1, f"{prefix}.max_auth_failures", "must be >= 1")
         _check(self.max_connections >= 1, f"{prefix}.max_connections", "must be >= 1")
@@ -335,6 +336,10 @@ class SmtpSettings(ListenerSettings):
     rate_limit_exempt: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     #: Seconds the list of local domains is cached for RCPT checks.
     domain_cache_seconds: float = 10.0
+    #: Submission listeners only: client networks that may submit without AUTH, like Postfix's
+    #: mynetworks (applications on the same host, a load generator): their mail may go to any
+    #: domain, from any sender, with no copy in Sent. [] = every client authenticates.
+    trusted_networks: list[str] = field(default_factory=list)
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -361,6 +366,15 @@ class SmtpSettings(ListenerSettings):
                     f"{prefix}.rate_limit_exempt[{i}]: must be an IP address or network like 10.0.0.0/8, got {network!r}"
                 ) from None
         _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
+        _check(not self.trusted_networks or prefix not in ("smtp", "lmtp"), f"{prefix}.trusted_networks",
+               "is for the submission listeners only (the MX never relays)")
+        for i, network in enumerate(self.trusted_networks):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"{prefix}.trusted_networks[{i}]: must be an IP address or network like 10.0.0.0/8, got {network!r}"
+                ) from None
 
 
 @dataclass
@@ -445,8 +459,142 @@ class MetricsSettings:
         host_port(self.listen, f"{prefix}.listen")
 
 
-def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings) -> Any:
-    return field(default_factory=lambda: kind(enabled=enabled, listen=f"127.0.0.1:{port}"))
+TLS_LEVELS = ("none", "may", "encrypt", "verify")
+
+
+@dataclass
+class DeliverySettings:
+    """The queue workers (cassmail.delivery) in every worker process of `cassmail serve`."""
+
+    #: Run queue workers on this node; off, the node still queues mail (another node delivers it).
+    enabled: bool = True
+    #: Deliveries in progress on this node at once, shared out among its worker processes.
+    concurrency: int = 40
+    #: Connections open to one destination (a domain, or a transport/relayhost next hop) at
+    #: once on this node, shared out among its worker processes.
+    destination_concurrency: int = 20
+    #: Seconds a worker holds an entry before another may take it; renewed every third of it
+    #: while the delivery goes on, so it bounds how long a dead node delays its entries.
+    lease: float = 300.0
+    #: Seconds between two looks at the queue when nothing was due (new local mail wakes the
+    #: workers of its process at once).
+    poll_interval: float = 1.0
+    #: Retry schedule after a temporary failure: the first wait, doubled per attempt up to the most.
+    min_backoff: float = 300.0
+    max_backoff: float = 4000.0
+    #: Seconds a message may stay queued; then every recipient still pending bounces.
+    max_lifetime: float = 5 * 86400.0
+    #: Seconds after which the sender is told (once) that a message is still waiting; 0 = never.
+    delay_warning: float = 4 * 3600.0
+    #: A message with more Received: headers than this is a loop and bounces.
+    max_hops: int = 50
+
+    def validate(self, prefix: str) -> None:
+        _check(1 <= self.concurrency <= 10_000, f"{prefix}.concurrency", "must be 1..10000")
+        _check(1 <= self.destination_concurrency <= 1000, f"{prefix}.destination_concurrency", "must be 1..1000")
+        _check(self.lease >= 1, f"{prefix}.lease", "must be >= 1 second")
+        _check(0.05 <= self.poll_interval <= 600, f"{prefix}.poll_interval", "must be 0.05..600 seconds")
+        _check(self.min_backoff > 0, f"{prefix}.min_backoff", "must be > 0 seconds")
+        _check(self.max_backoff >= self.min_backoff, f"{prefix}.max_backoff", "must be >= min_backoff")
+        _check(self.max_lifetime > 0, f"{prefix}.max_lifetime", "must be > 0 seconds")
+        _check(self.delay_warning >= 0, f"{prefix}.delay_warning", "must be >= 0 seconds (0 = no warning)")
+        _check(1 <= self.max_hops <= 1000, f"{prefix}.max_hops", "must be 1..1000")
+
+
+@dataclass
+class RelaySettings:
+    """How mail leaves for other domains: routing (DNS, transport map, relayhost) and the SMTP client."""
+
+    #: DNS servers for MX/A/AAAA lookups ("host" or "host:port"); [] = the system's (/etc/resolv.conf).
+    nameservers: list[str] = field(default_factory=list)
+    #: Port of the hosts found through DNS (MX, or A/AAAA when a domain has no MX).
+    port: int = 25
+    #: Domain -> next hop, before DNS: "host" (its MX), "host:port", "[host]" or "[host]:port"
+    #: (that host itself, no MX lookup). A key ".example.com" also matches its subdomains.
+    transport: dict[str, str] = field(default_factory=dict)
+    #: Send everything not in the transport map through this host (a provider's smarthost):
+    #: "[smtp.example.net]:587" (bracketed: no MX lookup). "" = deliver to each domain's MX.
+    relayhost: str = ""
+    #: AUTH (PLAIN or LOGIN) at the relayhost; only over TLS.
+    relayhost_username: str = ""
+    relayhost_password: str = ""
+    #: TLS at the relayhost: "encrypt" (required) or "verify" (required, certificate checked).
+    relayhost_tls: str = "encrypt"
+    #: TLS from the first byte at the relayhost (port 465 style) instead of STARTTLS.
+    relayhost_implicit_tls: bool = False
+    #: TLS to other MXs: "none" (never), "may" (STARTTLS when offered, any certificate),
+    #: "encrypt" (required, any certificate), "verify" (required, certificate and name checked).
+    tls: str = "may"
+    #: Per destination domain, a level other than `tls`, e.g. { "bank.example" = "verify" }.
+    tls_policy: dict[str, str] = field(default_factory=dict)
+    #: CA bundle for "verify" (PEM); "" = the system's.
+    tls_ca_file: str = ""
+    #: Name given in EHLO; "" = node.name.
+    helo_name: str = ""
+    #: Seconds to connect and get the greeting; seconds for every other reply (DATA's grows
+    #: with the message: one more second per 64 KiB).
+    connect_timeout: float = 30.0
+    timeout: float = 300.0
+    #: Seconds for a DNS answer.
+    dns_timeout: float = 10.0
+    #: Seconds an open connection waits for more mail to the same destination, and how many
+    #: messages one connection carries at most.
+    connection_reuse_time: float = 2.0
+    connection_reuse_count: int = 100
+
+    def validate(self, prefix: str) -> None:
+        for i, server in enumerate(self.nameservers):
+            _check(bool(server.strip()), f"{prefix}.nameservers[{i}]", "must not be empty")
+            host, _, port = server.rpartition(":") if server.count(":") == 1 else (server, "", "")
+            try:
+                ipaddress.ip_address((host or server).strip("[]"))
+            except ValueError:
+                raise ConfigError(f"{prefix}.nameservers[{i}]: must be an IP address (with :port), got {server!r}") from None
+            _check(not port or (port.isdigit() and 0 < int(port) < 65536), f"{prefix}.nameservers[{i}]",
+                   f"bad port in {server!r}")
+        _check(0 < self.port < 65536, f"{prefix}.port", f"must be a TCP port, got {self.port}")
+        for domain, hop in self.transport.items():
+            _check(next_hop_ok(hop), f"{prefix}.transport.{domain}", f'must be "host", "host:port", "[host]" or "[host]:port", got {hop!r}')
+        _check(not self.relayhost or next_hop_ok(self.relayhost), f"{prefix}.relayhost",
+               f'must be "host", "host:port", "[host]" or "[host]:port", got {self.relayhost!r}')
+        _check(bool(self.relayhost_username) == bool(self.relayhost_password), f"{prefix}.relayhost_username",
+               "relayhost_username and relayhost_password go together")
+        _check(self.relayhost_tls in ("encrypt", "verify"), f"{prefix}.relayhost_tls",
+               f"must be encrypt or verify, got {self.relayhost_tls!r}")
+        _check(self.tls in TLS_LEVELS, f"{prefix}.tls", f"must be one of {', '.join(TLS_LEVELS)}, got {self.tls!r}")
+        for domain, level in self.tls_policy.items():
+            _check(level in TLS_LEVELS, f"{prefix}.tls_policy.{domain}", f"must be one of {', '.join(TLS_LEVELS)}")
+        _check(not self.tls_ca_file or Path(self.tls_ca_file).is_file(), f"{prefix}.tls_ca_file",
+               f"no such file: {self.tls_ca_file}")
+        _check(self.connect_timeout > 0, f"{prefix}.connect_timeout", "must be > 0 seconds")
+        _check(self.timeout > 0, f"{prefix}.timeout", "must be > 0 seconds")
+        _check(self.dns_timeout > 0, f"{prefix}.dns_timeout", "must be > 0 seconds")
+        _check(self.connection_reuse_time >= 0, f"{prefix}.connection_reuse_time", "must be >= 0 seconds")
+        _check(self.connection_reuse_count >= 1, f"{prefix}.connection_reuse_count", "must be >= 1")
+
+
+def next_hop_ok(text: str) -> bool:
+    """Whether a transport value or relayhost has one of the forms "host", "host:port", "[host]",
+    "[host]:port" (host a name or an IP address)."""
+    host, sep, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not sep:
+        host, port = text, ""
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        return False
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return bool(bare) and all(c.isalnum() or c in "-._:" for c in bare)
+
+
+def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings, implicit_tls: bool = False) -> Any:
+    return field(default_factory=lambda: kind(enabled=enabled, listen=f"127.0.0.1:{port}", implicit_tls=implicit_tls))
+
+
+#: Every listener section and the protocol it speaks: the implicit-TLS ones (ports 465, 993,
+#: 995) run beside their STARTTLS siblings (587, 143, 110) with settings of their own.
+LISTENER_PROTOCOLS: dict[str, str] = {
+    "smtp": "smtp", "submission": "submission", "submissions": "submission", "lmtp": "lmtp",
+    "pop3": "pop3", "pop3s": "pop3", "imap": "imap", "imaps": "imap",
+}
 
 
 @dataclass
@@ -457,8 +605,13 @@ class Settings:
     smtp: SmtpSettings = _listener(2525, kind=SmtpSettings)
     submission: SmtpSettings = _listener(2587, kind=SmtpSettings)
     lmtp: SmtpSettings = _listener(2424, enabled=False, kind=SmtpSettings)
+    submissions: SmtpSettings = _listener(2465, enabled=False, kind=SmtpSettings, implicit_tls=True)
     pop3: Pop3Settings = _listener(1110, kind=Pop3Settings)
+    pop3s: Pop3Settings = _listener(1995, enabled=False, kind=Pop3Settings, implicit_tls=True)
     imap: ImapSettings = _listener(1143, kind=ImapSettings)
+    imaps: ImapSettings = _listener(1993, enabled=False, kind=ImapSettings, implicit_tls=True)
+    delivery: DeliverySettings = field(default_factory=DeliverySettings)
+    relay: RelaySettings = field(default_factory=RelaySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
@@ -616,6 +769,12 @@ def _coerce(value: Any, hint: Any, key: str, from_text: bool) -> Any:
     origin = typing.get_origin(hint)
     if from_text and isinstance(value, str) and hint is not str:
         text = value.strip()
+        if origin in (list, dict) and text[:1] in "[{":
+            try:  # TOML's own syntax first: '{ "a.example" = "[127.0.0.1]:2525" }'
+                value = tomllib.loads(f"v = {text}")["v"]
+                return _coerce(value, hint, key, from_text=False)
+            except tomllib.TOMLDecodeError:
+                pass  # the short forms below: [a, b] and {k=v, ...}
         if origin is list:
             value = [v.strip() for v in text.strip("[]").split(",") if v.strip().strip("\"'")]
             value = [v.strip("\"'") for v in value]

@@ -52,8 +52,9 @@ def check(settings: config.Settings, timeout: float = 3.0) -> list[str]:
     failures = []
     for name, (host, port) in enabled_listeners(settings).items():
         tls = getattr(settings, name).implicit_tls
-        if not greets(probe_host(host), port, GREETINGS[name], timeout, tls):
-            failures.append(f"{name} on {host}:{port} does not greet with {GREETINGS[name].decode()!r}")
+        expected = GREETINGS[config.LISTENER_PROTOCOLS[name]]
+        if not greets(probe_host(host), port, expected, timeout, tls):
+            failures.append(f"{name} on {host}:{port} does not greet with {expected.decode()!r}")
     return failures
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cassmail import logs
+from cassmail.config import LISTENER_PROTOCOLS
 from cassmail.store.base import Store
 
 log = logging.getLogger("cassmail.metrics")
@@ -55,7 +56,11 @@ PATH = "/metrics"
 SAMPLE_INTERVAL = 1.0
 
 #: Values the `listener` label takes: the listeners, and "node" for what belongs to none.
-LISTENERS = ("smtp", "submission", "lmtp", "pop3", "imap")
+LISTENERS = ("smtp", "submission", "submissions", "lmtp", "pop3", "imap")
+#: The SMTP-family listeners (they deliver and queue).
+SMTP_LISTENERS = ("smtp", "submission", "submissions", "lmtp")
+#: What an outbound attempt did for one recipient.
+OUTBOUND_RESULTS = ("sent", "deferred", "bounced")
 NODE = "node"
 DELIVERY_RESULTS = ("ok", "tempfail", "too-large")
 AUTH_RESULTS = ("ok", "fail", "tempfail", "error", "closed")
@@ -70,6 +75,8 @@ _ALWAYS_ERRORS: dict[str, tuple[str, str]] = {
     "pop3-error": ("pop3", "internal"),
     "imap-error": ("imap", "internal"),
 }
+#: Events that are bugs caught when their `result` is "error".
+_ERROR_RESULTS: dict[str, str] = {"outbound": NODE, "queue-take": NODE}
 #: Events that are failures when they carry `error=` (the store failed them) and a `result` of
 #: _STORE_FAILED (none, or the store's); listener when the event names none. A client's own
 #: trouble logged on the same event (POP3 retr result=stalled) is not the store's.
@@ -77,11 +84,14 @@ _STORE_FAILED = (None, "tempfail", "cut", "fail")
 _STORE_ERRORS: dict[str, str] = {
     "delivery": "smtp", "rcpt": "smtp", "mail": "smtp", "auth": NODE, "retr": "pop3", "quit": "pop3",
     "imap-store": "imap", "imap-idle": "imap", "imap-uids": "imap", "imap-uidnext": "imap",
-    "imap-renumber": "imap", "imap-recent": "imap", "store-open": NODE,
+    "imap-renumber": "imap", "imap-recent": "imap", "store-open": NODE, "outbound": NODE, "queue-take": NODE,
+    "dsn": NODE,
 }
 #: Seconds; mail sessions last from milliseconds (a delivery) to half an hour (an IMAP IDLE).
 SESSION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0)
 DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Seconds from queueing to the final outcome: from a moment to the five-day lifetime.
+QUEUE_AGE_BUCKETS = (1.0, 5.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 86400.0, 2 * 86400.0, 5 * 86400.0)
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -136,6 +146,21 @@ class Metrics:
         self.worker_exits = counter(
             "cassmail_worker_exits",
             "Workers that exited unexpectedly (another is started unless the store could not be opened)")
+        self.outbound_queued = counter(
+            "cassmail_outbound_queued", "Messages queued for other domains (accepted by submission)")
+        self.outbound_recipients_queued = counter(
+            "cassmail_outbound_queued_recipients", "Recipients in other domains of the messages queued")
+        self.outbound = counter(
+            "cassmail_outbound", "Recipients in other domains: sent (a 2xx), bounced (a 5xx or the lifetime over: "
+            "a DSN went to the sender, unless it was <>), and attempts deferred (4xx, no connection, ...: tried "
+            "again later)",
+            ("result",))
+        self.outbound_seconds = histogram(
+            "cassmail_outbound_seconds", "Length of delivery attempts (connection and transaction)", (),
+            DELIVERY_BUCKETS)
+        self.queue_age = histogram(
+            "cassmail_outbound_queue_age_seconds", "Time from queueing to sent or bounced, per recipient", (),
+            QUEUE_AGE_BUCKETS)
         self.store_seconds = histogram(
             "cassmail_store_seconds", "Store calls by operation; a stream counts the time spent waiting for its chunks",
             ("op",), STORE_BUCKETS)
@@ -152,7 +177,7 @@ class Metrics:
             self.sessions_open.labels(listener).set(0)
             self.errors.labels(listener, "store")
             self.errors.labels(listener, "internal")
-            if listener in ("smtp", "submission", "lmtp"):
+            if listener in SMTP_LISTENERS:
                 for result in DELIVERY_RESULTS:
                     self.deliveries.labels(listener, result)
                 self.delivery_bytes.labels(listener)
@@ -162,6 +187,10 @@ class Metrics:
                 for result in ("ok", "fail", "tempfail"):
                     self.auth.labels(listener, result)
         self.worker_exits.inc(0)
+        for result in OUTBOUND_RESULTS:
+            self.outbound.labels(result)
+        self.outbound_queued.inc(0)
+        self.outbound_recipients_queued.inc(0)
 
     def on_event(self, event: str, fields: Mapping[str, object]) -> None:
         """A `kv` observer: counts deliveries, sessions, password checks, errors and worker exits."""
@@ -179,6 +208,22 @@ class Metrics:
                 self.delivery_bytes.labels(listener).inc(size)
             if result == "ok" and isinstance(rcpts, int):
                 self.delivery_recipients.labels(listener).inc(rcpts)
+            queued = fields.get("queued")
+            if result == "ok" and isinstance(queued, int) and queued > 0:
+                self.outbound_queued.inc()
+                self.outbound_recipients_queued.inc(queued)
+        elif event == "outbound" and fields.get("result") in OUTBOUND_RESULTS:
+            # Every attempt is timed; a deferral is counted here, the final outcome below.
+            if fields["result"] == "deferred":
+                self.outbound.labels("deferred").inc()
+            seconds = _seconds(fields.get("ms"))
+            if seconds is not None:
+                self.outbound_seconds.observe(seconds)
+        elif event == "outbound-done" and fields.get("result") in OUTBOUND_RESULTS:
+            self.outbound.labels(fields["result"]).inc()
+            age = fields.get("age")
+            if isinstance(age, (int, float)) and not isinstance(age, bool):
+                self.queue_age.observe(age)
         elif event == "session":
             listener = listener or OTHER
             self.sessions.labels(listener).inc()
@@ -192,6 +237,8 @@ class Metrics:
         if event in _ALWAYS_ERRORS:
             default, kind = _ALWAYS_ERRORS[event]
             self.errors.labels(listener or default, kind).inc()
+        elif event in _ERROR_RESULTS and fields.get("result") == "error":
+            self.errors.labels(listener or _ERROR_RESULTS[event], "internal").inc()
         elif event in _STORE_ERRORS and fields.get("error") is not None and fields.get("result") in _STORE_FAILED:
             self.errors.labels(listener or _STORE_ERRORS[event], "store").inc()
 
@@ -218,6 +265,12 @@ class _UnstructuredErrors(logging.Handler):
 _installed: Metrics | None = None
 
 
+def listener_label(name: str) -> str:
+    """The `listener` label of a listener section: its own name, except the implicit-TLS POP3
+    and IMAP listeners, whose sessions are counted with their protocol's (tls=True)."""
+    return name if name in LISTENERS else LISTENER_PROTOCOLS.get(name, OTHER)
+
+
 def install(listeners: Iterable[str], registry: Any = None) -> Metrics:
     """Define the metrics and start counting this process's events (and those of the workers
     it forks afterwards). Call after `logs.setup` and, for a node, after `prepare`."""
@@ -225,7 +278,7 @@ def install(listeners: Iterable[str], registry: Any = None) -> Metrics:
     if _installed is not None:
         raise RuntimeError("metrics are installed already in this process")
     metrics = Metrics(registry)
-    metrics.touch(listeners)
+    metrics.touch(dict.fromkeys(listener_label(name) for name in listeners))
     logs.add_observer(metrics.on_event)
     logging.getLogger().addHandler(_UnstructuredErrors(metrics))
     _installed = metrics

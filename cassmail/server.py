@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from cassmail import logs
-from cassmail.config import ConfigError, Settings, host_port
+from cassmail.config import LISTENER_PROTOCOLS, ConfigError, Settings, host_port
 from cassmail.logs import kv
 from cassmail.store.base import Store, StoreError
 
@@ -61,7 +61,7 @@ def make_store(settings: Settings) -> Store:
 
 
 #: Every listener a node can run, by its settings section.
-LISTENERS = ("smtp", "submission", "lmtp", "pop3", "imap")
+LISTENERS = tuple(LISTENER_PROTOCOLS)
 
 
 def enabled_listeners(settings: Settings) -> dict[str, tuple[str, int]]:
@@ -246,7 +246,7 @@ async def run_worker(settings: Settings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     reactor = None
-    if settings.pop3.enabled:
+    if settings.pop3.enabled or settings.pop3s.enabled:
         # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
         reactor = twisted_asyncio.install(loop)
     store = make_store(settings)
@@ -260,33 +260,42 @@ async def run_worker(settings: Settings) -> int:
         log.error(kv("store-open", result="fail", error=exc))
         print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)
         return 3
-    servers: list[tuple[Any, Any]] = list(await smtp.start(settings, store))
+    outbound = None
+    if settings.delivery.enabled:
+        from cassmail.delivery import DeliveryWorker
+
+        outbound = DeliveryWorker(settings, store, settings.node.workers or os.cpu_count() or 1)
+        outbound.start()
+    servers: list[tuple[Any, Any]] = list(await smtp.start(settings, store, outbound=outbound))
     ports: list = []
     #: Each listener's keeper of sessions (an SMTP handler, a POP3 factory, an IMAP listener):
-    #: its `sessions` count and its `open` sessions.
-    keepers: dict[str, Any] = {handler.role.name: handler for _, handler in servers}
-    if settings.imap.enabled:
-        from cassmail import imap
+    #: its `sessions` count and its `open` sessions, under the listener name its session lines
+    #: carry (an implicit-TLS POP3 or IMAP listener's sessions are pop3 and imap ones, tls=True).
+    keepers: list[tuple[str, Any]] = [(handler.role.name, handler) for _, handler in servers]
+    from cassmail import imap
 
-        for server, listener in await imap.start(settings, store):
-            servers.append((server, listener))
-            keepers["imap"] = listener
+    for server, listener in await imap.start(settings, store):
+        servers.append((server, listener))
+        keepers.append(("imap", listener))
     if reactor is not None:
         from cassmail import pop3
 
         for port, factory in pop3.start(settings, store, reactor):
             ports.append(port)
-            keepers["pop3"] = factory
+            keepers.append(("pop3", factory))
     sampler = None
     if settings.metrics.enabled:
         from cassmail import metrics
 
-        counts = {name: (lambda keeper=keeper: keeper.sessions) for name, keeper in keepers.items()}
+        def count(label: str) -> int:
+            return sum(keeper.sessions for name, keeper in keepers if name == label)
+
+        counts = {name: (lambda name=name: count(name)) for name in dict.fromkeys(name for name, _ in keepers)}
         sampler = asyncio.ensure_future(metrics.sample_sessions(metrics.installed(), counts))
     log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
 
     def sessions() -> int:
-        return sum(keeper.sessions for keeper in keepers.values())
+        return sum(keeper.sessions for _, keeper in keepers)
 
     async def drain(seconds: float) -> None:
         """Wait until no session is open, for at most `seconds`."""
@@ -308,12 +317,14 @@ async def run_worker(settings: Settings) -> int:
             # its connection gone) while the store is still open: after store.close() they would
             # fail on a closed store or executor instead of ending.
             log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
-            for keeper in keepers.values():
+            for _, keeper in keepers:
                 for session in list(keeper.open):
                     transport = session.transport
                     if transport is not None:
                         (getattr(transport, "abortConnection", None) or transport.abort)()
             await drain(CUT_GRACE)
+        if outbound is not None:
+            await outbound.stop()
         if sampler is not None:
             sampler.cancel()
         await store.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from cassmail.config import ListenerSettings, host_port
@@ -79,6 +79,20 @@ def listen(reactor: Any, settings: ListenerSettings, factory: Any) -> Any:
         return reactor.adoptStreamPort(sock.fileno(), family, factory)
     finally:
         sock.close()  # Twisted holds its own duplicate of the descriptor
+
+
+def listen_all(
+    reactor: Any, listeners: Sequence[ListenerSettings], make_factory: Callable[[ListenerSettings, Any], Any]
+) -> list[tuple[Any, Any]]:
+    """(listening port, factory) of each enabled listener of one protocol, e.g. `[imap]` with
+    STARTTLS beside `[imaps]` with TLS from the first byte; `make_factory(settings, tls)` builds
+    each listener's factory from its own settings and TLS options."""
+    started = []
+    for settings in listeners:
+        if settings.enabled:
+            factory = make_factory(settings, tls_options(settings))
+            started.append((listen(reactor, settings, factory), factory))
+    return started
 
 
 class ClientStalled(ConnectionError):

@@ -30,12 +30,17 @@ class Outcome:
         return self.kind == "ok"
 
 
-def smtp_send(host: str, port: int, rcpt: str, message: bytes, timeout: float = 60) -> Outcome:
-    """One SMTP transaction; 'ok' only for 250 after DATA."""
+def smtp_send(host: str, port: int, rcpt: str, message: bytes, timeout: float = 60,
+              login: tuple[str, str] | None = None) -> Outcome:
+    """One SMTP transaction; 'ok' only for 250 after DATA. With `login` (user, password) it is a
+    submission: AUTH first (in clear text: the cluster's listeners allow it on loopback), and the
+    user is the sender."""
     try:
         with smtplib.SMTP(host, port, timeout=timeout) as client:
             client.ehlo("load.test")
-            code, text = client.mail(SENDER)
+            if login is not None:
+                client.login(*login)
+            code, text = client.mail(login[0] if login else SENDER)
             if code == 250:
                 code, text = client.rcpt(rcpt)
             if code in (250, 251):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cassmail.config import Settings, to_toml
+from cassmail.config import LISTENER_PROTOCOLS, Settings, to_toml
 
 CASSMAIL = str(Path(sys.executable).parent / "cassmail")
 
@@ -31,15 +31,22 @@ class Node:
     def __init__(self, settings: Settings, directory: Path, **listeners: dict[str, Any]) -> None:
         self.settings = dataclasses.replace(settings)
         self.settings.node = dataclasses.replace(settings.node, name="mx.test", workers=1, log_level="INFO")
-        for name in ("smtp", "submission", "lmtp", "pop3", "imap"):
+        for name in LISTENER_PROTOCOLS:
             listener = dataclasses.replace(getattr(settings, name))
             listener.listen = f"127.0.0.1:{free_port()}"
+            # The implicit-TLS listeners (submissions, pop3s, imaps) only when a test asks for them.
             listener.enabled = name in ("smtp", "submission", "lmtp", "pop3", "imap")
             for key, value in listeners.get(name, {}).items():
                 setattr(listener, key, value)
             setattr(self.settings, name, listener)
         for key, value in listeners.get("node", {}).items():
             setattr(self.settings.node, key, value)
+        # Queue workers only where a test asks for them: they would take what other tests queue.
+        self.settings.delivery = dataclasses.replace(settings.delivery, enabled=False)
+        self.settings.relay = dataclasses.replace(settings.relay)
+        for section in ("delivery", "relay"):
+            for key, value in listeners.get(section, {}).items():
+                setattr(getattr(self.settings, section), key, value)
         self.settings.metrics = dataclasses.replace(settings.metrics, listen=f"127.0.0.1:{free_port()}")
         for key, value in listeners.get("metrics", {}).items():
             setattr(self.settings.metrics, key, value)
@@ -60,7 +67,8 @@ class Node:
                 stdin=subprocess.DEVNULL, env=env,
             )
         deadline = time.monotonic() + timeout
-        ports = [self.port(n) for n in ("smtp", "submission", "lmtp", "pop3") if getattr(self.settings, n).enabled]
+        ports = [self.port(n) for n in ("smtp", "submission", "submissions", "lmtp", "pop3", "pop3s")
+                 if getattr(self.settings, n).enabled]
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"cassmail serve exited with {self.process.returncode}:\n{self.log.read_text()}")

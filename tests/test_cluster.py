@@ -13,6 +13,7 @@ then check what the experiment recorded, one promise each.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import imaplib
 import json
@@ -39,6 +40,7 @@ from tests import imap_stress
 from tests.cluster_clients import Outcome, imap_read, make_message, pop3_read, smtp_send, subject_of
 from tests.conftest import FAST_HASH, hash_password, unavailable
 from tests.nodes import Node, free_port
+from tests.outbound_peers import RemoteMx
 
 pytestmark = pytest.mark.cassandra
 
@@ -50,6 +52,8 @@ DOMAIN = "cluster.test"
 DOWN = 3  # the node whose Cassandra the outage kills
 LEVELS = ("ONE", "QUORUM", "ALL")
 STRESS_SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "15"))
+OUTBOUND = "outbound.test"  # a remote domain, reached through the front ends' transport map
+LEASE = 6.0
 
 @dataclasses.dataclass
 class Cluster:
@@ -59,6 +63,8 @@ class Cluster:
     env: dict[str, str]
     ports: dict[str, int]
     up_output: str
+    #: Where the front ends' transport map sends mail for OUTBOUND (the remote MX of the tests).
+    outbound_port: int = 0
 
     def cli(self, *args: str, timeout: float = 600, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "cassmail.cli", *args], capture_output=True, text=True,
@@ -99,10 +105,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_") or k == "CASSMAIL_CACHE"}
     env["CASSMAIL_CLUSTER"] = str(base)
     ports = _free_ports()
-    handle = Cluster(base, env, ports, "")
+    handle = Cluster(base, env, ports, "", outbound_port=free_port())
     started = handle.cli(
         "-o", "store.cassandra.read_consistency=ONE", "-o", "store.cassandra.write_consistency=ONE",
         "-o", "store.cassandra.serial_consistency=SERIAL", "-o", "auth.scrypt_n=1024",
+        # Outbound mail: every front end delivers, through the transport map to the test's MX;
+        # leases and retries short, so a dead node's mail moves on within seconds.
+        "-o", f'relay.transport={{"{OUTBOUND}" = "[127.0.0.1]:{handle.outbound_port}"}}',
+        "-o", f"delivery.lease={LEASE}", "-o", "delivery.poll_interval=0.5", "-o", "delivery.min_backoff=2",
+        "-o", "delivery.max_backoff=4", "-o", "relay.timeout=30",
         "cluster", "up", "--nodes", str(NODES), "--rf", "2", "--heap-mb", str(HEAP_MB),
         "--native-port", str(NATIVE_PORT), "--storage-port", str(STORAGE_PORT),
         *(arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))),
@@ -249,11 +260,13 @@ class Delivery:
 
 
 class Load(threading.Thread):
-    """A steady sender: one message after another to one node, users in turn, until stopped."""
+    """A steady sender: one message after another to one node, users in turn, until stopped.
+    With `login` it submits (AUTH as that user) instead of handing mail to the MX."""
 
-    def __init__(self, name: str, host: str, port: int, users: list[str], pause: float = 0.5) -> None:
+    def __init__(self, name: str, host: str, port: int, users: list[str], pause: float = 0.5,
+                 login: tuple[str, str] | None = None) -> None:
         super().__init__(name=name, daemon=True)
-        self.host, self.port, self.users, self.pause = host, port, users, pause
+        self.host, self.port, self.users, self.pause, self.login = host, port, users, pause, login
         self.deliveries: list[Delivery] = []
         self.halt = threading.Event()
 
@@ -264,7 +277,8 @@ class Load(threading.Thread):
             subject = f"{self.name}-{seq}"
             sent = time.monotonic()
             self.deliveries.append(Delivery(self.name, subject, user, sent,
-                                            smtp_send(self.host, self.port, user, make_message(subject))))
+                                            smtp_send(self.host, self.port, user, make_message(subject),
+                                                      login=self.login)))
             seq += 1
             self.halt.wait(self.pause)
 
@@ -290,6 +304,8 @@ class Experiment:
     matrix: Matrix
     read_back: dict[int, dict[str, Outcome]]
     timings: dict[str, float]
+    #: Submissions to OUTBOUND through every node (queued in the store at ONE) during the outage.
+    outbound: list[Load] = dataclasses.field(default_factory=list)
 
 
 def held_imap_steps(session: imaplib.IMAP4, exists: int) -> list[str]:
@@ -336,10 +352,26 @@ def _measure(node: Node, users: list[str], tag: str) -> dict[str, list[Outcome]]
 
 
 @pytest.fixture(scope="module")
-def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Experiment]:
+def remote_mx(cluster: Cluster) -> Iterator[RemoteMx]:
+    """The remote MX of OUTBOUND (aiosmtpd on 127.0.0.1, recording what it accepts)."""
+    mx = RemoteMx("127.0.0.1", cluster.outbound_port, None)
+    mx.start()
+    yield mx
+    mx.stop()
+
+
+def _delivered(mx: RemoteMx) -> collections.Counter[str]:
+    """Subject -> copies the remote MX accepted (it said 250)."""
+    with mx.mx.lock:
+        return collections.Counter(subject_of(m.content) for m in mx.mx.messages)
+
+
+@pytest.fixture(scope="module")
+def experiment(cluster: Cluster, remote_mx: RemoteMx, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Experiment]:
     directory = tmp_path_factory.mktemp("frontends")
     load_users, all_users, read_users = _users("one"), _users("all"), _users("read")
-    run(_prepare(cluster.store_settings(), load_users + all_users, 0))
+    out_user = f"sender@{DOMAIN}"
+    run(_prepare(cluster.store_settings(), load_users + all_users + [out_user], 0))
     run(_prepare(cluster.store_settings(), read_users, 2))
     # The matrix: a keyspace per RF (the cluster's own is RF=2), a front end per (RF, CL).
     keyspaces = {2: cluster.store_settings().keyspace}
@@ -367,7 +399,9 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             list(pool.map(lambda n: n.start(timeout=120), started))
         loads = [Load(f"one{i}", cluster.address(i), cluster.ports["smtp"], load_users) for i in range(1, NODES + 1)]
         all_load = Load("all", "127.0.0.1", all_node.port("smtp"), all_users)
-        for load in (*loads, all_load):
+        out_loads = [Load(f"out{i}", cluster.address(i), cluster.ports["submission"], [f"far{i}@{OUTBOUND}"],
+                          pause=1.0, login=(out_user, _password(out_user))) for i in range(1, NODES + 1)]
+        for load in (*loads, all_load, *out_loads):
             load.start()
         # UIDs handed out while every replica is up (a new UID needs a Paxos quorum)
         assert all(imap_read(cluster.address(1), cluster.ports["imap"], u, _password(u)).ok for u in read_users)
@@ -411,9 +445,9 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         timings["matrix"] = matrix_done - matrix_start
         timings["detected"] = detected - killed
         timings["outage"] = back - killed
-        for load in (*loads, all_load):
+        for load in (*loads, all_load, *out_loads):
             load.halt.set()
-        for load in (*loads, all_load):
+        for load in (*loads, all_load, *out_loads):
             load.join(120)
         acked = {d.subject for load in (*loads, all_load) for d in load.deliveries if d.outcome.ok}
         # Right after the return: at QUORUM (R + W > RF) every node's front end must show everything;
@@ -424,7 +458,7 @@ def experiment(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         timings["missing_at_one"] = _missing(at_one, acked)
         yield Experiment(killed, detected, back, loads, all_load, pop3_during, imap_during, held_session,
                          imap_steps,
-                         Matrix(cells), read_back, timings)
+                         Matrix(cells), read_back, timings, out_loads)
     finally:
         for node in started:
             node.stop()
@@ -613,3 +647,71 @@ def test_front_end_killed_mid_data_leaves_each_message_acknowledged_and_stored_o
     print(f"\nfront end 2 killed mid-DATA: {len(acked)} acknowledged and stored, "
           f"{len(set(stored) - acked)} stored without an acknowledgement (the client saw the connection drop), "
           f"{len(outcomes) - len(acked)} not acknowledged, none half-stored")
+
+
+# ----------------------------------------------------------------------------- outbound mail
+
+
+def test_outbound_mail_acknowledged_at_one_while_a_cassandra_node_was_down_is_all_delivered(
+    experiment: Experiment, remote_mx: RemoteMx,
+) -> None:
+    """RF=2, writes at ONE: submission kept queueing while node 3's Cassandra was down (the
+    accept path needs no Paxos); an entry whose lease needs node 3 waits for it, and once it is
+    back every acknowledged message reaches the remote MX."""
+    sent = [d for load in experiment.outbound for d in load.deliveries]
+    acked = {d.subject for d in sent if d.outcome.ok}
+    during = [d for d in _phases(experiment, sent)["outage"]]
+    assert during and all(d.outcome.ok for d in during), [d.outcome.text for d in during if not d.outcome.ok]
+    deadline = time.monotonic() + 180
+    while not acked <= set(_delivered(remote_mx)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    copies = _delivered(remote_mx)
+    assert acked <= set(copies), f"not delivered: {sorted(acked - set(copies))[:10]}"
+    duplicates = sum(n - 1 for s, n in copies.items() if s in acked)
+    print(f"\noutbound at ONE, RF=2: {len(acked)} submissions acknowledged ({len(during)} while node {DOWN} was "
+          f"down or coming back), all delivered to the remote MX, {duplicates} duplicate(s)")
+
+
+def test_a_node_killed_while_it_holds_a_lease_mid_delivery_loses_nothing(cluster: Cluster, remote_mx: RemoteMx) -> None:
+    """The remote answers DATA slowly; the node whose worker holds the message's lease is killed
+    (front end and workers, SIGKILL) in the middle of DATA. After its lease runs out another node
+    takes the entry and delivers it."""
+    user = f"leaser@{DOMAIN}"
+    run(_prepare(cluster.store_settings(), [user], 0))
+    subject = f"lease-{int(time.time())}"
+    rcpt = f"slow-lease@{OUTBOUND}"
+    remote_mx.mx.slow_seconds = 2 * LEASE
+    started = len(remote_mx.mx.data_started)
+    sent = smtp_send(cluster.address(1), cluster.ports["submission"], rcpt, make_message(subject),
+                     login=(user, _password(user)))
+    assert sent.ok, sent.text
+
+    def holder() -> int | None:
+        entries = json.loads(cluster.must("queue", "list", "--domain", OUTBOUND, "--json"))
+        owners = [e["lease_owner"] for e in entries if e["lease_until"] and any(r["address"] == rcpt for r in e["recipients"])]
+        return int(owners[0].split("/")[0].removeprefix("node")) if owners else None
+
+    deadline = time.monotonic() + 60
+    while len(remote_mx.mx.data_started) == started and time.monotonic() < deadline:
+        time.sleep(0.1)  # the remote got DATA and is slow to answer it
+    node = holder()
+    assert node is not None and len(remote_mx.mx.data_started) > started
+    killed = time.monotonic()
+    cluster.must("cluster", "kill", str(node), "--frontend")
+    try:
+        deadline = time.monotonic() + 60
+        while _delivered(remote_mx)[subject] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        took = time.monotonic() - killed
+        assert _delivered(remote_mx)[subject] >= 1, "not delivered after the lease ran out"
+        assert took >= LEASE - 1  # nobody took it while the lease ran
+        time.sleep(1)
+        duplicates = _delivered(remote_mx)[subject] - 1
+        whole_data = len(remote_mx.mx.data_started) - started
+        print(f"\nnode {node} killed holding the lease mid-DATA: delivered by another node {took:.1f} s later "
+              f"(lease {LEASE:.0f} s); {duplicates} duplicate(s) accepted by the remote, which saw the message "
+              f"{whole_data} times (the killed node's copy was never answered 250)")
+        assert duplicates == 0
+    finally:
+        remote_mx.mx.slow_seconds = 3.0
+        cluster.must("cluster", "start", str(node), "--frontend")

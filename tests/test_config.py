@@ -204,3 +204,20 @@ def test_settings_written_as_toml_load_back_the_same(tmp_path: Path) -> None:
     path = tmp_path / "written.toml"
     path.write_text(config.to_toml(settings))
     assert config.load(path, env={}) == settings
+
+
+def test_outbound_settings_are_checked_and_the_mx_never_takes_trusted_networks() -> None:
+    settings = config.load(env={}, overrides=[
+        'relay.transport={ "partner.example" = "[127.0.0.1]:2526", ".internal.example" = "relay.internal.example" }',
+        "relay.nameservers=127.0.0.1:5353,::1", "submission.trusted_networks=10.0.0.0/8",
+    ])
+    assert settings.relay.transport == {"partner.example": "[127.0.0.1]:2526", ".internal.example": "relay.internal.example"}
+    assert settings.relay.nameservers == ["127.0.0.1:5353", "::1"]
+    assert settings.submissions.implicit_tls and not settings.submissions.enabled  # needs a certificate
+    for bad, key in (("smtp.trusted_networks=10.0.0.0/8", "smtp.trusted_networks"),
+                     ('relay.transport={ "x.example" = "a b" }', "relay.transport.x.example"),
+                     ("relay.nameservers=mx.example", "relay.nameservers[0]"), ("relay.tls=sometimes", "relay.tls"),
+                     ("relay.relayhost_username=u", "relay.relayhost_username"),
+                     ("delivery.max_backoff=1", "delivery.max_backoff"), ("submissions.enabled=true", "submissions.implicit_tls")):
+        with pytest.raises(ConfigError, match=f"^{re.escape(key)}: "):
+            config.load(env={}, overrides=[bad])

@@ -85,12 +85,16 @@ class _Accepted(Connection):
 
 
 async def start(settings: Settings, store: Store) -> list[tuple[asyncio.AbstractServer, Listener]]:
-    """(server, listener) of the enabled IMAP listener (none when disabled)."""
-    if not settings.imap.enabled:
-        return []
-    listener = Listener(store, settings.imap)
-    host, port = host_port(settings.imap.listen)
-    ssl = server_context(settings.imap) if settings.imap.implicit_tls else None
-    server = await asyncio.get_running_loop().create_server(
-        listener.protocol, host, port, ssl=ssl, reuse_port=True, backlog=1024)
-    return [(server, listener)]
+    """(server, listener) of each enabled IMAP listener: `[imap]` (STARTTLS) and `[imaps]` (TLS
+    from the first byte)."""
+    started = []
+    for listening in (settings.imap, settings.imaps):
+        if not listening.enabled:
+            continue
+        listener = Listener(store, listening)
+        host, port = host_port(listening.listen)
+        ssl = server_context(listening) if listening.implicit_tls else None
+        server = await asyncio.get_running_loop().create_server(
+            listener.protocol, host, port, ssl=ssl, reuse_port=True, backlog=1024)
+        started.append((server, listener))
+    return started

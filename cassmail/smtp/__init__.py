@@ -1,4 +1,5 @@
-"""The SMTP front end: MX receive, authenticated submission and LMTP, on aiosmtpd.
+"""The SMTP front end: MX receive, authenticated submission (STARTTLS on 587, implicit TLS on
+465, each its own listener) and LMTP, on aiosmtpd.
 
 `listeners(settings, store)` gives the servers a node runs; nothing here knows a backend.
 """
@@ -10,16 +11,16 @@ import socket
 from collections.abc import Callable
 
 from cassmail.config import Settings, SmtpSettings, host_port
-from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, DeliveryHandler, Role
+from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role
 from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP, RateLimits
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
 
 def _factory(
-    settings: Settings, listener: SmtpSettings, role: Role, store: Store
+    settings: Settings, listener: SmtpSettings, role: Role, store: Store, outbound: QueueHandoff | None
 ) -> tuple[Callable[[], asyncio.Protocol], DeliveryHandler]:
-    handler = DeliveryHandler(store, listener, role, settings.node.name)
+    handler = DeliveryHandler(store, listener, role, settings.node.name, outbound)
     tls = server_context(listener)
     engine = CassmailLMTP if role.lmtp else CassmailSMTP
     starttls = tls if (tls is not None and not listener.implicit_tls) else None
@@ -56,21 +57,25 @@ def _unused_authenticator(*args: object) -> None:  # pragma: no cover - replaced
     raise AssertionError("the engine checks credentials itself")
 
 
-LISTENERS: tuple[tuple[str, Role], ...] = (("smtp", MX), ("submission", SUBMISSION), ("lmtp", LMTP_ROLE))
+LISTENERS: tuple[tuple[str, Role], ...] = (
+    ("smtp", MX), ("submission", SUBMISSION), ("submissions", SUBMISSIONS), ("lmtp", LMTP_ROLE),
+)
 
 
 async def start(
-    settings: Settings, store: Store, sockets: dict[str, socket.socket] | None = None
+    settings: Settings, store: Store, sockets: dict[str, socket.socket] | None = None,
+    outbound: QueueHandoff | None = None,
 ) -> list[tuple[asyncio.Server, DeliveryHandler]]:
     """Start every enabled SMTP-family listener; `sockets` are pre-bound ones. Each server comes
-    with its handler, which counts the sessions in progress (`sessions`)."""
+    with its handler, which counts the sessions in progress (`sessions`). `outbound` is this
+    process's delivery worker, which takes the messages queued for other domains."""
     loop = asyncio.get_running_loop()
     servers = []
     for name, role in LISTENERS:
         listener: SmtpSettings = getattr(settings, name)
         if not listener.enabled:
             continue
-        factory, handler = _factory(settings, listener, role, store)
+        factory, handler = _factory(settings, listener, role, store, outbound)
         ssl = server_context(listener) if listener.implicit_tls else None
         if sockets and name in sockets:
             server = await loop.create_server(factory, sock=sockets[name], ssl=ssl)

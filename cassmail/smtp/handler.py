@@ -7,13 +7,14 @@ One handler object serves every session of one listener (aiosmtpd calls its
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from email.utils import format_datetime
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from aiosmtpd.smtp import AuthResult, Envelope, Session
 
@@ -29,6 +30,7 @@ from cassmail.store.base import (
     StoreError,
     StoreUnavailable,
     Target,
+    local_recipients,
 )
 from cassmail.smtp.protocol import peer_ip
 from cassmail.tls import describe
@@ -50,14 +52,41 @@ class Role:
 
 MX = Role("smtp")
 SUBMISSION = Role("submission", submission=True)
+SUBMISSIONS = Role("submissions", submission=True)
 LMTP_ROLE = Role("lmtp", lmtp=True)
+
+
+class QueueHandoff(Protocol):
+    """The delivery worker of this process, as the SMTP side sees it: a message queued here is
+    leased to it from the start and handed over at once when it has room (`reserve`), else it
+    is only told to look at the queue (`notify`)."""
+
+    #: Seconds of the lease a handed-over entry starts with.
+    lease: float
+
+    def reserve(self) -> str | None:
+        """A slot for a message about to be queued: the owner its lease is written for, or None."""
+
+    def unreserve(self) -> None:
+        """The reserved message was not queued after all."""
+
+    def hand_over(self, entry_id: uuid.UUID, sender: str, recipients: list[str], message: bytes, smtputf8: bool,
+                  queued_at: float) -> None:
+        """Deliver a message just queued with the reserved lease (the bytes are those queued)."""
+
+    def notify(self) -> None:
+        """A message was queued without a lease: look at the queue now."""
 
 
 class LocalDomains:
     """The store's local domains, cached briefly for the common case (mail to a local domain).
 
-    Only hits are trusted from the cache: a domain not in it is asked of the store, so a
-    domain added a moment ago is accepted at once; a removed one is refused within `ttl`.
+    On the MX only hits are trusted from the cache: a domain not in it is asked of the store,
+    so a domain added a moment ago is accepted at once (refusing it would bounce its mail); a
+    removed one is refused within `ttl`. Submission, where most recipients are in other
+    domains, trusts misses too (`trust_miss`) except for the sender's own domain: mail to
+    another domain added less than `ttl` ago goes out through its MX, which is this service,
+    rather than costing a store read per remote recipient.
     """
 
     def __init__(self, store: Store, ttl: float) -> None:
@@ -66,7 +95,7 @@ class LocalDomains:
         self._expires = 0.0
         self._lock = asyncio.Lock()
 
-    async def contains(self, domain: str) -> bool:
+    async def contains(self, domain: str, trust_miss: bool = False) -> bool:
         if self.ttl > 0 and time.monotonic() >= self._expires:
             async with self._lock:
                 if time.monotonic() >= self._expires:
@@ -74,16 +103,24 @@ class LocalDomains:
                     self._expires = time.monotonic() + self.ttl
         if domain in self._domains:
             return True
+        if trust_miss and self.ttl > 0:
+            return False
         return await self.store.is_local_domain(domain)
 
 
 class DeliveryHandler:
-    def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str) -> None:
+    def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
+                 outbound: QueueHandoff | None = None) -> None:
         self.store = store
+        #: This process's delivery worker, which takes what is queued here (None: no worker here).
+        self.outbound = outbound
         self.settings = settings
         self.role = role
         self.node_name = node_name
         self.domains = LocalDomains(store, settings.domain_cache_seconds)
+        #: Networks whose clients may submit without AUTH (submission only: the MX never relays).
+        self.trusted_networks = tuple(ipaddress.ip_network(n, strict=False) for n in settings.trusted_networks
+                                      ) if role.submission else ()
         self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
         #: Sessions open on this listener in this worker (limited by settings.max_connections).
         self.sessions = 0
@@ -151,7 +188,7 @@ class DeliveryHandler:
                 return sender
         elif self.role.submission:
             return "553 5.7.1 The null sender is not allowed for submission"
-        if self.role.submission and not null and sender.key != session.auth_data:
+        if self.role.submission and not null and sender.key != session.auth_data and session.authenticated:
             # Not their own address: one read, whether it is an alias that lists them.
             try:
                 owners = await self.store.get_alias(sender.key)
@@ -174,17 +211,19 @@ class DeliveryHandler:
         if isinstance(rcpt, str):
             return rcpt
         try:
-            local = await self.domains.contains(rcpt.domain)
+            own = (session.auth_data or envelope.mail_from or "").rpartition("@")[2].lower()
+            local = await self.domains.contains(rcpt.domain, trust_miss=self.role.submission and rcpt.domain != own)
             if not local:
-                if session.authenticated:
-                    return "550 5.7.1 Delivery to other domains is not available on this server"
+                if self.role.submission and (session.authenticated or getattr(session, "trusted", False)):
+                    # An authenticated user may send anywhere: the message is queued for it.
+                    envelope.rcpt_tos.append(str(rcpt))
+                    _remote(envelope).append(str(rcpt))
+                    envelope.rcpt_options.extend(rcpt_options)
+                    return "250 2.1.5 Recipient OK"
                 return "550 5.7.1 Relaying denied"
-            if await self.store.user_exists(rcpt.key):
-                users = [rcpt.key]
-            else:  # the common case costs nothing more: an alias is looked up only on a miss
-                users = await self.store.get_alias(rcpt.key) or []
-                if not users:
-                    return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
+            users = await local_recipients(self.store, rcpt.key)
+            if not users:
+                return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
         except StoreError as exc:
             log.warning(kv("rcpt", listener=self.role.name, peer=_peer(session), rcpt=rcpt.key, result="tempfail", error=exc))
             return TEMPORARY
@@ -206,26 +245,57 @@ class DeliveryHandler:
         queue_id = uuid.uuid4().hex[:16]
         body = envelope.original_content
         assert isinstance(body, bytes)
-        recipients = _recipients(envelope)
-        targets = [Target(user) for user in recipients]
+        targets = [Target(user) for user in _recipients(envelope)]
         if self.role.submission and session.auth_data:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
+        remote = list(dict.fromkeys(_remote(envelope)))
+        sender = "" if envelope.mail_from == "<>" else envelope.mail_from
         message = self.trace_headers(server, session, envelope, queue_id) + body
         fields = self._delivery_fields(session, envelope, len(body), queue_id)
+        # The worker of this process takes a message queued here at once, when it has room.
+        owner = self.outbound.reserve() if remote and self.outbound is not None else None
+        entry_id: uuid.UUID | None = None
+        queued_at = time.time()
         try:
-            await self.store.deliver(message, targets)
-        except MessageTooLarge:
-            log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
-            return self.per_recipient(envelope, "552 5.3.4 Message too big for system")
-        except (StoreUnavailable, NoSuchUser, NoSuchMailbox) as exc:
-            log.warning(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
-            return self.per_recipient(envelope, TEMPORARY)
-        except StoreError as exc:
-            log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
-            return self.per_recipient(envelope, TEMPORARY)
+            ids = await self.store.deliver(message, targets) if targets else []
+            if remote:
+                try:
+                    lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
+                    entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
+                                                        lease=lease)
+                except BaseException:
+                    await self._undo(targets, ids)
+                    raise
+        except BaseException as exc:
+            if owner is not None and self.outbound is not None:
+                self.outbound.unreserve()
+            if isinstance(exc, MessageTooLarge):
+                log.info(kv("delivery", **fields, result="too-large", ms=timer.ms))
+                return self.per_recipient(envelope, "552 5.3.4 Message too big for system")
+            if isinstance(exc, (StoreUnavailable, NoSuchUser, NoSuchMailbox)):
+                log.warning(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
+                return self.per_recipient(envelope, TEMPORARY)
+            if isinstance(exc, StoreError):
+                log.error(kv("delivery", **fields, result="tempfail", ms=timer.ms, error=exc))
+                return self.per_recipient(envelope, TEMPORARY)
+            raise
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
+        if entry_id is not None and self.outbound is not None:
+            if owner is not None:
+                self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
+            else:
+                self.outbound.notify()
         return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
+
+    async def _undo(self, targets: list[Target], ids: list[uuid.UUID]) -> None:
+        """The local copies of a message whose queued part could not be stored: the sender is
+        told to retry, and the retry must not leave them twice (best effort)."""
+        for target, message_id in zip(targets, ids):
+            try:
+                await self.store.delete_messages(target.user, target.mailbox, [message_id])
+            except StoreError as exc:
+                log.warning(kv("delivery-undo", user=target.user, mailbox=target.mailbox, result="fail", error=exc))
 
     def log_too_large(self, server: Any, size: int, ms: int) -> None:
         """The delivery line of a message refused while DATA was read (past max_message_size):
@@ -239,7 +309,8 @@ class DeliveryHandler:
         expanded = len(_recipients(envelope)) if aliased else None  # users reached, logged when an alias was named
         return dict(
             listener=self.role.name, peer=_peer(session), helo=session.host_name, user=session.auth_data,
-            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), users=expanded, size=size, id=queue_id,
+            sender=envelope.mail_from, rcpts=len(envelope.rcpt_tos), users=expanded, queued=len(_remote(envelope)) or None,
+            size=size, id=queue_id,
         )
 
     def per_recipient(self, envelope: Envelope, status: str) -> str:
@@ -290,11 +361,20 @@ def _expansions(envelope: Envelope) -> dict[str, list[str]]:
     return found
 
 
+def _remote(envelope: Envelope) -> list[str]:
+    """The recipients in other domains (submission only), queued for delivery, as given."""
+    found: list[str] | None = getattr(envelope, "cassmail_remote", None)
+    if found is None:
+        found = []
+        envelope.cassmail_remote = found  # type: ignore[attr-defined]
+    return found
+
+
 def _recipients(envelope: Envelope) -> list[str]:
-    """The users a message goes to, each once in the order first named: a user named directly
-    and through an alias, or by two aliases, gets one copy."""
+    """The local users a message goes to, each once in the order first named: a user named
+    directly and through an alias, or by two aliases, gets one copy."""
     expansions = _expansions(envelope)
-    return list(dict.fromkeys(user for rcpt in envelope.rcpt_tos for user in expansions.get(rcpt, [rcpt])))
+    return list(dict.fromkeys(user for rcpt in envelope.rcpt_tos if rcpt in expansions for user in expansions[rcpt]))
 
 
 def _path(address: str, envelope: Envelope, syntax_error: str) -> Address | str:

@@ -26,6 +26,9 @@ are not commands), and each connection one from its peer address's bucket
 421 4.7.0 and the connection closed. The count sits in the engine's stream
 reader (`_CommandReader`), the one place every command line passes, valid or not.
 
+Addresses: aiosmtpd's own parse of MAIL/RCPT (the standard library's email header
+parser), minus a class aiosmtpd defines on every call (`_getaddr`).
+
 Everything else (the command loop, EHLO, MAIL/RCPT parameters, STARTTLS,
 PIPELINING, the limit on repetitions) is aiosmtpd's.
 """
@@ -40,6 +43,8 @@ import re
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Sequence
+from email._header_value_parser import get_addr_spec, get_angle_addr
+from email.errors import HeaderParseError
 from typing import Any, AnyStr
 
 from aiosmtpd.lmtp import LMTP
@@ -151,6 +156,18 @@ def with_enhanced_code(line: str) -> str:
     return f"{line[:4]}{match.group(1)}.0.0 {text}"
 
 
+def peer_in(peer: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    """Whether a client address is in one of `networks` (an address that is not IP, such as a
+    Unix socket's, is local and so in)."""
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return True
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack socket's view of an IPv4 client
+    return any(address in network for network in networks)
+
+
 class TokenBucket:
     """`per_minute` events a minute on average, in bursts of up to a minute's worth.
 
@@ -193,15 +210,8 @@ class RateLimits:
         self._sweep_at = 1024
 
     def exempt(self, peer: str) -> bool:
-        """Whether `peer` is in an exempt network (an address that is not IP, such as a Unix
-        socket's, is local and so exempt)."""
-        try:
-            address = ipaddress.ip_address(peer)
-        except ValueError:
-            return True
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped  # a dual-stack socket's view of an IPv4 client
-        return any(address in network for network in self.exempt_networks)
+        """Whether `peer` is in an exempt network."""
+        return peer_in(peer, self.exempt_networks)
 
     def admit(self, peer: str) -> bool:
         """Count a new connection from `peer` (not exempt); False when it is over the rate."""
@@ -290,6 +300,7 @@ class _CassmailEngine:
     #: max_connection_rate) or dropped (the client went away without QUIT).
     result = "dropped"
     _opened_at: float | None = None
+    _tls_from_start = False
     #: This connection's command budget (None: no limit).
     _commands: TokenBucket | None = None
 
@@ -319,10 +330,15 @@ class _CassmailEngine:
         if not new_connection:
             return
         self._opened_at = time.monotonic()
+        # TLS from the first byte (an implicit-TLS listener): aiosmtpd only notes STARTTLS's.
+        self._tls_from_start = transport.get_extra_info("ssl_object") is not None
         handler = self.event_handler
         handler.sessions += 1
         handler.open.add(self)
         peer = peer_ip(self.session.peer)
+        trusted = handler.trusted_networks
+        # A trusted client of a submission listener (Postfix's mynetworks) may send without AUTH.
+        self.session.trusted = bool(trusted) and peer_in(peer, trusted)
         rates = self.rates if self.rates is not None and not self.rates.exempt(peer) else None
         if rates is not None:
             self._commands = rates.commands(self._opened_at)
@@ -338,6 +354,27 @@ class _CassmailEngine:
         self._handler_coroutine.cancel()  # type: ignore[attr-defined]
         self.transport.write(reply)
         self.transport.close()
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        """aiosmtpd's own parse of a MAIL/RCPT address, without the class it defines on every
+        call (a typing.Protocol made per command was a few percent of a relay's CPU)."""
+        if not arg:
+            return "", ""
+        try:
+            address, rest = get_angle_addr(arg) if arg.lstrip().startswith("<") else get_addr_spec(arg)
+        except HeaderParseError:
+            return None, None
+        addr = address.addr_spec
+        local_part = addr.rpartition("@")[0]
+        if self.local_part_limit and len(local_part) > self.local_part_limit:  # type: ignore[attr-defined]
+            return None, None
+        return addr, rest
+
+    async def check_auth_needed(self, caller_method: str) -> bool:
+        """aiosmtpd's check, except for a trusted client of a submission listener."""
+        if getattr(self.session, "trusted", False):
+            return False
+        return await super().check_auth_needed(caller_method)  # type: ignore[misc]
 
     async def command_read(self) -> None:
         """Called by the reader for each command line: take a token, or answer 421 4.7.0 and close.
@@ -362,7 +399,7 @@ class _CassmailEngine:
             log.info(
                 kv(
                     "session", listener=handler.role.name, peer=peer_ip(session.peer), helo=session.host_name,
-                    user=session.auth_data, tls=bool(session.ssl), deliveries=self.deliveries,
+                    user=session.auth_data, tls=bool(session.ssl) or self._tls_from_start, deliveries=self.deliveries,
                     result=self.result, ms=int((time.monotonic() - self._opened_at) * 1000),
                 )
             )

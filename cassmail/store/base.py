@@ -24,6 +24,7 @@ from typing import Literal
 
 from cassmail.model import (
     HIERARCHY_DELIMITER,
+    Address,
     INBOX,
     InvalidInput,
     MailboxInfo,
@@ -115,6 +116,12 @@ class MessageTooLarge(StoreError):
         self.size, self.limit = size, limit
 
 
+class NoSuchQueueEntry(StoreError):
+    def __init__(self, entry_id: uuid.UUID) -> None:
+        super().__init__(f"no such queue entry: {entry_id}")
+        self.entry_id = entry_id
+
+
 class StoreUnavailable(StoreError):
     """The storage could not do it now (down, timed out, too few replicas); retrying later may work.
 
@@ -147,12 +154,66 @@ class Alias:
 
 
 @dataclass(frozen=True, slots=True)
+class DkimKey:
+    """A domain's DKIM signing key: the selector (the DNS name `<selector>._domainkey.<domain>`)
+    and the private key in PEM."""
+
+    domain: str
+    selector: str
+    private_key_pem: str
+
+
+@dataclass(frozen=True, slots=True)
 class MessageRef:
     """A message as a protocol names it: user, mailbox and id."""
 
     user: str
     mailbox: str
     id: uuid.UUID
+
+
+#: A queued recipient's state: still to be delivered, accepted by the remote (250), or given up
+#: (a 5xx, the lifetime passed) with its DSN already sent.
+RecipientState = Literal["pending", "sent", "failed"]
+RECIPIENT_STATES: tuple[str, ...] = ("pending", "sent", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRecipient:
+    """One recipient of a queued message and what became of it so far: the last reply (code and
+    text, as the remote or cassmail said it) and the host that gave it."""
+
+    address: str
+    state: RecipientState = "pending"
+    reply: str = ""
+    remote: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """A message waiting for delivery to other domains: the envelope, each recipient's state and
+    the schedule. Times are seconds since 1970 (UTC). `sender` is "" for the null sender `<>`
+    (bounces), whose failures make no DSN. `lease_owner`/`lease_until` say which worker holds
+    the entry and until when; a lease that ran out is free for any worker to take."""
+
+    id: uuid.UUID
+    sender: str
+    recipients: tuple[QueuedRecipient, ...]
+    size: int
+    created: float
+    due: float
+    attempts: int = 0
+    held: bool = False
+    warned: bool = False
+    last_error: str = ""
+    lease_owner: str = ""
+    lease_until: float = 0.0
+    #: The message needs SMTPUTF8 (its envelope or header has UTF-8 beyond ASCII).
+    smtputf8: bool = False
+
+    @property
+    def pending(self) -> tuple[QueuedRecipient, ...]:
+        return tuple(r for r in self.recipients if r.state == "pending")
 
 
 class Store(abc.ABC):
@@ -417,6 +478,111 @@ class Store(abc.ABC):
         claims over the same UIDs, exactly one gets each UID. Raises NoSuchMailbox, InvalidInput
         unless 1 <= below <= 2**32 (one above the largest UID)."""
 
+    # ----------------------------------------------------------------- the outbound queue
+    # Mail for other domains waits here, in the store, never only on a node's disk: any worker
+    # of any node takes due entries under a lease, and a worker that dies loses nothing (its
+    # lease runs out and another takes the entry). Delivery is at least once: a duplicate needs
+    # a worker to die between the remote's 250 and `record_results`.
+
+    @abc.abstractmethod
+    async def enqueue(
+        self, body: Body, sender: str, recipients: Sequence[str], *, smtputf8: bool = False, due: float | None = None,
+        lease: tuple[str, float] | None = None,
+    ) -> uuid.UUID:
+        """Queue one message for `recipients` (each pending), due at `due` (now when None).
+
+        With `lease` (owner, seconds) the new entry starts leased to that owner: the worker of
+        the process that accepted it delivers it at once, with no look at the queue and no
+        lightweight transaction (nobody else can hold a new entry); if it does not finish, the
+        lease runs out and any worker takes the entry.
+
+        Returns only once the entry is stored at the configured durability, so SMTP may then
+        say 250; the accept path takes no lock and no lightweight transaction. Raises
+        MessageTooLarge, InvalidInput (no recipients, a bad address), StoreUnavailable (the
+        sender must retry; a write that failed half way may still be delivered, so the retry
+        can duplicate it, never lose it)."""
+
+    @abc.abstractmethod
+    async def take_due(self, owner: str, limit: int, lease: float) -> list[QueueEntry]:
+        """Up to `limit` entries that are due, not held and not leased (or whose lease ran out),
+        each now leased to `owner` for `lease` seconds. Two workers never both get an entry
+        while its lease runs."""
+
+    @abc.abstractmethod
+    async def renew_lease(self, entry_id: uuid.UUID, owner: str, lease: float) -> bool:
+        """Extend `owner`'s lease to `lease` seconds from now; False when it is no longer theirs."""
+
+    @abc.abstractmethod
+    async def read_queued(self, entry_id: uuid.UUID) -> bytes:
+        """The queued message's bytes. Raises NoSuchQueueEntry."""
+
+    @abc.abstractmethod
+    async def record_results(self, entry_id: uuid.UUID, owner: str, results: Sequence[QueuedRecipient]) -> bool:
+        """Store what became of some recipients (sent or failed, or still pending with the
+        last reply) while `owner` holds the lease; False (nothing written) when it does not."""
+
+    @abc.abstractmethod
+    async def reschedule(
+        self, entry_id: uuid.UUID, owner: str, due: float, error: str, *, warned: bool = False,
+        results: Sequence[QueuedRecipient] = (),
+    ) -> bool:
+        """End `owner`'s attempt without finishing: store `results`, count the attempt, note the
+        error, make the entry due at `due` and free the lease; `warned` records that the delay
+        warning was sent. False (nothing written) when the lease is no longer theirs."""
+
+    @abc.abstractmethod
+    async def finish(self, entry_id: uuid.UUID) -> None:
+        """Remove an entry whose every recipient is sent or failed (idempotent)."""
+
+    @abc.abstractmethod
+    async def list_queue(self, domain: str | None = None) -> list[QueueEntry]:
+        """Every entry (optionally only those with a recipient in `domain`), oldest first."""
+
+    @abc.abstractmethod
+    async def get_queued(self, entry_id: uuid.UUID) -> QueueEntry:
+        """Raises NoSuchQueueEntry."""
+
+    @abc.abstractmethod
+    async def retry_queued(self, entry_id: uuid.UUID | None = None) -> int:
+        """Make an entry (every entry when None) due now, held ones excepted; returns how many."""
+
+    @abc.abstractmethod
+    async def hold_queued(self, entry_id: uuid.UUID, held: bool) -> None:
+        """Hold an entry (no worker takes it) or release it (due now). Raises NoSuchQueueEntry."""
+
+    @abc.abstractmethod
+    async def delete_queued(self, entry_id: uuid.UUID) -> None:
+        """Remove an entry without delivering it (no DSN). Raises NoSuchQueueEntry."""
+
+    # ----------------------------------------------------------------- DKIM keys
+    # Kept in the store so that every node signs with the same key.
+
+    @abc.abstractmethod
+    async def set_dkim_key(self, domain: str, selector: str, private_key_pem: str) -> None:
+        """Set (or replace) a domain's signing key. Raises NoSuchDomain for a domain that is not local."""
+
+    @abc.abstractmethod
+    async def get_dkim_key(self, domain: str) -> DkimKey | None:
+        """The domain's key, None when its mail is not signed."""
+
+    @abc.abstractmethod
+    async def delete_dkim_key(self, domain: str) -> None:
+        """Stop signing a domain's mail (idempotent)."""
+
+    @abc.abstractmethod
+    async def list_dkim_keys(self) -> list[DkimKey]:
+        """Every key, sorted by domain."""
+
+
+async def local_recipients(store: Store, address: str) -> list[str]:
+    """The users mail to a local address reaches: the user, or an alias's users; [] when the
+    address is neither. The user lookup comes first, so the common case is one read, and the
+    alias is read only on a miss. (A function over the contract, so a wrapped store sees both calls.)"""
+    key = address_key(address)
+    if await store.user_exists(key):
+        return [key]
+    return await store.get_alias(key) or []
+
 
 # --------------------------------------------------------------------------- helpers for backends
 
@@ -481,6 +647,32 @@ def prepare_delivery(
     for t in canonical:
         unique.setdefault((t.user, t.mailbox), t)
     return view, canonical, unique
+
+
+def check_enqueue(
+    body: Body, sender: str, recipients: Sequence[str], max_message_size: int
+) -> tuple[memoryview, str, list[str]]:
+    """The body as bytes, the sender ("" for <>) and the recipients once each, as addresses, or
+    MessageTooLarge / InvalidInput before anything is written."""
+    view = body_view(body)
+    if max_message_size and view.nbytes > max_message_size:
+        raise MessageTooLarge(view.nbytes, max_message_size)
+    if isinstance(recipients, str):
+        raise InvalidInput("recipients must be a list of addresses, not one string")
+    rcpts = list(dict.fromkeys(str(Address.parse(r)) for r in recipients))
+    if not rcpts:
+        raise InvalidInput("a queued message needs at least one recipient")
+    sender = "" if sender in ("", "<>") else str(Address.parse(sender))
+    return view, sender, rcpts
+
+
+def check_dkim_key(domain: str, selector: str, private_key_pem: str) -> tuple[str, str, str]:
+    """Canonical (domain, selector, key), or InvalidInput."""
+    if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9](?:[A-Za-z0-9_-]{0,62}))*", selector or ""):
+        raise InvalidInput(f"invalid DKIM selector {selector!r}")
+    if not isinstance(private_key_pem, str) or "PRIVATE KEY-----" not in private_key_pem:
+        raise InvalidInput("a DKIM key must be a private key in PEM")
+    return normalize_domain(domain), selector, private_key_pem
 
 
 def check_rename(user_key: str, old: str, new: str) -> tuple[str, str]:

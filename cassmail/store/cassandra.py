@@ -6,6 +6,9 @@ timeuuid; bodies are cut into chunks, each chunk its own partition. Aliases
 (schema/003_aliases.cql) are a partition per domain, a row per alias, with
 an index of the aliases that list each user.
 
+The outbound queue and DKIM keys (schema/006_outbound.cql) are in
+cassandra_queue.py.
+
 Delivery is plain idempotent writes at the write consistency level, in an
 order that never shows a half-written message: chunks first, then (for a
 body shared by several copies) its reference row, then the message rows in
@@ -66,7 +69,6 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
-    Store,
     StoreUnavailable,
     Target,
     UserExists,
@@ -78,6 +80,8 @@ from cassmail.store.base import (
     needs_uid,
     uid_work,
 )
+
+from cassmail.store.cassandra_queue import QUEUE_STATEMENTS, CassandraQueue
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +134,7 @@ def _now_100ns() -> int:
     return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
 
 
-class CassandraStore(Store):
+class CassandraStore(CassandraQueue):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
         self.settings = settings
         self.max_message_size = max_message_size
@@ -144,6 +148,7 @@ class CassandraStore(Store):
         self._read_cl = cl[settings.read_consistency.upper()]
         self._write_cl = cl[settings.write_consistency.upper()]
         self._serial_cl = cl[settings.serial_consistency.upper()]
+        self._queue_init()
 
     # ================================================================= connection
 
@@ -335,6 +340,7 @@ class CassandraStore(Store):
         "chunk_insert": ("INSERT INTO body_chunks (body_id, idx, data) VALUES (?, ?, ?)", "w"),
         "chunk_get": ("SELECT data FROM body_chunks WHERE body_id = ? AND idx = ?", "r"),
         "chunk_delete": ("DELETE FROM body_chunks WHERE body_id = ? AND idx = ?", "w"),
+        **QUEUE_STATEMENTS,
     }
 
     async def _prepare_all(self) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import shutil
 import threading
@@ -65,6 +66,8 @@ from cassmail.model import (
     normalize_domain,
 )
 from cassmail.store import mbox_fs
+from cassmail.store.file_queue import FileKeys, FileQueue, FileQueueStore
+from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.base import (
     Alias,
     AliasExists,
@@ -78,7 +81,6 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
-    Store,
     StoreUnavailable,
     Target,
     UserExists,
@@ -102,7 +104,7 @@ OPEN_MAILBOXES = 256
 MAX_FILE_NAME = 255
 
 
-class MboxStore(Store):
+class MboxStore(FileQueueStore):
     def __init__(self, settings: MboxSettings, max_message_size: int = 0) -> None:
         self.settings = settings
         self.max_message_size = max_message_size
@@ -111,6 +113,8 @@ class MboxStore(Store):
         self._cache_lock = threading.Lock()
         self._thread_locks: dict[Path, threading.Lock] = {}
         self._collapse = False
+        self.queue = FileQueue(FileSystem(), str(self.root / "queue"), settings.fsync)
+        self.keys = FileKeys(FileSystem(), str(self.root / "dkim"), settings.fsync)
 
     # ================================================================= lifecycle
 
@@ -120,6 +124,8 @@ class MboxStore(Store):
     def _open_sync(self) -> None:
         for sub in ("users", "trash"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.queue.open()
+        self.keys.open()
         (self.root / "lock").touch(exist_ok=True)
         self._collapse = mbox_fs.supports_collapse(self.root)
         if self.settings.method == "collapse" and not self._collapse:
@@ -143,14 +149,17 @@ class MboxStore(Store):
 
     # ================================================================= plumbing
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking file work off the event loop; storage failures become StoreUnavailable."""
+    async def _call(self, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None) -> T:
+        """Run blocking file work off the event loop; storage failures become StoreUnavailable.
+        (`cancel` is for callers that may time out; a local disk call is never abandoned.)"""
         try:
             return await asyncio.to_thread(fn, *args)
         except mbox_fs.LockTimeout as exc:
             raise StoreUnavailable(f"mailbox busy: {exc}") from exc
         except OSError as exc:
             raise StoreUnavailable(f"mbox store: {exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
+            raise StoreUnavailable(f"mbox store: unreadable record: {exc}") from exc
 
     @contextmanager
     def _file_lock(self, path: Path) -> Iterator[None]:

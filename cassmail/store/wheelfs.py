@@ -79,7 +79,6 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
-    Store,
     StoreUnavailable,
     Target,
     UserExists,
@@ -94,6 +93,7 @@ from cassmail.store.base import (
     prepare_delivery,
     uid_work,
 )
+from cassmail.store.file_queue import FileKeys, FileQueue, FileQueueStore
 from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.wheelfs_layout import (
     LAYOUT_FILE,
@@ -152,7 +152,7 @@ class _Message:
     flags: frozenset[str]
 
 
-class WheelFSStore(Store):
+class WheelFSStore(FileQueueStore):
     def __init__(self, settings: WheelFSSettings, max_message_size: int = 0, fs: FileSystem | None = None) -> None:
         self.settings = settings
         self.max_message_size = max_message_size
@@ -168,6 +168,8 @@ class WheelFSStore(Store):
         self._caches: OrderedDict[str, _MailboxCache] = OrderedDict()
         self._caches_lock = threading.Lock()
         self._validity_hint: dict[str, int] = {}
+        self.queue = FileQueue(self.fs, self.layout.queue, settings.fsync)
+        self.keys = FileKeys(self.fs, self.layout.dkim, settings.fsync)
 
     # ================================================================= lifecycle
 
@@ -190,6 +192,8 @@ class WheelFSStore(Store):
                 self._cues_changed(recorded, record_path)
         for path in (layout.domains, layout.aliases, layout.users, layout.mail_root):
             fs.makedirs(path)
+        self.queue.open()
+        self.keys.open()
         # Left by a node that stopped mid-way: a removed user, or a creation older than any can take.
         for name in fs.listdir(layout.users):
             path = os.path.join(layout.users, name)

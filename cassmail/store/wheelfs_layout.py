@@ -15,6 +15,8 @@ user's files are kept together while users spread over the servers::
         validity/<n>                                  UIDVALIDITY values ever handed out
         uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
         recent/<mailbox id>/<mark>                    \\Recent claimed from <mark>: the next mark (ditto)
+    <root>/cassmail/queue/<strong cues>/              the outbound queue (see file_queue)
+    <root>/cassmail/dkim/<strong cues>/<domain>       a domain's DKIM key (JSON)
     <root>/cassmail/mail/<mail cues>/<user>/<mailbox id>/
         body/<sid>                                    the message bytes, written once
         msg/<sid>.<size>.<date>.<flags>               empty commit marker: the message is listed
@@ -164,6 +166,8 @@ class Layout:
         self.domains = os.path.join(base, "domains", *strong)
         self.aliases = os.path.join(base, "aliases", *strong)
         self.users = os.path.join(base, "users", *strong)
+        self.queue = os.path.join(base, "queue", *strong)
+        self.dkim = os.path.join(base, "dkim", *strong)
         self.mail_root = os.path.join(base, "mail", *mail)
 
     def record(self) -> bytes:

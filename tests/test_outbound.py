@@ -1,0 +1,449 @@
+"""Outbound mail end to end: a real `cassmail serve` with its queue workers, on each store,
+sending to remote MXs of the test's own (aiosmtpd with STARTTLS on 127.0.0.2 and .3) found
+through a DNS server of the test's own (dnslib on loopback, `relay.nameservers`), and to
+remotes that misbehave. Users submit with smtplib and read their DSNs with poplib.
+
+Every remote host listens on the same port (`relay.port`), as MXs on many machines listen
+on 25. Retries, lifetime and leases are made short by settings, so a day's schedule plays
+in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import json
+import poplib
+import re
+import smtplib
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import dkim
+import pytest
+
+from cassmail.config import Settings
+from cassmail.server import make_store
+from cassmail.store.base import Store
+from tests.conftest import FAST_HASH, backend_settings_for, hash_password
+from tests.nodes import CASSMAIL, CLIENT_TLS, Node, node_settings
+from tests.outbound_peers import BadRemote, Dns, RemoteMx, free_port_on
+
+pytestmark = pytest.mark.cassandra
+
+#: The stores this module runs on (the WheelFS store's cue-less layout shares all its queue code).
+OUTBOUND_BACKENDS = ["cassandra", "mbox", "wheelfs"]
+GOOD, IMPLICIT, PLAIN, DOWN = "127.0.0.2", "127.0.0.3", "127.0.0.9", "127.0.0.10"
+BAD = {"garbage": "127.0.0.4", "silent": "127.0.0.5", "huge": "127.0.0.6", "close-mid-data": "127.0.0.7"}
+TRUSTED = "127.0.0.11"  # a client the submission listener trusts without AUTH (Postfix's mynetworks)
+LIFETIME = 8.0
+DELAY_WARNING = 3.0
+
+
+@dataclass
+class World:
+    dns: Dns
+    port: int
+    good: RemoteMx
+    implicit: RemoteMx
+    plain: BadRemote
+    bad: dict[str, BadRemote]
+
+
+@pytest.fixture(scope="module")
+def world(tls_files: dict[str, str]) -> Iterator[World]:
+    port = free_port_on(GOOD, IMPLICIT, PLAIN, DOWN, *BAD.values())
+    dns = Dns().start()
+    zone = dns.zone
+    zone.add("remote.test", "MX", "10 mx1.remote.test.")
+    zone.add("mx1.remote.test", "A", GOOD)
+    zone.add("implicit.test", "A", IMPLICIT)  # no MX: the domain itself is the MX (RFC 5321 5.1)
+    zone.add("nullmx.test", "MX", "0 .")  # RFC 7505: accepts no mail
+    zone.add("plain.test", "MX", "10 mx.plain.test.")
+    zone.add("mx.plain.test", "A", PLAIN)
+    zone.add("down.test", "MX", "10 mx.down.test.")
+    zone.add("mx.down.test", "A", DOWN)  # nothing listens there
+    for mode, host in BAD.items():
+        zone.add(f"{mode}.test", "MX", f"10 mx.{mode}.test.")
+        zone.add(f"mx.{mode}.test", "A", host)
+    good = RemoteMx(GOOD, port, tls_files)
+    implicit = RemoteMx(IMPLICIT, port, None)
+    good.start()
+    implicit.start()
+    plain = BadRemote(PLAIN, port, "plain").start()
+    bad = {mode: BadRemote(host, port, mode).start() for mode, host in BAD.items()}
+    try:
+        yield World(dns, port, good, implicit, plain, bad)
+    finally:
+        for remote in (plain, *bad.values()):
+            remote.stop()
+        good.stop()
+        implicit.stop()
+        dns.stop()
+
+
+@pytest.fixture(scope="module", params=OUTBOUND_BACKENDS)
+def out_settings(request: pytest.FixtureRequest) -> Settings:
+    return backend_settings_for(request.param, request)
+
+
+@pytest.fixture(scope="module")
+async def out_store(out_settings: Settings) -> AsyncIterator[Store]:
+    opened = make_store(out_settings)
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+@dataclass
+class Outbound:
+    node: Node
+    store: Store
+    world: World
+    #: Sent as the node started, to a domain whose MX never answers: it bounces at LIFETIME.
+    doomed: dict[str, Any]
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([CASSMAIL, "--config", str(self.node.config), *args], capture_output=True, text=True,
+                              timeout=60, stdin=subprocess.DEVNULL)
+
+    def log_lines(self, pattern: str) -> list[str]:
+        return re.findall(rf"^.*{pattern}.*$", self.node.log_text(), re.M)
+
+
+async def make_users(store: Store, *names: str) -> dict[str, str]:
+    """Users (password = their name) in a fresh local domain."""
+    domain = f"o{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    out = {}
+    for name in names:
+        out[name] = f"{name}@{domain}"
+        await store.create_user(out[name], hash_password(name, FAST_HASH))
+    return out
+
+
+def submit(node: Node, user: str, recipients: list[str], body: bytes, sender: str | None = None) -> dict:
+    with smtplib.SMTP("127.0.0.1", node.port("submission"), timeout=30) as client:
+        client.starttls(context=CLIENT_TLS)
+        client.login(user, user.split("@")[0])
+        return client.sendmail(sender or user, recipients, body)
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not true within {timeout} s"
+        await asyncio.sleep(0.1)
+
+
+def pop_all(node: Node, user: str) -> list[bytes]:
+    client = poplib.POP3("127.0.0.1", node.port("pop3"), timeout=30)
+    try:
+        client.user(user)
+        client.pass_(user.split("@")[0])
+        count = client.stat()[0]
+        return [b"\r\n".join(client.retr(n)[1]) + b"\r\n" for n in range(1, count + 1)]
+    finally:
+        client.quit()
+
+
+def report(message: bytes) -> tuple[str, list[dict[str, str]], bytes]:
+    """A DSN's (subject, per-recipient fields, the original headers it carries)."""
+    parsed = email.message_from_bytes(message, policy=email.policy.default)
+    assert parsed.get_content_type() == "multipart/report" and parsed.get_param("report-type") == "delivery-status"
+    parts = list(parsed.iter_parts())
+    assert [p.get_content_type() for p in parts] == ["text/plain", "message/delivery-status", "text/rfc822-headers"]
+    status_blocks = parts[1].get_payload()
+    recipients = [dict(block.items()) for block in status_blocks[1:]]
+    return str(parsed["Subject"]), recipients, parts[2].get_payload(decode=True)
+
+
+@pytest.fixture(scope="module")
+async def outbound(out_settings: Settings, out_store: Store, world: World, tls_files: dict[str, str],
+                   tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Outbound]:
+    node = Node(
+        node_settings(out_settings), tmp_path_factory.mktemp("outbound"),
+        submission={**tls_files, "trusted_networks": [TRUSTED]}, pop3={"allow_plaintext_auth": True},
+        imap={"enabled": False},
+        lmtp={"enabled": False},
+        delivery={"enabled": True, "min_backoff": 1.0, "max_backoff": 2.0, "max_lifetime": LIFETIME,
+                  "delay_warning": DELAY_WARNING, "lease": 10.0, "poll_interval": 0.2, "destination_concurrency": 2},
+        relay={"nameservers": [world.dns.address], "port": world.port, "connect_timeout": 2.0, "timeout": 3.0,
+               "connection_reuse_time": 1.0, "dns_timeout": 3.0},
+        metrics={"enabled": True},
+    )
+    people = await make_users(out_store, "dora")
+    node.start()
+    try:
+        body = b"Subject: into the void\r\nFrom: " + people["dora"].encode() + b"\r\n\r\nnobody home\r\n"
+        assert await asyncio.to_thread(submit, node, people["dora"], ["someone@down.test"], body) == {}
+        nulls = [await out_store.enqueue(b"Subject: a bounce\r\n\r\nx\r\n", "", [rcpt])
+                 for rcpt in ("reject-null@remote.test", "nobody@down.test")]
+        doomed = {"sender": people["dora"], "since": time.monotonic(), "nulls": nulls}
+        yield Outbound(node, out_store, world, doomed)
+    finally:
+        assert node.stop() == 0
+        assert "Traceback" not in node.log_text(), node.log_text()[-5000:]
+
+
+# ----------------------------------------------------------------------------- delivered
+
+
+async def test_remote_mail_is_delivered_byte_exact_over_starttls_with_a_valid_dkim_signature(
+    outbound: Outbound,
+) -> None:
+    store, world = outbound.store, outbound.world
+    people = await make_users(store, "anne", "bob")
+    anne, domain = people["anne"], people["anne"].split("@")[1]
+    added = outbound.cli("dkim", "add", domain, "--selector", "t1")
+    assert added.returncode == 0, added.stderr
+    record = re.search(r'^t1\._domainkey\.(\S+)\. IN TXT \( (.*) \)$', added.stdout, re.M)
+    assert record and record.group(1) == domain, added.stdout
+    world.dns.zone.add(f"t1._domainkey.{domain}", "TXT", record.group(2))
+    friend = f"Friend-{uuid.uuid4().hex[:6]}@remote.test"  # the remote keeps what every backend's run sent
+    body = (f"From: Anne <{anne}>\r\nTo: {friend}\r\nSubject: hello out there\r\n"
+            f"Message-ID: <{uuid.uuid4().hex}@{domain}>\r\n\r\nGr\xfc\xdfe \u2713\r\n.leading dot\r\n").encode()
+    assert await asyncio.to_thread(submit, outbound.node, anne, [friend, people["bob"]], body) == {}
+    [got] = await eventually(lambda: asyncio.sleep(0, world.good.mx.for_recipient(friend)))
+    [sent] = [s async for s in store.list_messages(anne, "Sent")]
+    copy = await store.read_message(anne, "Sent", sent.id)
+    # What left is the Sent copy (trace headers and the client's bytes) with a DKIM-Signature in front.
+    assert got.content.startswith(b"DKIM-Signature: ") and got.content.endswith(copy)
+    assert dkim.verify(got.content, dnsfunc=lambda name, timeout=5: world.dns.txt(name.decode().rstrip(".")))
+    assert b"d=" + domain.encode() in got.content[: len(got.content) - len(copy)]
+    assert got.tls and got.sender == anne and "BODY=8BITMIME" in got.options
+    [local] = [s async for s in store.list_messages(people["bob"], "INBOX")]  # the local recipient as today
+    assert await store.read_message(people["bob"], "INBOX", local.id) == copy
+    await eventually(lambda: asyncio.sleep(0, outbound.log_lines(rf"event=outbound .*rcpt={friend} "
+                                                                 r"remote=mx1\.remote\.test\[127\.0\.0\.2\] .*result=sent")))
+    assert [e for e in await store.list_queue() if any(r.address == friend for r in e.recipients)] == []
+
+
+async def test_a_temporary_failure_is_retried_and_delivered_once(outbound: Outbound) -> None:
+    people = await make_users(outbound.store, "erin")
+    rcpt = f"tempfail-1-{uuid.uuid4().hex[:6]}@remote.test"
+    assert await asyncio.to_thread(submit, outbound.node, people["erin"], [rcpt], b"Subject: retry\r\n\r\nx\r\n") == {}
+    await eventually(lambda: asyncio.sleep(0, outbound.world.good.mx.for_recipient(rcpt)))
+    await asyncio.sleep(1.5)  # a second copy would have come by now
+    assert len(outbound.world.good.mx.for_recipient(rcpt)) == 1
+    deferred = outbound.log_lines(rf"event=outbound .*rcpt={rcpt} .*result=deferred reply=\"451 4\.2\.0 Mailbox busy")
+    sent = outbound.log_lines(rf"event=outbound .*rcpt={rcpt} .*result=sent .*attempt=2 ")
+    assert len(deferred) == 1 and len(sent) == 1, outbound.node.log_text()[-3000:]
+
+
+async def test_a_permanent_failure_bounces_one_dsn_that_the_sender_reads_by_pop3(outbound: Outbound) -> None:
+    people = await make_users(outbound.store, "fred")
+    fred = people["fred"]
+    body = b"Subject: to nobody\r\nX-Tag: original-header\r\n\r\nlost\r\n"
+    friend = f"friend-{uuid.uuid4().hex[:6]}@remote.test"
+    assert await asyncio.to_thread(submit, outbound.node, fred, ["reject@remote.test", friend], body) == {}
+    await eventually(lambda: asyncio.to_thread(pop_all, outbound.node, fred))
+    await asyncio.sleep(1.0)  # nothing else is coming
+    [dsn] = await asyncio.to_thread(pop_all, outbound.node, fred)
+    subject, recipients, original = report(dsn)
+    assert subject == "Undelivered Mail Returned to Sender"
+    assert recipients == [{**recipients[0], "Final-Recipient": "rfc822; reject@remote.test", "Action": "failed",
+                           "Status": "5.1.1", "Remote-MTA": "dns; mx1.remote.test",
+                           "Diagnostic-Code": "smtp; 550 5.1.1 No such user here"}]
+    assert b"X-Tag: original-header" in original and b"Subject: to nobody" in original
+    assert email.message_from_bytes(dsn)["From"].startswith("Mail Delivery System <MAILER-DAEMON@")
+    assert len(outbound.world.good.mx.for_recipient(friend)) == 1  # the other one was delivered
+
+
+async def test_null_mx_bounces_at_once_and_a_domain_without_mx_gets_its_own_address(outbound: Outbound) -> None:
+    people = await make_users(outbound.store, "gina")
+    gina = people["gina"]
+    implicit = f"y-{uuid.uuid4().hex[:6]}@implicit.test"
+    assert await asyncio.to_thread(submit, outbound.node, gina, ["x@nullmx.test", implicit],
+                                   b"Subject: two\r\n\r\nx\r\n") == {}
+    await eventually(lambda: asyncio.sleep(0, outbound.world.implicit.mx.for_recipient(implicit)))
+    [dsn] = await eventually(lambda: asyncio.to_thread(pop_all, outbound.node, gina))
+    _, [nullmx], _ = report(dsn)
+    assert nullmx["Final-Recipient"] == "rfc822; x@nullmx.test" and nullmx["Status"] == "5.1.10"
+    assert "null MX" in nullmx["Diagnostic-Code"]
+    [got] = outbound.world.implicit.mx.for_recipient(implicit)
+    assert not got.tls  # 127.0.0.3 offers no STARTTLS: sent in clear ("may" is opportunistic)
+
+
+async def test_per_destination_concurrency_holds(outbound: Outbound) -> None:
+    people = await make_users(outbound.store, "hugo")
+    mx = outbound.world.good.mx
+    mx.slow_seconds, mx.most_open = 0.7, 0
+    tag = uuid.uuid4().hex[:6]
+    rcpts = [f"slow-{tag}-{k}@remote.test" for k in range(6)]
+
+    def send_all() -> None:
+        for rcpt in rcpts:
+            assert submit(outbound.node, people["hugo"], [rcpt], b"Subject: slow\r\n\r\nx\r\n") == {}
+
+    await asyncio.to_thread(send_all)
+    await eventually(lambda: asyncio.sleep(0, all(mx.for_recipient(r) for r in rcpts)), timeout=60)
+    # destination_concurrency = 2 on a node of one worker: never more than two connections at once,
+    # and both were used (the six slow messages did not go one by one).
+    assert mx.most_open == 2, mx.most_open
+    assert all(len(mx.for_recipient(r)) == 1 for r in rcpts)
+
+
+async def test_a_trusted_network_submits_without_auth_and_others_must_authenticate(outbound: Outbound) -> None:
+    rcpt = f"app-{uuid.uuid4().hex[:6]}@remote.test"
+
+    def send(source: str) -> dict:
+        with smtplib.SMTP("127.0.0.1", outbound.node.port("submission"), timeout=30,
+                          source_address=(source, 0)) as client:
+            return client.sendmail("app@anywhere.example", [rcpt], b"Subject: from an app\r\n\r\nx\r\n")
+
+    with pytest.raises(smtplib.SMTPSenderRefused) as refused:
+        await asyncio.to_thread(send, "127.0.0.1")
+    assert refused.value.smtp_code == 530
+    assert await asyncio.to_thread(send, TRUSTED) == {}
+    [got] = await eventually(lambda: asyncio.sleep(0, outbound.world.good.mx.for_recipient(rcpt)))
+    assert got.sender == "app@anywhere.example"
+
+
+# ----------------------------------------------------------------------------- what the remote lacks
+
+
+async def test_8bit_mail_to_a_remote_without_8bitmime_is_downgraded_and_utf8_addresses_bounce(
+    outbound: Outbound,
+) -> None:
+    people = await make_users(outbound.store, "ivan")
+    ivan = people["ivan"]
+    tag = uuid.uuid4().hex[:6]
+    body = f"Subject: 8bit\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nGr\xfc\xdfe {tag}\r\n".encode()
+    assert await asyncio.to_thread(submit, outbound.node, ivan, [f"x-{tag}@plain.test"], body) == {}
+    plain = outbound.world.plain
+    [(commands, data)] = await eventually(lambda: asyncio.sleep(0, [r for r in plain.received if tag.encode() in r[1]
+                                                                    or tag.encode() in r[0]]))
+    assert data.isascii() and b"BODY=8BITMIME" not in commands
+    parsed = email.message_from_bytes(data, policy=email.policy.default)
+    assert parsed["Content-Transfer-Encoding"] == "quoted-printable" and f"Gr\xfc\xdfe {tag}" in parsed.get_content()
+
+    def utf8_submit() -> None:
+        with smtplib.SMTP("127.0.0.1", outbound.node.port("submission"), timeout=30) as client:
+            client.starttls(context=CLIENT_TLS)
+            client.login(ivan, "ivan")
+            client.sendmail(ivan, ["j\xfcrgen@plain.test"], b"Subject: utf8\r\n\r\nx\r\n", mail_options=["SMTPUTF8"])
+
+    await asyncio.to_thread(utf8_submit)
+    [dsn] = await eventually(lambda: asyncio.to_thread(pop_all, outbound.node, ivan))
+    _, [failed], _ = report(dsn)
+    assert failed["Status"] == "5.6.7" and "SMTPUTF8" in failed["Diagnostic-Code"]
+
+
+# ----------------------------------------------------------------------------- remotes that misbehave
+
+
+async def test_misbehaving_remotes_each_defer_with_a_logged_reason_and_nothing_is_lost(outbound: Outbound) -> None:
+    people = await make_users(outbound.store, "kim")
+    tag = uuid.uuid4().hex[:6]
+    rcpts = {mode: f"to-{tag}@{mode}.test" for mode in BAD}
+    for rcpt in rcpts.values():
+        assert await asyncio.to_thread(submit, outbound.node, people["kim"], [rcpt], b"Subject: bad\r\n\r\nx\r\n") == {}
+    reasons = {
+        "garbage": r"Malformed SMTP response", "silent": r"timed out|no greeting", "huge": r"Response too long",
+        "close-mid-data": r"connection lost|Unexpected EOF|Connection lost",
+    }
+    for mode, rcpt in rcpts.items():
+        lines = await eventually(lambda rcpt=rcpt: asyncio.sleep(0, outbound.log_lines(
+            rf"event=outbound .*rcpt={re.escape(rcpt)} .*result=deferred")), timeout=15)
+        assert re.search(reasons[mode], lines[0]), (mode, lines[0])
+        assert outbound.world.bad[mode].connections >= 1
+    queued = {r.address for e in await outbound.store.list_queue() for r in e.pending}
+    assert set(rcpts.values()) <= queued  # all still queued: nothing lost
+    # The remotes are mended (their MX now points at a good one), and the operator retries now.
+    records = outbound.world.dns.zone.records
+    try:
+        for mode in BAD:
+            records[(f"mx.{mode}.test", "A")] = [GOOD]
+        retried = outbound.cli("queue", "retry", "--all")
+        assert retried.returncode == 0 and "due now" in retried.stdout, retried.stderr
+        for rcpt in rcpts.values():
+            await eventually(lambda rcpt=rcpt: asyncio.sleep(0, outbound.world.good.mx.for_recipient(rcpt)), timeout=15)
+    finally:
+        for mode, host in BAD.items():
+            records[(f"mx.{mode}.test", "A")] = [host]
+
+
+# ----------------------------------------------------------------------------- the queue seen by an operator
+
+
+async def test_the_queue_commands_show_hold_release_and_delete(outbound: Outbound) -> None:
+    store = outbound.store
+    tag = uuid.uuid4().hex[:6]
+    first, second = f"a-{tag}@remote.test", f"b-{tag}@remote.test"
+    held = await store.enqueue(b"Subject: wait\r\n\r\nx\r\n", "op@sender.example", [first], due=time.time() + 600)
+    gone = await store.enqueue(b"Subject: drop\r\n\r\nx\r\n", "op@sender.example", [second], due=time.time() + 600)
+    assert outbound.cli("queue", "hold", held.hex).returncode == 0
+    listed = json.loads(outbound.cli("queue", "list", "--domain", "remote.test", "--json").stdout)
+    mine = {e["id"]: e for e in listed if e["id"] in (held.hex, gone.hex)}
+    assert mine[held.hex]["held"] and not mine[gone.hex]["held"]
+    assert mine[held.hex]["recipients"] == [{"address": first, "state": "pending", "reply": "", "remote": ""}]
+    table = outbound.cli("queue", "list").stdout
+    assert re.search(rf"^{held.hex} .* held  <op@sender\.example> -> {first}$", table, re.M), table
+    shown = outbound.cli("queue", "show", held.hex)
+    assert "sender:      op@sender.example" in shown.stdout and "Subject: wait" in shown.stdout
+    assert outbound.cli("queue", "delete", gone.hex).returncode == 0
+    missing = outbound.cli("queue", "show", gone.hex)
+    assert missing.returncode == 1 and "no such queue entry" in missing.stderr
+    assert outbound.cli("queue", "show", "nonsense").returncode == 1
+    assert outbound.cli("queue", "release", held.hex).returncode == 0
+    await eventually(lambda: asyncio.sleep(0, outbound.world.good.mx.for_recipient(first)))
+    assert outbound.world.good.mx.for_recipient(second) == []
+
+
+# ----------------------------------------------------------------------------- the lifetime (sent at the start)
+
+
+async def test_a_remote_down_past_the_lifetime_bounces_after_one_delay_warning_and_the_null_sender_never_bounces(
+    outbound: Outbound,
+) -> None:
+    doomed = outbound.doomed
+    sender = doomed["sender"]
+    await asyncio.sleep(max(0.0, doomed["since"] + LIFETIME + 3 - time.monotonic()))
+    messages = await eventually(lambda: asyncio.to_thread(lambda: len(pop_all(outbound.node, sender)) >= 2
+                                                          and pop_all(outbound.node, sender)))
+    await asyncio.sleep(1.0)
+    assert len(await asyncio.to_thread(pop_all, outbound.node, sender)) == 2
+    subjects = [report(m)[0] for m in messages]
+    assert subjects == ["Delayed Mail (still being retried)", "Undelivered Mail Returned to Sender"]
+    _, [delayed], _ = report(messages[0])
+    _, [failed], _ = report(messages[1])
+    assert delayed["Action"] == "delayed" and delayed["Final-Recipient"] == "rfc822; someone@down.test"
+    assert failed["Action"] == "failed" and failed["Status"] == "4.4.7"
+    assert "cannot connect" in failed["Diagnostic-Code"] and "expired" in failed["Diagnostic-Code"]
+    # The two from <> were given up the same way (one refused, one expired): no DSN for either.
+    for entry_id in doomed["nulls"]:
+        assert outbound.log_lines(rf"event=outbound-done id={entry_id.hex} .*result=bounced")
+        assert not outbound.log_lines(rf"event=dsn id={entry_id.hex}")
+    remaining = {e.id for e in await outbound.store.list_queue()}
+    assert not remaining & set(doomed["nulls"])
+
+
+def test_the_counters_say_what_was_queued_sent_deferred_and_bounced(outbound: Outbound) -> None:
+    """Last in the module: what the tests above did, as the node's Prometheus endpoint counts it."""
+    from tests.test_metrics import scrape
+
+    samples = scrape(outbound.node)
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    sent = len(outbound.log_lines(r"event=outbound-done .*result=sent"))
+    bounced = len(outbound.log_lines(r"event=outbound-done .*result=bounced"))
+    assert sent >= 10 and value("cassmail_outbound_total", result="sent") == sent
+    assert bounced >= 6 and value("cassmail_outbound_total", result="bounced") == bounced  # 5.1.1, null MX,
+    # SMTPUTF8, the null sender's 5xx, and the two that outlived the lifetime
+    deferred = len(outbound.log_lines(r"event=outbound .*result=deferred"))
+    assert deferred >= 5 and value("cassmail_outbound_total", result="deferred") == deferred
+    assert value("cassmail_outbound_queued_total") >= 10
+    assert value("cassmail_outbound_queued_recipients_total") >= value("cassmail_outbound_queued_total")
+    assert value("cassmail_outbound_queue_age_seconds_count") == sent + bounced
+    assert value("cassmail_store_seconds_count", op="enqueue") >= value("cassmail_outbound_queued_total")
