@@ -378,15 +378,14 @@ class SmtpSettings(ListenerSettings):
 
 
 @dataclass
-class Pop3Settings(ListenerSettings):
-    #: RFC 1939 3: the autologout timer is at least 10 minutes.
-    timeout: float = 600.0
-    #: Longest command line in bytes (RFC 2449: 255); longer ones get -ERR and the session goes on.
-    max_line_length: int = 1024
-    #: Message summaries read from the store per request when a session opens its maildrop.
+class MailboxListenerSettings(ListenerSettings):
+    """What POP3 and IMAP listeners share: they list mailboxes, stream messages to clients and
+    hold what clients pipeline."""
+
+    #: Message summaries read from the store per request when a session lists a mailbox.
     page_size: int = 500
-    #: Bytes of pipelined commands held while a long operation (login, RETR, TOP, QUIT) runs;
-    #: past it the server stops reading from that client until they are answered.
+    #: Bytes a client may send ahead of the command being answered (pipelining); past it the
+    #: server stops reading from that client until it has caught up.
     max_pipelined_bytes: int = 64 * 1024
     #: Seconds a client may take no bytes while the server has a message for it (RETR/TOP or
     #: FETCH); past it the connection is dropped, so a client that stops reading cannot hold a
@@ -395,8 +394,6 @@ class Pop3Settings(ListenerSettings):
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
-        _check(self.timeout >= 600, f"{prefix}.timeout", "must be at least 600 seconds (RFC 1939)")
-        _check(255 <= self.max_line_length <= 65536, f"{prefix}.max_line_length", "must be 255..65536 bytes")
         _check(
             1024 <= self.max_pipelined_bytes <= 1 << 24,
             f"{prefix}.max_pipelined_bytes",
@@ -407,7 +404,20 @@ class Pop3Settings(ListenerSettings):
 
 
 @dataclass
-class ImapSettings(ListenerSettings):
+class Pop3Settings(MailboxListenerSettings):
+    #: RFC 1939 3: the autologout timer is at least 10 minutes.
+    timeout: float = 600.0
+    #: Longest command line in bytes (RFC 2449: 255); longer ones get -ERR and the session goes on.
+    max_line_length: int = 1024
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        _check(self.timeout >= 600, f"{prefix}.timeout", "must be at least 600 seconds (RFC 1939)")
+        _check(255 <= self.max_line_length <= 65536, f"{prefix}.max_line_length", "must be 255..65536 bytes")
+
+
+@dataclass
+class ImapSettings(MailboxListenerSettings):
     #: RFC 3501 5.4: the autologout timer is at least 30 minutes.
     timeout: float = 1800.0
     #: Longest command line in bytes, literals excluded; longer ones get BAD and the session goes on.
@@ -417,18 +427,10 @@ class ImapSettings(ListenerSettings):
     #: Seconds between two looks at the store for changes made elsewhere, while a session IDLEs.
     #: One look per selected mailbox and worker process, whatever the number of sessions on it.
     idle_poll: float = 2.0
-    #: Message summaries read from the store per request when a session selects a mailbox.
     page_size: int = 1000
-    #: Bytes a client may send ahead of the command being answered (pipelining); past it the
-    #: server stops reading from that client until it has caught up.
-    max_pipelined_bytes: int = 64 * 1024
     #: Bytes of parsed message headers each worker keeps (ENVELOPE, HEADER.FIELDS and SEARCH on
     #: headers read a message's header from the store once); 0 keeps none.
     header_cache_bytes: int = 32 * 1024 * 1024
-    #: Seconds a client may take no bytes while the server has a message for it (RETR/TOP or
-    #: FETCH); past it the connection is dropped, so a client that stops reading cannot hold a
-    #: session forever. Not the idle timer: that one waits for the client's next command.
-    write_timeout: float = 600.0
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -436,13 +438,6 @@ class ImapSettings(ListenerSettings):
         _check(1024 <= self.max_line_length <= 1 << 24, f"{prefix}.max_line_length", "must be 1024..16777216 bytes")
         _check(256 <= self.max_string_literal <= 1 << 20, f"{prefix}.max_string_literal", "must be 256..1048576")
         _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
-        _check(1 <= self.page_size <= 10_000, f"{prefix}.page_size", "must be 1..10000")
-        _check(1 <= self.write_timeout <= 86400, f"{prefix}.write_timeout", "must be 1..86400 seconds")
-        _check(
-            1024 <= self.max_pipelined_bytes <= 1 << 24,
-            f"{prefix}.max_pipelined_bytes",
-            f"must be 1024..16777216 bytes, got {self.max_pipelined_bytes}",
-        )
         _check(0 <= self.header_cache_bytes <= 1 << 34, f"{prefix}.header_cache_bytes", "must be 0..17179869184 bytes")
 
 
