@@ -411,9 +411,11 @@ class CassandraQueue(Store):
                         raise StoreUnavailable(f"queued message {entry_id} not readable at this consistency")
                     return bytes(rows[0].body)
                 chunks = await self._gather_limited(
-                    self._chunk(body_id, i, "the queue") for i in range(math.ceil(held.size / held.chunk_size))
+                    self._chunk(body_id, i) for i in range(math.ceil(held.size / held.chunk_size))
                 )
-                return b"".join(chunks)
+                if any(chunk is None for chunk in chunks):
+                    raise StoreUnavailable(f"queued message {entry_id} not readable at this consistency")
+                return b"".join(chunks)  # type: ignore[arg-type]
             except StoreUnavailable:
                 # Taken a moment after it was queued: at consistency ONE the replica asked may
                 # not have applied the chunk yet.
