@@ -35,6 +35,10 @@ class StaleStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    async def changes_token(self, user: str, mailbox: str) -> None:
+        """None: the listings this wrapper makes stale differ without any change to the store."""
+        return None
+
     async def list_messages(self, user: str, mailbox: str, page_size: int = 500) -> AsyncIterator[MessageSummary]:
         async for summary in self.inner.list_messages(user, mailbox, page_size):
             if summary.id not in self.hidden:

@@ -94,7 +94,7 @@ from cassmail.store.base import (
     internal_date_micros,
     prepare_delivery,
 )
-from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, NeedsRecovery, ReadState
+from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, MessageGone, NeedsRecovery, ReadState
 
 T = TypeVar("T")
 
@@ -688,7 +688,7 @@ class MboxStore(FileQueueStore):
         while True:
             try:
                 chunk = await self._call(self._with_mailbox, key, name, lambda mf: mf.read_step(state))
-            except KeyError:
+            except MessageGone:
                 raise NoSuchMessage(name, message_id) from None
             if chunk is None:
                 return

@@ -147,6 +147,10 @@ class MailboxGone(Exception):
     """The mailbox file was deleted, renamed or replaced since it was opened here."""
 
 
+class MessageGone(Exception):
+    """A message being read was deleted meanwhile (the store answers NoSuchMessage)."""
+
+
 class NeedsRecovery(Exception):
     """A reader found work for a writer (a crashed writer's leftovers); retry with the exclusive lock."""
 
@@ -743,7 +747,7 @@ class MailboxFile:
         with self.reading():
             seg = self.by_id.get(state.message_id)
             if seg is None or not seg.live:
-                raise KeyError(state.message_id)
+                raise MessageGone(state.message_id)
             if not state.checked:
                 if seg.meta and not self._meta_matches(seg):
                     self._damaged = f"message {state.message_id} is not where the index says"
