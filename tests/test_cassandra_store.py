@@ -282,7 +282,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
         rows = await store._exec(store.session.prepare(query).bind(()))
     assert sorted((r.version, r.name) for r in rows) == [(1, "initial"), (2, "low_water_due"), (3, "aliases"),
-                                                        (4, "outbound")]
+                                                        (6, "outbound")]
 
 
 async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_settings) -> None:
@@ -441,7 +441,8 @@ async def test_taking_from_a_queue_that_delivered_many_walks_no_tombstones(make_
     with store.tracing() as after_delivery:
         assert await store.take_due("w", 100, lease=60.0) == []
     assert after_delivery.tombstones == 0 and after_delivery.live_rows == 0
-    assert after_delivery.statements == cassandra_queue.SHARDS  # one small read per shard
+    # One small read per shard (two when a minute ended between the takes and this look).
+    assert after_delivery.statements in (cassandra_queue.SHARDS, 2 * cassandra_queue.SHARDS)
     sweeping = await make_store(tombstone_grace=0.0)
     with sweeping.tracing() as sweep:
         assert await sweeping.take_due("w2", 100, lease=60.0) == []

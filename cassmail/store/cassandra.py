@@ -6,7 +6,7 @@ timeuuid; bodies are cut into chunks, each chunk its own partition. Aliases
 (schema/003_aliases.cql) are a partition per domain, a row per alias, with
 an index of the aliases that list each user.
 
-The outbound queue and DKIM keys (schema/004_outbound.cql) are in
+The outbound queue and DKIM keys (schema/006_outbound.cql) are in
 cassandra_queue.py.
 
 Delivery is plain idempotent writes at the write consistency level, in an

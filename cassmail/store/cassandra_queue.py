@@ -1,4 +1,4 @@
-"""The outbound queue and DKIM keys of the Cassandra store (schema/004_outbound.cql).
+"""The outbound queue and DKIM keys of the Cassandra store (schema/006_outbound.cql).
 
 Accepting (`enqueue`) is plain writes at the write level: the body's chunks, then the
 entry (its partition in one batch), then its row in `queue_due`. No lightweight
