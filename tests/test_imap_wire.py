@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from cassmail.imap import commands, mime, wire
 from cassmail.imap.mailboxes import list_matches, pattern_matcher
-from cassmail.imap.selected import uid_set
 from cassmail.model import MailboxInfo
 
 
@@ -62,8 +61,8 @@ def test_invalid_modified_utf7_is_refused() -> None:
 
 
 def test_uid_sets_are_compact() -> None:
-    assert uid_set([4, 5, 6, 9, 11, 12]) == "4:6,9,11:12"
-    assert uid_set([7]) == "7"
+    assert wire.compact_set([4, 5, 6, 9, 11, 12]) == "4:6,9,11:12"
+    assert wire.compact_set([7]) == "7"
 
 
 def _listed(boxes: list[MailboxInfo], *patterns: str, **options: object) -> dict[str, list[bytes]]:

@@ -77,18 +77,20 @@ def scrape(node: Node, path: str = "/metrics") -> Samples:
     }
 
 
-def settled(node: Node, timeout: float = 15) -> Samples:
-    """A scrape once two in a row 0.3 s apart agree: `Node.start` probes each port with a bare
-    connection, and those sessions are counted when the server notices they closed."""
+def settled(node: Node, timeout: float = 30) -> Samples:
+    """A scrape once two in a row 0.3 s apart agree and no session is open: `Node.start` probes
+    each port with a bare connection, and those sessions are counted when the server notices
+    they closed (on a busy machine, a while after the probe has gone)."""
     deadline = time.monotonic() + timeout
     last = scrape(node)
     while time.monotonic() < deadline:
         time.sleep(0.3)
         now = scrape(node)
-        if now == last:
+        idle = all(v == 0 for (name, _), v in now.items() if name == "cassmail_sessions_open")
+        if now == last and idle:
             return now
         last = now
-    raise AssertionError("the metrics kept changing on an idle node")
+    raise AssertionError(f"the metrics of an idle node never settled: {last}")
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:

@@ -36,6 +36,11 @@ class Authenticate:
 
 
 @dataclass(frozen=True, slots=True)
+class Compress:
+    mechanism: str
+
+
+@dataclass(frozen=True, slots=True)
 class Enable:
     capabilities: tuple[str, ...]
 
@@ -198,9 +203,11 @@ class Search:
     charset: str | None
     program: And
     uid: bool = False
+    #: ESEARCH's RETURN options (MIN, MAX, COUNT, ALL); None for a plain SEARCH.
+    returns: frozenset[str] | None = None
 
 
-Args = Union[Simple, Id, Login, Authenticate, Enable, Mailbox, Select, Rename, ListCommand, Status, Append,
+Args = Union[Simple, Id, Login, Authenticate, Compress, Enable, Mailbox, Select, Rename, ListCommand, Status, Append,
              Expunge, Fetch, Store, Copy, Search]
 
 

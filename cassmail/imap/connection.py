@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,10 @@ class Connection(asyncio.Protocol):
         self.lost = False
         #: A line too long to hold is being dropped up to its end (the skip may span reads).
         self._skipping = False
+        #: COMPRESS=DEFLATE: the streams, and compressed bytes received but not inflated yet.
+        self._inflate: Any = None
+        self._deflate: Any = None
+        self._deflated = b""
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -94,6 +99,14 @@ class Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self._inflate is not None:
+            self._deflated += data
+            self._inflate_more()
+            return
+        self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        """Plain bytes from the client (after decompression, with COMPRESS)."""
         if self._skipping:
             end = data.find(b"\n")
             if end < 0:
@@ -125,11 +138,19 @@ class Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ reading
 
     def _consumed(self) -> None:
-        if self._reading_paused and len(self._buffer) <= self._wanted + self.max_pipelined and not self.lost:
+        if self._deflated:
+            self._inflate_more()
+        if self._reading_paused and len(self._buffer) <= self._wanted + self.max_pipelined and not self.lost \
+                and not self._deflated:
             self._reading_paused = False
             self.transport.resume_reading()
 
     async def _more(self) -> None:
+        if self._deflated:  # compressed bytes held back by the bound: the reader needs them now
+            before = len(self._buffer)
+            self._inflate_more(at_least=64 * 1024)
+            if len(self._buffer) > before or self._skipping:
+                return
         if self.eof:
             raise Closed("the client closed the connection")
         self._data.clear()
@@ -212,7 +233,40 @@ class Connection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         if not self.lost:
+            if self._deflate is not None:
+                data = self._deflate.compress(data) + self._deflate.flush(zlib.Z_SYNC_FLUSH)
             self.transport.write(data)
+
+    # ------------------------------------------------------------------ COMPRESS=DEFLATE (RFC 4978)
+
+    def start_compression(self) -> None:
+        """From now on both directions are raw DEFLATE. What the client sent after the COMPRESS
+        command is already compressed: it is inflated with the rest."""
+        self._inflate = zlib.decompressobj(-15)
+        self._deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
+        self._deflated, self._buffer = bytes(self._buffer), bytearray()
+        self._inflate_more()
+
+    def _inflate_more(self, at_least: int = 0) -> None:
+        """Inflate held compressed bytes, no more than the pipelining bound leaves room for (a
+        small compressed input can stand for a very large one); the rest waits, and the socket
+        is not read while it does."""
+        assert self._inflate is not None
+        room = max(self._wanted + self.max_pipelined + self.max_line - len(self._buffer), at_least, 1)
+        try:
+            plain = self._inflate.decompress(self._deflated, room)
+        except zlib.error:
+            self._deflated = b""
+            self.eof = True  # the stream is broken: nothing after this can be read
+            self._data.set()
+            self.abort()
+            return
+        self._deflated = self._inflate.unconsumed_tail
+        if plain:
+            self._take(plain)
+        if self._deflated and not self._reading_paused and not self.lost:
+            self._reading_paused = True
+            self.transport.pause_reading()
 
     async def drain(self) -> None:
         """Return once the transport takes more. Raises Closed when the client is gone, and

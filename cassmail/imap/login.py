@@ -1,5 +1,5 @@
-"""Commands of any state and of the not-authenticated state: CAPABILITY, LOGOUT, ID,
-STARTTLS, LOGIN, AUTHENTICATE (PLAIN, with SASL-IR), and ENABLE."""
+"""Commands about the session and its connection: CAPABILITY, LOGOUT, ID, STARTTLS, LOGIN,
+AUTHENTICATE (PLAIN, with SASL-IR), COMPRESS and ENABLE."""
 
 from __future__ import annotations
 
@@ -98,6 +98,21 @@ async def _login(session: Session, login_name: str, password: str) -> str:
         raise No("Authentication failed", "AUTHENTICATIONFAILED")
     session.user, session.state = user, "auth"
     return "[CAPABILITY " + " ".join(cap.decode() for cap in session.capabilities()) + "] Logged in"
+
+
+async def compress(session: Session, args: c.Compress) -> str:
+    """COMPRESS=DEFLATE (RFC 4978): both directions deflated from the byte after this answer."""
+    if args.mechanism != "DEFLATE":
+        raise No("Unsupported compression mechanism")
+    if session.compressed:
+        raise No("Compression is already active", "COMPRESSIONACTIVE")
+
+    async def start() -> None:
+        session.conn.start_compression()
+        session.compressed = True
+
+    session.then = start
+    return "DEFLATE active"
 
 
 async def enable(session: Session, args: c.Enable) -> str:

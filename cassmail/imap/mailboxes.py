@@ -248,15 +248,17 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
         values = known[1]  # nothing changed since it was counted
     else:
         info = await store.mailbox_info(user, name)
-        messages = unseen = unnumbered = recent = 0
+        messages = unseen = unnumbered = recent = size = 0
         mark = await store.recent_mark(user, name)
         async for s in store.list_messages(user, name, session.settings.page_size):
             messages += 1
             unseen += "\\Seen" not in s.flags
             unnumbered += s.uid is None
             recent += s.uid is None or s.uid >= mark
+            size += s.size
         values = {
             "MESSAGES": messages,
+            "SIZE": size,  # STATUS=SIZE (RFC 8438)
             "RECENT": recent,  # no session has claimed them yet
             "UIDNEXT": (await store.uid_next(user, name)) + unnumbered,
             "UIDVALIDITY": info.uidvalidity,
@@ -264,7 +266,9 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
         }
         if token is not None:
             session.listener.statuses.put((user, name), (token, values))
-    line = " ".join(f"{item} {values[item]}" for item in items).encode()
+    limit = store.max_message_size
+    line = " ".join(f"{item} {limit or 'NIL'}" if item == "APPENDLIMIT" else f"{item} {values[item]}"
+                    for item in items).encode()
     session.untagged(b"STATUS " + wire.astring(wire.encode_mailbox(name)) + b" (" + line + b")")
 
 

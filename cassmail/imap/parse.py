@@ -289,6 +289,11 @@ def _authenticate(cursor: Cursor, uid: bool) -> c.Authenticate:
     return c.Authenticate(mechanism, initial)
 
 
+def _compress(cursor: Cursor, uid: bool) -> c.Compress:
+    cursor.sp()
+    return c.Compress(cursor.atom("COMPRESS takes a mechanism").upper().decode("ascii", "replace"))
+
+
 def _enable(cursor: Cursor, uid: bool) -> c.Enable:
     names = []
     while not cursor.at_end():
@@ -379,13 +384,13 @@ def _lsub(cursor: Cursor, uid: bool) -> c.ListCommand:
     return c.ListCommand(reference, (cursor.list_mailbox(),), lsub=True)
 
 
-STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN")
+STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN", "SIZE", "APPENDLIMIT")
 
 
 def _status_items(cursor: Cursor) -> tuple[str, ...]:
     items = tuple(cursor.parenthesised(_option, "STATUS takes a list of items", empty=False))
     if not set(items) <= set(STATUS_ITEMS):
-        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY and UNSEEN")
+        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY, UNSEEN, SIZE and APPENDLIMIT")
     return items
 
 
@@ -621,15 +626,27 @@ class _SearchParser:
         raise ParseError("unknown search key")
 
 
+_SEARCH_RETURN = frozenset({"MIN", "MAX", "COUNT", "ALL"})
+
+
 def _search(cursor: Cursor, uid: bool) -> c.Search:
     cursor.sp()
+    returns: frozenset[str] | None = None
+    if cursor.text[cursor.pos : cursor.pos + 7].upper() == b"RETURN ":  # ESEARCH (RFC 4731)
+        cursor.pos += 6
+        cursor.sp()
+        options = frozenset(cursor.parenthesised(_option, "bad SEARCH return options"))
+        if not options <= _SEARCH_RETURN:
+            raise ParseError("SEARCH RETURN takes MIN, MAX, COUNT and ALL")
+        returns = options or frozenset({"ALL"})
+        cursor.sp()
     charset = None
     if cursor.text[cursor.pos : cursor.pos + 8].upper() == b"CHARSET ":
         cursor.pos += 7
         cursor.sp()
         charset = cursor.astring("CHARSET needs a name").decode("ascii", "replace").upper()
         cursor.sp()
-    return c.Search(charset, _SearchParser(cursor).program(), uid)
+    return c.Search(charset, _SearchParser(cursor).program(), uid, returns)
 
 
 Rule = Callable[[Cursor, bool], c.Args]
@@ -637,7 +654,7 @@ Rule = Callable[[Cursor, bool], c.Args]
 _RULES: dict[bytes, Rule | None] = {
     b"CAPABILITY": None, b"NOOP": None, b"LOGOUT": None, b"STARTTLS": None, b"NAMESPACE": None,
     b"IDLE": None, b"CHECK": None, b"CLOSE": None, b"UNSELECT": None,
-    b"ID": _id, b"LOGIN": _login, b"AUTHENTICATE": _authenticate, b"ENABLE": _enable,
+    b"ID": _id, b"LOGIN": _login, b"AUTHENTICATE": _authenticate, b"ENABLE": _enable, b"COMPRESS": _compress,
     b"SELECT": _select(False), b"EXAMINE": _select(True),
     b"CREATE": _one_mailbox, b"DELETE": _one_mailbox, b"SUBSCRIBE": _one_mailbox, b"UNSUBSCRIBE": _one_mailbox,
     b"RENAME": _rename, b"LIST": _list, b"LSUB": _lsub, b"STATUS": _status, b"APPEND": _append,

@@ -73,8 +73,26 @@ async def search(session: Session, args: c.Search) -> str:
                 continue
         if program.match(uid, entity):
             hits.append(uid if args.uid else view.seq(uid))
-    session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits))
+    if args.returns is None:
+        session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits))
+    else:
+        session.untagged(esearch(session.tag, args.uid, args.returns, hits))
     return ("UID " if args.uid else "") + "SEARCH completed"
+
+
+def esearch(tag: bytes, uid: bool, returns: frozenset[str], hits: list[int]) -> bytes:
+    """An ESEARCH response (RFC 4731): MIN, MAX and ALL only when something matched, COUNT always."""
+    out = b'ESEARCH (TAG "' + tag + b'")' + (b" UID" if uid else b"")
+    if hits:
+        if "MIN" in returns:
+            out += b" MIN %d" % hits[0]
+        if "MAX" in returns:
+            out += b" MAX %d" % hits[-1]
+        if "ALL" in returns:
+            out += b" ALL " + wire.compact_set(hits).encode()
+    if "COUNT" in returns:
+        out += b" COUNT %d" % len(hits)
+    return out
 
 
 def _decoded(value: str) -> str:

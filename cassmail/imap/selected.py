@@ -108,7 +108,7 @@ async def copy(session: Session, args: c.Copy) -> str:
     try:
         new_uids = await store.assign_uids(view.user, dest, new_ids)
         code = "[COPYUID %d %s %s]" % (
-            info.uidvalidity, uid_set(uids), uid_set([new_uids[i] for i in new_ids if i in new_uids]))
+            info.uidvalidity, wire.compact_set(uids), wire.compact_set([new_uids[i] for i in new_ids if i in new_uids]))
     except StoreUnavailable as exc:
         log.warning(kv("imap-uids", user=view.user, mailbox=dest, waiting=len(new_ids), error=exc))
     if args.move:
@@ -120,19 +120,3 @@ async def copy(session: Session, args: c.Copy) -> str:
     if dest == view.name:
         await session.refresh(expunge=False)
     return f"{code} {verb} completed".strip()
-
-
-def uid_set(uids: list[int]) -> str:
-    """A compact uid-set: 4,5,6,9 -> 4:6,9."""
-    out: list[str] = []
-    run: list[int] = []
-    for u in uids:
-        if run and u == run[-1] + 1:
-            run.append(u)
-            continue
-        if run:
-            out.append(f"{run[0]}:{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [u]
-    if run:
-        out.append(f"{run[0]}:{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)

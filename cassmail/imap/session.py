@@ -71,6 +71,9 @@ class Session:
         self.view: MailboxView | None = None
         self.failures = 0
         self.commands = 0
+        #: The tag of the command running (ESEARCH names it in its response).
+        self.tag = b""
+        self.compressed = False
         self.closing = False
         #: Run after the tagged answer is written (STARTTLS starts TLS then).
         self.then: Callable[[], Awaitable[None]] | None = None
@@ -143,6 +146,7 @@ class Session:
             self.tagged(tag, b"BAD", b"Missing command")
             return
         self.commands += 1
+        self.tag = tag
         key = name.decode("ascii", "replace")
         entry = COMMANDS.get(key)
         if entry is None:
@@ -205,7 +209,10 @@ class Session:
 
     def capabilities(self) -> list[bytes]:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
-                b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS"]
+                b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
+                b"STATUS=SIZE", b"COMPRESS=DEFLATE"]
+        if self.store.max_message_size:
+            caps.append(b"APPENDLIMIT=%d" % self.store.max_message_size)
         if self.user is None:
             if self.listener.tls is not None and not self.secure:
                 caps.append(b"STARTTLS")
@@ -312,6 +319,7 @@ def _commands() -> dict[str, Entry]:
         "LOGIN": (UNAUTH, login.login),
         "AUTHENTICATE": (UNAUTH, login.authenticate),
         "ENABLE": (AUTH, login.enable),
+        "COMPRESS": (AUTH, login.compress),
         "NAMESPACE": (AUTH, mailboxes.namespace),
         "SELECT": (AUTH, mailboxes.select),
         "EXAMINE": (AUTH, mailboxes.select),

@@ -155,6 +155,22 @@ def resolve_set(ranges: list[tuple[int | None, int | None]], largest: int) -> li
     return out
 
 
+def compact_set(numbers: list[int]) -> str:
+    """Ascending numbers as a compact sequence set: 4,5,6,9 -> 4:6,9 (COPYUID, ESEARCH ALL)."""
+    out: list[str] = []
+    run: list[int] = []
+    for n in numbers:
+        if run and n == run[-1] + 1:
+            run.append(n)
+            continue
+        if run:
+            out.append(f"{run[0]}:{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [n]
+    if run:
+        out.append(f"{run[0]}:{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 # --------------------------------------------------------------------------- dates
 
 _MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]

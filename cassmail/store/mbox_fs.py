@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -179,27 +180,32 @@ def dotlock(path: str, timeout: float) -> None:
 
     Our own writers take it after the fcntl lock, so when one finds a dot-lock naming a
     process that no longer exists (a writer killed with -9), it breaks it.
+    The lock is made whole before it appears: the pid goes into a private file that is then
+    hard-linked to `path`, so a writer killed at any moment leaves either no lock or one naming
+    it (an empty lock of our own would otherwise wait out DOTLOCK_STALE).
     """
     deadline = time.monotonic() + timeout
     pause = 0.001
-    while True:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            if _dotlock_stale(path):
-                with _ignore_missing():
-                    os.unlink(path)
-                continue
-            if time.monotonic() > deadline:
-                raise LockTimeout(errno.EAGAIN, f"{path} held for more than {timeout:g} s") from None
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-            continue
-        try:
-            os.write(fd, f"{os.getpid()}\n".encode())
-        finally:
-            os.close(fd)
-        return
+    private = f"{path}.{os.getpid()}.{threading.get_ident()}"
+    with open(private, "wb") as fh:
+        fh.write(f"{os.getpid()}\n".encode())
+    try:
+        while True:
+            try:
+                os.link(private, path)
+                return
+            except FileExistsError:
+                if _dotlock_stale(path):
+                    with _ignore_missing():
+                        os.unlink(path)
+                    continue
+                if time.monotonic() > deadline:
+                    raise LockTimeout(errno.EAGAIN, f"{path} held for more than {timeout:g} s") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+    finally:
+        with _ignore_missing():
+            os.unlink(private)
 
 
 def _dotlock_stale(path: str) -> bool:
