@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import re
+import struct
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,46 +148,145 @@ def hash_many(passwords: Iterable[str], params: HashParams = HashParams(), worke
         return list(pool.map(lambda pw: hash_password(pw, params), passwords))
 
 
-class FailureThrottle:
-    """Slows down password guessing: failed logins are counted per peer and per user (in this
-    process, over `window` seconds) and each answer after the first few failures waits
-    `delay` seconds, doubling per further failure up to `max_delay`.
+class FailureTable:
+    """Login attempts counted per key (`peer:<address>`, `user:<key>`) over a window, in a
+    fixed-size table that every worker process of a node shares: it lives in a shared mapping
+    made before the workers fork, and each update holds an fcntl lock on it, which the kernel
+    releases if a worker dies holding it. Memory is fixed: `capacity` slots of 24 bytes; a key
+    that finds no free slot among its `PROBE` candidates takes the one counted longest ago.
 
-    Memory is bounded: entries older than the window go, and at most `max_entries` are kept.
+    A 64-bit hash names each key; two keys sharing one would share a count (a harmless error
+    towards more throttling, for one pair in ~10^19).
     """
 
-    def __init__(self, delay: float, window: float = 900.0, free: int = 2, max_delay: float = 30.0,
-                 max_entries: int = 100_000) -> None:
-        self.delay, self.window, self.free, self.max_delay = delay, window, free, max_delay
-        self.max_entries = max_entries
-        self._failures: dict[str, tuple[int, float]] = {}
+    SLOT = struct.Struct("<QId")  # key hash (0: never used), count, start of its window (monotonic)
+    PROBE = 16
 
-    def _count(self, key: str, now: float) -> int:
-        count, since = self._failures.get(key, (0, now))
-        return count if now - since < self.window else 0
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = max(capacity, self.PROBE)
+        self._file = tempfile.TemporaryFile(prefix="cassmail-logins-")
+        self._file.truncate(self.capacity * self.SLOT.size)
+        self._map = mmap.mmap(self._file.fileno(), self.capacity * self.SLOT.size)  # MAP_SHARED: kept over fork
+
+    @staticmethod
+    def _hash(key: str) -> int:
+        return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest(),
+                              "little") or 1
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.lockf(self._file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self._file.fileno(), fcntl.LOCK_UN)
+
+    def _slot(self, key: str, now: float, window: float, insert: bool) -> tuple[int, int, float] | None:
+        """(offset, live count, window start) of `key`'s slot; with `insert`, a slot for it is
+        taken when it has none."""
+        wanted = self._hash(key)
+        first = wanted % self.capacity
+        reusable: int | None = None  # a slot never used, or whose count has run out
+        oldest: tuple[float, int] | None = None  # else the slot counted longest ago
+        for i in range(self.PROBE):
+            offset = ((first + i) % self.capacity) * self.SLOT.size
+            hashed, count, since = self.SLOT.unpack_from(self._map, offset)
+            live = count if now - since < window else 0
+            if hashed == wanted:
+                return offset, live, since if live else now
+            if live == 0:
+                reusable = offset if reusable is None else reusable
+            elif oldest is None or since < oldest[0]:
+                oldest = (since, offset)
+        if not insert:
+            return None
+        if reusable is None:
+            assert oldest is not None
+            reusable = oldest[1]
+        return reusable, 0, now
+
+    def add(self, keys: Iterable[str], delta: int, window: float, now: float | None = None) -> list[int]:
+        """Add `delta` to each key's count (a count never goes below 0); the counts after it."""
+        now = time.monotonic() if now is None else now
+        counts = []
+        with self._locked():
+            for key in keys:
+                found = self._slot(key, now, window, insert=delta > 0)
+                if found is None:
+                    counts.append(0)
+                    continue
+                offset, count, since = found
+                count = max(count + delta, 0)
+                self.SLOT.pack_into(self._map, offset, self._hash(key), count, since)
+                counts.append(count)
+        return counts
+
+    def count(self, key: str, window: float, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        with self._locked():
+            found = self._slot(key, now, window, insert=False)
+        return found[1] if found else 0
+
+    def clear(self, key: str) -> None:
+        with self._locked():
+            found = self._slot(key, time.monotonic(), float("inf"), insert=False)
+            if found is not None:
+                self.SLOT.pack_into(self._map, found[0], self._hash(key), 0, 0.0)
+
+
+#: The table every listener and worker of this node counts in, and its free attempts, once
+#: `share_failures` made it (before the workers fork); without it each throttle counts alone.
+_node_failures: tuple[FailureTable, int] | None = None
+
+
+def share_failures(settings: AuthSettings) -> None:
+    """Make the node's login-attempt table; call before forking the workers that share it."""
+    global _node_failures
+    _node_failures = (FailureTable(settings.throttle_entries), settings.free_attempts)
+
+
+class FailureThrottle:
+    """Slows down password guessing. Every attempt is counted per peer and per user when it
+    starts, before its password is checked, so parallel guesses see each other: the attempts
+    past the first `free` in `window` seconds wait `delay` seconds, doubling per further attempt
+    up to `max_delay`. An attempt the store could not check, or whose client left while it
+    waited, is taken back; a success clears the counts of its peer and user."""
+
+    def __init__(self, delay: float, window: float = 900.0, free: int | None = None, max_delay: float = 30.0,
+                 table: FailureTable | None = None) -> None:
+        node_table, node_free = _node_failures or (None, 2)
+        self.delay, self.window, self.max_delay = delay, window, max_delay
+        self.free = node_free if free is None else free
+        self.table = table or node_table or FailureTable(4096)
+
+    @staticmethod
+    def _keys(peer: str, user: str | None) -> list[str]:
+        return [f"peer:{peer}"] + ([f"user:{user}"] if user else [])
+
+    def _wait(self, before: int) -> float:
+        if self.delay <= 0 or before < self.free:
+            return 0.0
+        return min(self.delay * 2 ** min(before - self.free, 32), self.max_delay)
+
+    def attempt(self, peer: str, user: str | None, now: float | None = None) -> float:
+        """Count an attempt starting now; the seconds to wait before checking it."""
+        counts = self.table.add(self._keys(peer, user), 1, self.window, now)
+        return self._wait(max(counts) - 1)
 
     def penalty(self, peer: str, user: str | None, now: float | None = None) -> float:
-        """Seconds to wait before answering this login attempt."""
-        now = time.monotonic() if now is None else now
-        worst = max(self._count(f"peer:{peer}", now), self._count(f"user:{user}", now) if user else 0)
-        if self.delay <= 0 or worst < self.free:
-            return 0.0
-        return min(self.delay * 2 ** (worst - self.free), self.max_delay)
+        """The wait the next attempt would get (nothing counted)."""
+        return self._wait(max(self.table.count(key, self.window, now) for key in self._keys(peer, user)))
 
-    def failed(self, peer: str, user: str | None, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        for key in (f"peer:{peer}", f"user:{user}" if user else None):
-            if key is None:
-                continue
-            count = self._count(key, now)
-            self._failures[key] = (count + 1, self._failures.get(key, (0, now))[1] if count else now)
-        if len(self._failures) > self.max_entries:
-            expired = [k for k, (_, since) in self._failures.items() if now - since >= self.window]
-            for key in expired or list(self._failures)[: len(self._failures) // 2]:
-                del self._failures[key]
+    def taken_back(self, peer: str, user: str | None) -> None:
+        """An attempt that was not a wrong password (the store failed, the client left)."""
+        self.table.add(self._keys(peer, user), -1, self.window)
 
-    def succeeded(self, user: str) -> None:
-        self._failures.pop(f"user:{user}", None)
+    def succeeded(self, peer: str, user: str) -> None:
+        """A right password clears both counts, as Dovecot's penalty does: the users behind one
+        address (a NAT, a webmail) are not held back by one of them mistyping. Guessing at one
+        account stays bounded by that account's count, which only its own success clears."""
+        self.table.clear(f"peer:{peer}")
+        self.table.clear(f"user:{user}")
 
 
 # --------------------------------------------------------------------------- the session-auth path
@@ -198,6 +302,10 @@ def decode_plain(response: bytes) -> tuple[str, str] | None:
     return login.decode("utf-8", "replace"), password.decode("utf-8", "replace")
 
 
+#: How often a delayed login looks whether its client is still there.
+GONE_POLL = 0.25
+
+
 class Logins:
     """Password logins of one listener in one worker: the address parsed to a user key, the
     failure throttle, the check against the store, and one `auth` log event per attempt."""
@@ -206,29 +314,44 @@ class Logins:
         self.listener = listener
         self.throttle = FailureThrottle(delay)
 
-    async def check(self, store: Any, peer: str, login: str, password: str) -> str | None:
+    async def check(self, store: Any, peer: str, login: str, password: str,
+                    gone: Callable[[], bool] = lambda: False) -> str | None:
         """The user key when the password is right, else None (after the throttle's delay).
-        A StoreError propagates (logged as tempfail): the store failed, not the client."""
+        A StoreError propagates (logged as tempfail): the store failed, not the client, and the
+        attempt is not held against it; nor is one whose client is `gone` during the delay (it
+        is not checked: nobody would hear the answer)."""
         from cassmail.logs import kv
         from cassmail.model import Address, InvalidInput
+        from cassmail.store.base import StoreError
 
         started = time.monotonic()
         try:
             user: str | None = Address.parse(login).key
         except InvalidInput:
             user = None
-        result = "tempfail"
+        result, error = "tempfail", None
+        delay = self.throttle.attempt(peer, user)
         try:
-            delay = self.throttle.penalty(peer, user)
-            if delay:
-                await asyncio.sleep(delay)
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline and not gone():
+                await asyncio.sleep(min(GONE_POLL, deadline - time.monotonic()))
+            if gone():
+                result = "gone"
+                return None
             ok = await check_password(store, user, password)
-            result = "ok" if ok else "fail"
+            result = "ok" if ok and user is not None else "fail"
+        except StoreError as exc:
+            error = exc
+            raise
         finally:
-            _log.info(kv("auth", listener=self.listener, peer=peer, user=user, result=result,
-                         ms=int((time.monotonic() - started) * 1000)))
-        if ok and user is not None:
-            self.throttle.succeeded(user)
-            return user
-        self.throttle.failed(peer, user)
-        return None
+            if result == "ok" and user is not None:
+                self.throttle.succeeded(peer, user)
+            elif result != "fail":  # the store failed, or the session ended while it waited
+                self.throttle.taken_back(peer, user)
+            fields = {"listener": self.listener, "peer": peer, "user": user, "result": result,
+                      "ms": int((time.monotonic() - started) * 1000)}
+            if error is not None:
+                _log.warning(kv("auth", **fields, error=error))
+            else:
+                _log.info(kv("auth", **fields))
+        return user if result == "ok" else None

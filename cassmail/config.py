@@ -271,8 +271,16 @@ class AuthSettings:
     scrypt_n: int = 2**14
     scrypt_r: int = 8
     scrypt_p: int = 1
+    #: Login attempts a node counts before slowing answers down, per client address and per
+    #: account, across all its listeners and worker processes (attempts in progress count).
+    free_attempts: int = 2
+    #: Peers and accounts the node's attempt counter holds (24 bytes each, shared by its workers);
+    #: when full, the one counted longest ago is forgotten.
+    throttle_entries: int = 65536
 
     def validate(self, prefix: str) -> None:
+        _check(self.free_attempts >= 0, f"{prefix}.free_attempts", "must be >= 0")
+        _check(self.throttle_entries >= 16, f"{prefix}.throttle_entries", "must be >= 16")
         n = self.scrypt_n
         _check(n >= 2**10 and n & (n - 1) == 0, f"{prefix}.scrypt_n", f"must be a power of two >= 1024, got {n}")
         _check(self.scrypt_r >= 1, f"{prefix}.scrypt_r", "must be >= 1")

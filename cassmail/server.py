@@ -108,6 +108,9 @@ def serve(settings: Settings) -> int:
     log.info(kv("start", node=settings.node.name, workers=workers, backend=settings.store.backend, listen=listening))
     print(f"cassmail: serving {listening} with {workers} worker(s)", flush=True)
     exporter = _Exporter(settings, metrics_sock) if metrics_sock is not None else None
+    from cassmail import auth
+
+    auth.share_failures(settings.auth)  # before the workers fork: they count login attempts together
     try:
         if workers == 1:
             return asyncio.run(run_worker(settings))

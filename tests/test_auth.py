@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from cassmail import auth
 from cassmail.auth import HashParams
@@ -56,37 +57,60 @@ def test_bulk_hashing_and_async_checks() -> None:
     assert not asyncio.run(auth.verify_async("pw7", hashes[8]))
 
 
-def test_the_failure_throttle_slows_down_after_two_failures_and_doubles() -> None:
+def test_the_throttle_counts_each_attempt_when_it_starts_and_doubles_the_wait() -> None:
     throttle = auth.FailureThrottle(delay=1.0, window=60, free=2, max_delay=5)
-    assert throttle.penalty("10.0.0.1", "anne@x.example", now=0) == 0
-    throttle.failed("10.0.0.1", "anne@x.example", now=0)
-    throttle.failed("10.0.0.1", "anne@x.example", now=1)
-    assert throttle.penalty("10.0.0.1", "anne@x.example", now=2) == 1.0
-    assert throttle.penalty("10.0.0.9", "anne@x.example", now=2) == 1.0  # per user, from anywhere
-    assert throttle.penalty("10.0.0.1", "bob@x.example", now=2) == 1.0  # per peer, for anyone
-    throttle.failed("10.0.0.1", "anne@x.example", now=2)
-    assert throttle.penalty("10.0.0.1", "anne@x.example", now=3) == 2.0
-    for t in range(4, 10):
-        throttle.failed("10.0.0.1", "anne@x.example", now=t)
+    # Three attempts at once: the third already sees the two before it, though none has failed yet.
+    assert [throttle.attempt("10.0.0.1", "anne@x.example", now=0) for _ in range(3)] == [0, 0, 1.0]
+    assert throttle.penalty("10.0.0.9", "anne@x.example", now=1) == 2.0  # per user, from anywhere
+    assert throttle.penalty("10.0.0.1", "bob@x.example", now=1) == 2.0  # per peer, for anyone
+    assert throttle.penalty("10.0.0.9", "bob@x.example", now=1) == 0
+    for t in range(2, 9):
+        throttle.attempt("10.0.0.1", "anne@x.example", now=t)
     assert throttle.penalty("10.0.0.1", "anne@x.example", now=10) == 5  # capped
     assert throttle.penalty("10.0.0.1", "anne@x.example", now=100) == 0  # the window passed
 
 
-def test_a_success_clears_the_user_but_not_the_peer() -> None:
+def test_a_success_clears_its_peer_and_user_and_an_unchecked_attempt_is_taken_back() -> None:
     throttle = auth.FailureThrottle(delay=1.0)
     for _ in range(3):
-        throttle.failed("10.0.0.1", "anne@x.example")
-    throttle.succeeded("anne@x.example")
-    assert throttle.penalty("10.0.0.2", "anne@x.example") == 0
-    assert throttle.penalty("10.0.0.1", "carol@x.example") > 0
+        throttle.attempt("10.0.0.1", "anne@x.example")
+        throttle.attempt("10.0.0.2", "carol@x.example")
+    throttle.attempt("10.0.0.1", "anne@x.example")
+    throttle.succeeded("10.0.0.1", "anne@x.example")
+    assert throttle.penalty("10.0.0.1", "anne@x.example") == 0
+    assert throttle.penalty("10.0.0.1", "carol@x.example") > 0  # carol's own count stays
+    throttle.attempt("10.0.0.3", "bob@x.example")
+    throttle.taken_back("10.0.0.3", "bob@x.example")  # the store could not check it
+    assert throttle.table.count("peer:10.0.0.3", throttle.window) == 0
 
 
-def test_the_failure_throttle_keeps_bounded_memory_and_can_be_off() -> None:
-    throttle = auth.FailureThrottle(delay=1.0, window=10, max_entries=100)
-    for i in range(1000):
-        throttle.failed(f"10.0.{i // 256}.{i % 256}", f"u{i}@x.example", now=i)
-    assert len(throttle._failures) <= 102
+def test_the_attempt_table_has_a_fixed_size_and_forgets_the_oldest_first() -> None:
+    table = auth.FailureTable(capacity=64)
+    size = len(table._map)
+    for i in range(5000):
+        table.add([f"peer:10.0.{i // 256}.{i % 256}"], 1, window=1e9, now=float(i))
+    assert len(table._map) == size == 64 * auth.FailureTable.SLOT.size
+    assert table.count("peer:10.0.19.135", 1e9, now=5000.0) == 1  # the last one is kept
+    assert table.count("peer:10.0.0.0", 1e9, now=5000.0) == 0  # the first long forgotten
     off = auth.FailureThrottle(delay=0)
     for _ in range(10):
-        off.failed("10.0.0.1", None)
+        off.attempt("10.0.0.1", None)
     assert off.penalty("10.0.0.1", None) == 0
+
+
+def test_worker_processes_forked_from_one_node_count_in_one_table() -> None:
+    table = auth.FailureTable(capacity=256)
+    children = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for _ in range(250):
+                    table.add(["peer:192.0.2.1", "user:anne@x.example"], 1, window=60)
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+    assert all(os.waitpid(pid, 0)[1] == 0 for pid in children)
+    assert table.count("peer:192.0.2.1", 60) == table.count("user:anne@x.example", 60) == 1000  # none lost

@@ -89,7 +89,8 @@ async def authenticate(session: Session, args: c.Authenticate) -> str:
 
 
 async def _login(session: Session, login_name: str, password: str) -> str:
-    user = await session.listener.logins.check(session.store, session.peer, login_name, password)
+    user = await session.listener.logins.check(session.store, session.peer, login_name, password,
+                                               gone=lambda: session.conn.lost)
     if user is None:
         session.failures += 1
         if session.failures >= session.settings.max_auth_failures:

@@ -34,8 +34,6 @@ here where cassmail needs more than it does:
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import re
 import time
@@ -52,7 +50,7 @@ from twisted.python.failure import Failure
 from cassmail import auth
 from cassmail.config import Pop3Settings
 from cassmail.logs import kv
-from cassmail.model import INBOX, Address, InvalidInput, MessageSummary, mailbox_name, uidl
+from cassmail.model import INBOX, InvalidInput, MessageSummary, mailbox_name, uidl
 from cassmail.store.base import NoSuchMailbox, NoSuchMessage, Store, StoreError
 from cassmail.twisted_asyncio import ClientStalled, WriteGate, deferred
 
@@ -367,47 +365,38 @@ class Pop3Session(pop3.POP3):
         self._sasl_plain(line.strip())
 
     def _sasl_plain(self, response: bytes) -> Any:
-        try:
-            _authz, login, password = base64.b64decode(response, validate=True).split(b"\0")
-        except (binascii.Error, ValueError):
+        decoded = auth.decode_plain(response)
+        if decoded is None:
             self.failResponse(b"[AUTH] Malformed PLAIN response")
             return None
-        return self._longOperation(
-            deferred(self._login(login.decode("utf-8", "replace"), password.decode("utf-8", "replace")))
-        )
+        return self._longOperation(deferred(self._login(*decoded)))
 
     async def _login(self, login: str, password: str) -> None:
         """Check the password, open the maildrop; answer either way (the session goes on,
-        unless this was its `max_auth_failures`th failed login)."""
-        started = time.monotonic()
-        throttle, store = self.factory.throttle, self.factory.store
-        user: str | None = None
-        mailbox, result = INBOX, "fail"
+        unless this was its `max_auth_failures`th failed login). `user+mailbox` logs in to that
+        mailbox instead of INBOX."""
+        address, _, box = login.rpartition(MAILBOX_SEPARATOR) if MAILBOX_SEPARATOR in login else (login, "", INBOX)
+        store, user, result = self.factory.store, None, "tempfail"
         try:
-            address, _, box = login.rpartition(MAILBOX_SEPARATOR) if MAILBOX_SEPARATOR in login else (login, "", INBOX)
-            try:
-                user = Address.parse(address).key
-                mailbox = mailbox_name(box or INBOX)
-            except InvalidInput:
-                user, mailbox = None, INBOX
-            delay = throttle.penalty(self._peer, user)
-            if delay:
-                await asyncio.sleep(delay)
-            if not await auth.check_password(store, user, password):
-                throttle.failed(self._peer, user)
+            mailbox = mailbox_name(box or INBOX)
+        except InvalidInput:
+            mailbox = INBOX
+        try:
+            user = await self.factory.logins.check(store, self._peer, address, password,
+                                                  gone=lambda: self._opened_at is None)
+            if user is None:
                 self._failures += 1
                 if self._failures >= self.factory.settings.max_auth_failures:
-                    result = "closed"
                     self.failResponse(b"[AUTH] Authentication failed; too many failures, closing the connection")
                     self.transport.loseConnection()
                     return
                 raise LoginFailed("[AUTH] Authentication failed")
-            throttle.succeeded(user)
             if self._opened_at is None:  # the client went away meanwhile: no need to list anything
                 return
             try:
                 messages = [s async for s in store.list_messages(user, mailbox, self.factory.settings.page_size)]
             except NoSuchMailbox:
+                result = "no-mailbox"
                 raise LoginFailed(f"No such mailbox: {mailbox}") from None
             self.mbox = Maildrop(store, user, mailbox, messages)
             self._user_given = user
@@ -416,16 +405,13 @@ class Pop3Session(pop3.POP3):
         except LoginFailed as exc:
             self.failResponse(str(exc).encode())
         except StoreError as exc:
-            result = "tempfail"
-            log.warning(kv("auth", listener="pop3", peer=self._peer, user=user, error=exc))
+            if user is not None:  # the password check's own failure is logged by it
+                log.warning(kv("maildrop", listener="pop3", peer=self._peer, user=user, mailbox=mailbox,
+                               result=result, error=exc))
             self.failResponse(b"[SYS/TEMP] Mail store unavailable, try again later")
         except Exception:  # noqa: BLE001 - a bug: logged here, never shown to the client
-            result = "error"
             log.exception(kv("pop3-error", peer=self._peer, user=user, command="login"))
             self.failResponse(INTERNAL_ERROR)
-        finally:
-            log.info(kv("auth", listener="pop3", peer=self._peer, user=user, mailbox=mailbox, result=result,
-                        ms=int((time.monotonic() - started) * 1000)))
 
     # ------------------------------------------------------------------ transaction
 
@@ -677,7 +663,7 @@ class Pop3Factory(ServerFactory):
 
     def __init__(self, store: Store, settings: Pop3Settings, tls: Any) -> None:
         self.store, self.settings, self.tls = store, settings, tls
-        self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
+        self.logins = auth.Logins("pop3", settings.auth_failure_delay)
         self.sessions = 0
         #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
         self.open: set[Pop3Session] = set()

@@ -121,7 +121,7 @@ class DeliveryHandler:
         #: Networks whose clients may submit without AUTH (submission only: the MX never relays).
         self.trusted_networks = tuple(ipaddress.ip_network(n, strict=False) for n in settings.trusted_networks
                                       ) if role.submission else ()
-        self.throttle = auth.FailureThrottle(settings.auth_failure_delay)
+        self.logins = auth.Logins(role.name, settings.auth_failure_delay)
         #: Sessions open on this listener in this worker (limited by settings.max_connections).
         self.sessions = 0
         #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
@@ -148,26 +148,14 @@ class DeliveryHandler:
     async def authenticate(self, server: Any, login: bytes, password: bytes) -> AuthResult:
         """Check a login against the store; count failures and close the session after too many."""
         session: Session = server.session
-        timer = Timer()
         try:
-            user: str | None = Address.parse(login.decode("utf-8")).key
-            secret = password.decode("utf-8")
-        except (UnicodeDecodeError, InvalidInput):
-            user, secret = None, ""
-        peer = _peer(session)
-        delay = self.throttle.penalty(peer, user)
-        if delay:
-            await asyncio.sleep(delay)
-        try:
-            ok = await auth.check_password(self.store, user, secret)
-        except StoreError as exc:
-            log.warning(kv("auth", listener=self.role.name, peer=peer, user=user, result="tempfail", error=exc))
+            user = await self.logins.check(self.store, _peer(session), login.decode("utf-8", "replace"),
+                                           password.decode("utf-8", "replace"),
+                                           gone=lambda: server.transport is None or server.transport.is_closing())
+        except StoreError:
             return AuthResult(success=False, handled=False, message="454 4.7.0 Temporary authentication failure")
-        log.info(kv("auth", listener=self.role.name, peer=peer, user=user, result="ok" if ok else "fail", ms=timer.ms))
-        if ok:
-            self.throttle.succeeded(user)
+        if user is not None:
             return AuthResult(success=True, auth_data=user)
-        self.throttle.failed(peer, user)
         failures = getattr(session, "auth_failures", 0) + 1
         session.auth_failures = failures  # type: ignore[attr-defined]
         if failures >= self.settings.max_auth_failures:
