@@ -10,29 +10,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
-import importlib.util
 import json
 import sys
 import time
 import uuid
 from datetime import datetime, timezone
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
 
 from cassmail import auth, config
+from cassmail.checkout import REPO_ROOT, CommandError, load_launcher
 from cassmail.model import InvalidInput, address_key, normalize_domain
 from cassmail.server import make_store
 from cassmail.store.base import DkimKey, QueueEntry, Store, StoreError, UserExists, check_alias
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = REPO_ROOT / "deploy" / "cassandra" / "launcher.py"
 IMPORT_CONCURRENCY = 64
-
-
-class CommandError(Exception):
-    """A failure to report as one line."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,18 +537,6 @@ def cmd_dkim_list(settings: config.Settings, args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- local Cassandra
-
-
-def load_launcher() -> ModuleType:
-    """deploy/cassandra/launcher.py from the source tree (it is not part of the installed package)."""
-    if not LAUNCHER.exists():
-        raise CommandError(f"{LAUNCHER} not found: the local Cassandra commands need a cassmail source checkout")
-    spec = importlib.util.spec_from_file_location("cassmail_launcher", LAUNCHER)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _local_cluster(settings: config.Settings, nodes: int = 1, heap_mb: int = 1024) -> Any:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cassmail import config, healthcheck
-from cassmail.cli import REPO_ROOT, CommandError, load_launcher
+from cassmail.checkout import REPO_ROOT, CommandError, load_launcher
 
 ENV_BASE = "CASSMAIL_CLUSTER"
 DEFAULT_BASE = REPO_ROOT / "var" / "cluster"

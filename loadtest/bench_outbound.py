@@ -358,7 +358,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
         cassandra: tuple[str, int] | None = None
         if "cassandra" in args.targets:
             if args.cassandra == "launch":
-                from cassmail.cli import load_launcher
+                from cassmail.checkout import load_launcher
 
                 launcher = load_launcher()
                 launched = launcher.LocalCluster(BENCH_CASSANDRA, 1, cluster_name="cassmail-bench", native_port=29042,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cassmail.auth import HashParams, hash_password
-from cassmail.cli import load_launcher
+from cassmail.checkout import load_launcher
 from cassmail.config import CassandraSettings, Settings, host_port
 from cassmail.server import make_store
 from cassmail.store.base import Store
