@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from cassmail import auth, config
 from cassmail.checkout import REPO_ROOT, CommandError, load_launcher
 from cassmail.model import InvalidInput, address_key, normalize_domain
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import DkimKey, QueueEntry, Store, StoreError, UserExists, check_alias
 
 IMPORT_CONCURRENCY = 64

@@ -60,7 +60,7 @@ from _common import (  # noqa: E402
 
 from cassmail import config  # noqa: E402
 from cassmail.config import ConfigError, Settings  # noqa: E402
-from cassmail.server import make_store  # noqa: E402
+from cassmail.store import make_store  # noqa: E402
 from cassmail.store.base import Store, Target  # noqa: E402
 
 

@@ -82,7 +82,7 @@ from bench_imap import Imap, Reply  # noqa: E402
 
 from cassmail.auth import HashParams, hash_password, verify_password  # noqa: E402
 from cassmail.config import ConfigError, Settings  # noqa: E402
-from cassmail.server import make_store  # noqa: E402
+from cassmail.store import make_store  # noqa: E402
 from cassmail.store.base import Target as Delivery  # noqa: E402
 
 TARGETS = ("dovecot", "mbox", "cassandra")

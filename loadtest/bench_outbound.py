@@ -44,7 +44,7 @@ from pathlib import Path
 
 from cassmail import config
 from cassmail.config import Settings
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

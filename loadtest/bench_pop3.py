@@ -87,7 +87,7 @@ from cassmail import config
 from cassmail.auth import hash_password
 from cassmail.config import ConfigError, Settings
 from cassmail.model import MessageSummary, uidl
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store, StoreError, Target
 
 import _common

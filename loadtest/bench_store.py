@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from cassmail import config
 from cassmail.config import ConfigError, Settings
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store, StoreError, Target
 
 from _common import CassandraCpu, human, make_users, own_cpu, parse_ranges, positive

@@ -43,7 +43,7 @@ from bench_store import (  # noqa: E402
 
 from cassmail.config import CassandraSettings, MboxSettings, Settings, WheelFSSettings, host_port  # noqa: E402
 from cassmail.model import INBOX  # noqa: E402
-from cassmail.server import make_store  # noqa: E402
+from cassmail.store import make_store  # noqa: E402
 from cassmail.store.base import Store, Target  # noqa: E402
 
 STORES = ("wheelfs", "wheelfs-nocues", "mbox", "cassandra")

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cassmail import config
-from cassmail.server import make_store
+from cassmail.store import make_store
 
 from _common import (HOST, PASSWORD, count_inboxes, die_with_us, machine_cpu, make_users, number, own_cpu,
                      parse_range, parse_ranges, range_label, tree_cpu)

@@ -23,7 +23,7 @@ import pytest
 from cassmail.auth import HashParams, hash_password
 from cassmail.checkout import load_launcher
 from cassmail.config import CassandraSettings, Settings, host_port
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store
 from tests.nodes import Node, node_settings
 

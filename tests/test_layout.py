@@ -64,6 +64,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def backend(module: str) -> bool:
+    return any(module == b or module.startswith(b + ".") for b in BACKENDS)
+
+
 def graph() -> dict[str, set[str]]:
     known = modules()
     edges = {name: imports(name, path, known) for name, path in known.items()}
@@ -82,7 +86,13 @@ def test_protocols_reach_the_store_only_through_its_contract() -> None:
     edges = graph()
     for name, targets in edges.items():
         if name.startswith(PROTOCOLS):
-            assert not {t for t in targets if t.startswith(BACKENDS)}, name
+            assert not {t for t in targets if backend(t)}, name
+
+
+def test_only_the_store_factory_imports_a_backend() -> None:
+    edges = graph()
+    importers = {name for name, targets in edges.items() if any(backend(t) for t in targets)}
+    assert {name for name in importers if not name.startswith("cassmail.store")} == set()
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

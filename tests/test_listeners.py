@@ -15,7 +15,7 @@ import pytest
 
 from cassmail import healthcheck
 from cassmail.auth import hash_password
-from cassmail.server import make_store
+from cassmail.store import make_store
 from tests.conftest import FAST_HASH, backend_settings_for
 from tests.nodes import CLIENT_TLS, Node, node_settings
 

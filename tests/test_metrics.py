@@ -33,7 +33,7 @@ from cassmail import metrics
 from cassmail.auth import hash_password
 from cassmail.config import Settings
 from cassmail.metrics import CONTRACT_OPS, Metrics, TimedStore
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import NoSuchMailbox, NoSuchUser, Store, Target
 from tests.conftest import FAST_HASH, backend_settings_for
 from tests.nodes import CASSMAIL, Node, node_settings

@@ -28,7 +28,7 @@ import dkim
 import pytest
 
 from cassmail.config import Settings
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password
 from tests.nodes import CASSMAIL, CLIENT_TLS, Node, node_settings

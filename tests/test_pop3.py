@@ -345,7 +345,7 @@ async def test_a_cassandra_that_times_out_gives_sys_temp_and_the_session_goes_on
     import dataclasses
     import uuid
 
-    from cassmail.server import make_store
+    from cassmail.store import make_store
     from tests.conftest import FAST_HASH, backend_settings_for, hash_password
 
     settings = node_settings(backend_settings_for("cassandra", request))
@@ -724,10 +724,10 @@ class RecordingStore:
 
 def wrap_the_store(directory: str) -> None:
     """In a node's own process, before `cassmail serve` starts: its store becomes a RecordingStore."""
-    from cassmail import server
+    from cassmail import store
 
-    make_store = server.make_store
-    server.make_store = lambda settings: RecordingStore(make_store(settings), Path(directory))  # type: ignore[assignment,return-value]
+    make_store = store.make_store
+    store.make_store = lambda settings: RecordingStore(make_store(settings), Path(directory))  # type: ignore[assignment,return-value]
 
 
 class Recorder:

@@ -14,7 +14,7 @@ import pytest
 from cassmail.auth import hash_password
 from cassmail.config import Settings, WheelFSSettings
 from cassmail.model import INBOX, uidl
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store
 from tests.conftest import FAST_HASH
 from tests.nodes import Node, node_settings

@@ -1,5 +1,33 @@
 """Mail stores: the contract in `base`, one module per backend.
 
 Protocols import `cassmail.store.base` only; which backend runs is decided by
-`cassmail.server.make_store` from settings.
+`make_store` from settings.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cassmail.config import Settings
+    from cassmail.store.base import Store
+
+
+def make_store(settings: Settings) -> Store:
+    """The configured backend, not yet opened. Backends are imported here only, on demand."""
+    backend = settings.store.backend
+    if backend == "cassandra":
+        from cassmail.store.cassandra import CassandraStore
+
+        return CassandraStore(settings.store.cassandra, max_message_size=settings.store.max_message_size)
+    if backend == "mbox":
+        from cassmail.store.mbox import MboxStore
+
+        return MboxStore(settings.store.mbox, max_message_size=settings.store.max_message_size)
+    if backend == "wheelfs":
+        from cassmail.store.wheelfs import WheelFSStore
+
+        return WheelFSStore(settings.store.wheelfs, max_message_size=settings.store.max_message_size)
+    from cassmail.config import ConfigError
+
+    raise ConfigError(f"store.backend: {backend!r} is not available in this version of cassmail (use mbox, cassandra or wheelfs)")

@@ -16,7 +16,7 @@ import pytest
 
 from cassmail.auth import verify_password
 from cassmail.model import DEFAULT_MAILBOXES, INBOX, InvalidAddress, InvalidInput, InvalidMailboxName, message_id_time
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import (
     Alias,
     AliasExists,

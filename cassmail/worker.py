@@ -1,0 +1,120 @@
+"""One worker process of a node: its own store connection and every listener on one event loop.
+
+The supervisor (cassmail.server) forks it; on SIGTERM it stops accepting, lets sessions in
+progress finish for STOP_GRACE seconds, cuts the rest, and closes the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from cassmail import store as stores
+from cassmail.config import Settings
+from cassmail.logs import kv
+from cassmail.store.base import StoreError
+
+log = logging.getLogger("cassmail.server")
+
+#: Seconds a stopping worker waits for sessions in progress.
+STOP_GRACE = 10.0
+#: Seconds the sessions still open after it have to unwind once their connections are cut.
+CUT_GRACE = 3.0
+
+
+async def run_worker(settings: Settings) -> int:
+    """One worker: a store connection and every listener on one event loop, until SIGTERM."""
+    from cassmail import smtp, twisted_asyncio
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    reactor = None
+    if settings.pop3.enabled or settings.pop3s.enabled:
+        # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
+        reactor = twisted_asyncio.install(loop)
+    store = stores.make_store(settings)
+    if settings.metrics.enabled:
+        from cassmail import metrics
+
+        store = metrics.TimedStore(store, metrics.installed())
+    try:
+        await store.open()
+    except StoreError as exc:
+        log.error(kv("store-open", result="fail", error=exc))
+        print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)
+        return 3
+    outbound = None
+    if settings.delivery.enabled:
+        from cassmail.delivery import DeliveryWorker
+
+        outbound = DeliveryWorker(settings, store, settings.node.workers or os.cpu_count() or 1)
+        outbound.start()
+    servers: list[tuple[Any, Any]] = list(await smtp.start(settings, store, outbound=outbound))
+    ports: list = []
+    #: Each listener's keeper of sessions (an SMTP handler, a POP3 factory, an IMAP listener):
+    #: its `sessions` count and its `open` sessions, under the listener name its session lines
+    #: carry (an implicit-TLS POP3 or IMAP listener's sessions are pop3 and imap ones, tls=True).
+    keepers: list[tuple[str, Any]] = [(handler.role.name, handler) for _, handler in servers]
+    from cassmail import imap
+
+    for server, listener in await imap.start(settings, store):
+        servers.append((server, listener))
+        keepers.append(("imap", listener))
+    if reactor is not None:
+        from cassmail import pop3
+
+        for port, factory in pop3.start(settings, store, reactor):
+            ports.append(port)
+            keepers.append(("pop3", factory))
+    sampler = None
+    if settings.metrics.enabled:
+        from cassmail import metrics
+
+        def count(label: str) -> int:
+            return sum(keeper.sessions for name, keeper in keepers if name == label)
+
+        counts = {name: (lambda name=name: count(name)) for name in dict.fromkeys(name for name, _ in keepers)}
+        sampler = asyncio.ensure_future(metrics.sample_sessions(metrics.installed(), counts))
+    log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
+
+    def sessions() -> int:
+        return sum(keeper.sessions for _, keeper in keepers)
+
+    async def drain(seconds: float) -> None:
+        """Wait until no session is open, for at most `seconds`."""
+        deadline = loop.time() + seconds
+        while sessions() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    try:
+        await stop.wait()
+    finally:
+        for port in ports:
+            await port.stopListening().asFuture(loop)
+        for server, _ in servers:
+            server.close()
+        # Sessions in progress may finish (a DATA being stored, a POP3 QUIT committing) for a while.
+        await drain(STOP_GRACE)
+        if sessions():
+            # Cut them, and let them unwind (a command waiting on the store or on the client sees
+            # its connection gone) while the store is still open: after store.close() they would
+            # fail on a closed store or executor instead of ending.
+            log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
+            for _, keeper in keepers:
+                for session in list(keeper.open):
+                    transport = session.transport
+                    if transport is not None:
+                        (getattr(transport, "abortConnection", None) or transport.abort)()
+            await drain(CUT_GRACE)
+        if outbound is not None:
+            await outbound.stop()
+        if sampler is not None:
+            sampler.cancel()
+        await store.close()
+    return 0
