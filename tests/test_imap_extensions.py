@@ -97,3 +97,90 @@ def test_a_corrupt_deflate_stream_ends_the_session_quietly(plain_node, users) ->
     raw.sock.settimeout(10)
     assert raw.sock.recv(100) == b""  # closed, without a traceback in the log (checked by the fixture)
     assert _session(plain_node, users["carol"], "carol").cmd("NOOP")[-1].endswith(b"OK NOOP completed\r\n")
+
+
+def _mail(n: int, sender: str, subject: str, hour: int, refs: str = "") -> bytes:
+    return (f"From: {sender}\r\nTo: anne@example.com\r\nSubject: {subject}\r\n"
+            f"Date: Mon, 01 Jan 2024 {hour:02d}:00:00 +0000\r\nMessage-ID: <{'abcdefg'[n - 1]}@x.test>\r\n{refs}"
+            f"\r\nbody {n}{'.' * n * 10}\r\n").encode()
+
+
+#: Seven messages in mailbox order: a thread on "Plans" (one reply by In-Reply-To only), a lone
+#: "Lunch", and two replies to a message that is not in the mailbox.
+THREADED = [
+    _mail(1, "Zed <zed@x.test>", "Plans", 10),
+    _mail(2, "amy@x.test", "Re: Plans", 11, "References: <a@x.test>\r\n"),
+    _mail(3, "Bob <bob@x.test>", "Lunch", 9),
+    _mail(4, "Carl <carl@x.test>", "RE: [team] Plans", 12, "References: <a@x.test> <b@x.test>\r\n"),
+    _mail(5, "Ann <yan@x.test>", "Re: Plans (fwd)", 13, "In-Reply-To: <a@x.test>\r\n"),
+    _mail(6, "dee@x.test", "Re: Missing parent", 8, "References: <zz@x.test>\r\n"),
+    _mail(7, "Eve <eve@x.test>", "Re: Missing parent", 14, "References: <zz@x.test>\r\n"),
+]
+
+
+async def test_sort_by_each_criterion_with_reverse_and_ties_in_mailbox_order(plain_node, store: Store,  # noqa: F811
+                                                                             users) -> None:
+    await deliver(store, users["anne"], THREADED, "Archive")
+    raw = _session(plain_node, users["anne"], "anne", "Archive")
+    caps = raw.cmd("CAPABILITY")[0]
+    assert all(cap in caps for cap in (b" SORT ", b" SORT=DISPLAY", b" THREAD=ORDEREDSUBJECT", b" THREAD=REFERENCES"))
+
+    def sort(args: str) -> bytes:
+        lines = raw.cmd(args)
+        assert lines[-1].startswith(b"t%d OK" % raw.n), lines
+        return lines[0].rstrip(b"\r\n")
+
+    assert sort("SORT (DATE) UTF-8 ALL") == b"* SORT 6 3 1 2 4 5 7"
+    assert sort("SORT (ARRIVAL) UTF-8 ALL") == b"* SORT 1 2 3 4 5 6 7"
+    assert sort("SORT (SUBJECT) UTF-8 ALL") == b"* SORT 3 6 7 1 2 4 5"  # base subjects; ties by number
+    assert sort("SORT (REVERSE SUBJECT DATE) US-ASCII ALL") == b"* SORT 1 2 4 5 6 7 3"
+    assert sort("SORT (FROM) UTF-8 ALL") == b"* SORT 2 3 4 6 7 5 1"  # amy bob carl dee eve yan zed
+    assert sort("SORT (DISPLAYFROM) UTF-8 ALL") == b"* SORT 2 5 3 4 6 7 1"  # amy@ Ann Bob Carl dee@ Eve Zed
+    by_size = sorted((1, 2, 4, 5), key=lambda n: len(THREADED[n - 1]), reverse=True)
+    assert sort("SORT (REVERSE SIZE) UTF-8 SUBJECT plans") == b"* SORT " + b" ".join(b"%d" % n for n in by_size)
+    assert sort("SORT (REVERSE ARRIVAL) UTF-8 NOT SUBJECT plans") == b"* SORT 7 6 3"
+    uids = raw.cmd("UID SEARCH ALL")[0].split()[2:]
+    assert sort("UID SORT (DATE) UTF-8 ALL") == b"* SORT " + b" ".join(uids[i - 1] for i in (6, 3, 1, 2, 4, 5, 7))
+    assert sort("SORT (TO) UTF-8 UID 999999") == b"* SORT"
+    for bad in ("SORT (BOGUS) UTF-8 ALL", "SORT (REVERSE) UTF-8 ALL", "SORT DATE UTF-8 ALL", "SORT () UTF-8 ALL",
+                "THREAD FOO UTF-8 ALL", "SORT (DATE) UTF-8"):
+        assert raw.cmd(bad)[-1].split(b" ", 2)[1] == b"BAD", bad
+    assert b"NO [BADCHARSET" in raw.cmd("SORT (DATE) KOI8-R ALL")[-1]
+
+
+async def test_thread_by_references_and_by_ordered_subject(plain_node, store: Store, users) -> None:  # noqa: F811
+    await deliver(store, users["bob"], THREADED, "Archive")
+    raw = _session(plain_node, users["bob"], "bob", "Archive")
+
+    def thread(args: str) -> bytes:
+        lines = raw.cmd(args)
+        assert lines[-1].startswith(b"t%d OK THREAD completed" % raw.n) or \
+            lines[-1].startswith(b"t%d OK UID THREAD completed" % raw.n), lines
+        return lines[0].rstrip(b"\r\n")
+
+    # 6 and 7 under a dummy for the absent <zz>; 5 answers <a> by In-Reply-To; roots by date.
+    assert thread("THREAD REFERENCES UTF-8 ALL") == b"* THREAD ((6)(7))(3)(1 (2 4)(5))"
+    assert thread("THREAD ORDEREDSUBJECT UTF-8 ALL") == b"* THREAD (6 7)(3)(1 (2)(4)(5))"
+    # Only what the keys match is threaded: without 2, its child 4 hangs from 1 through a dummy.
+    assert thread("THREAD REFERENCES UTF-8 NOT SUBJECT lunch NOT FROM amy") == b"* THREAD ((6)(7))(1 (4)(5))"
+    assert thread("THREAD REFERENCES UTF-8 SUBJECT nothing-matches") == b"* THREAD"
+    uids = raw.cmd("UID SEARCH ALL")[0].split()[2:]
+    u = {i: uids[i - 1].decode() for i in range(1, 8)}
+    assert thread("UID THREAD ORDEREDSUBJECT UTF-8 ALL") == \
+        f"* THREAD ({u[6]} {u[7]})({u[3]})({u[1]} ({u[2]})({u[4]})({u[5]}))".encode()
+
+
+def test_threads_merge_by_base_subject_when_references_are_missing() -> None:
+    from datetime import datetime, timezone
+
+    from cassmail.imap.sort import Node, references, render
+
+    def node(n: int, subject: str, reply: bool) -> Node:
+        return Node(n, datetime(2024, 1, 1, n, tzinfo=timezone.utc), n, subject, reply)
+
+    # 1 "Hello", 2 "Re: Hello" with no references, 3 "Hello" again, 4 "Other".
+    nodes = [node(1, "hello", False), node(2, "hello", True), node(3, "hello", False), node(4, "other", False)]
+    links = {1: ("<1@x>", []), 2: ("<2@x>", []), 3: ("<3@x>", []), 4: ("<4@x>", [])}
+    roots = references(nodes, links)
+    # The reply joins the first original; two originals of one subject share a dummy parent.
+    assert "".join(f"({render(r)})" for r in roots) == "((1 2)(3))(4)"

@@ -207,8 +207,26 @@ class Search:
     returns: frozenset[str] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Sort:
+    """SORT (RFC 5256, with RFC 5957's DISPLAYFROM and DISPLAYTO): (criterion, reversed) pairs."""
+
+    criteria: tuple[tuple[str, bool], ...]
+    charset: str
+    program: And
+    uid: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Thread:
+    algorithm: str  # ORDEREDSUBJECT or REFERENCES
+    charset: str
+    program: And
+    uid: bool = False
+
+
 Args = Union[Simple, Id, Login, Authenticate, Compress, Enable, Mailbox, Select, Rename, ListCommand, Status, Append,
-             Expunge, Fetch, Store, Copy, Search]
+             Expunge, Fetch, Store, Copy, Search, Sort, Thread]
 
 
 @dataclass(frozen=True, slots=True)

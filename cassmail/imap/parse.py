@@ -649,6 +649,45 @@ def _search(cursor: Cursor, uid: bool) -> c.Search:
     return c.Search(charset, _SearchParser(cursor).program(), uid, returns)
 
 
+#: SORT criteria (RFC 5256 and RFC 5957) and THREAD algorithms (RFC 5256).
+SORT_KEYS = frozenset({"ARRIVAL", "CC", "DATE", "FROM", "SIZE", "SUBJECT", "TO", "DISPLAYFROM", "DISPLAYTO"})
+THREAD_ALGORITHMS = ("ORDEREDSUBJECT", "REFERENCES")
+
+
+def _charset(cursor: Cursor) -> str:
+    cursor.sp()
+    charset = cursor.astring("expected a charset").decode("ascii", "replace").upper()
+    cursor.sp()
+    return charset
+
+
+def _sort(cursor: Cursor, uid: bool) -> c.Sort:
+    cursor.sp()
+    criteria: list[tuple[str, bool]] = []
+    reverse = False
+    for word in cursor.parenthesised(_option, "SORT needs its criteria in parentheses", empty=False):
+        if word == "REVERSE" and not reverse:
+            reverse = True
+        elif word in SORT_KEYS:
+            criteria.append((word, reverse))
+            reverse = False
+        else:
+            raise ParseError(f"bad sort criterion {word}")
+    if reverse:
+        raise ParseError("REVERSE must come before a sort criterion")
+    charset = _charset(cursor)
+    return c.Sort(tuple(criteria), charset, _SearchParser(cursor).program(), uid)
+
+
+def _thread(cursor: Cursor, uid: bool) -> c.Thread:
+    cursor.sp()
+    algorithm = _option(cursor)
+    if algorithm not in THREAD_ALGORITHMS:
+        raise ParseError(f"unknown threading algorithm {algorithm}")
+    charset = _charset(cursor)
+    return c.Thread(algorithm, charset, _SearchParser(cursor).program(), uid)
+
+
 Rule = Callable[[Cursor, bool], c.Args]
 
 _RULES: dict[bytes, Rule | None] = {
@@ -659,9 +698,9 @@ _RULES: dict[bytes, Rule | None] = {
     b"CREATE": _one_mailbox, b"DELETE": _one_mailbox, b"SUBSCRIBE": _one_mailbox, b"UNSUBSCRIBE": _one_mailbox,
     b"RENAME": _rename, b"LIST": _list, b"LSUB": _lsub, b"STATUS": _status, b"APPEND": _append,
     b"EXPUNGE": _expunge, b"SEARCH": _search, b"FETCH": _fetch, b"STORE": _store,
-    b"COPY": _copy(False), b"MOVE": _copy(True),
+    b"COPY": _copy(False), b"MOVE": _copy(True), b"SORT": _sort, b"THREAD": _thread,
 }
-_UID_COMMANDS = frozenset({b"COPY", b"MOVE", b"FETCH", b"STORE", b"SEARCH", b"EXPUNGE"})
+_UID_COMMANDS = frozenset({b"COPY", b"MOVE", b"FETCH", b"STORE", b"SEARCH", b"EXPUNGE", b"SORT", b"THREAD"})
 
 #: Every command cassmail knows (CAPABILITY lists the extensions that bring some of them).
 KNOWN = frozenset(name.decode("ascii") for name in _RULES) | {"UID"}

@@ -21,6 +21,7 @@ from cassmail.imap import mime, wire
 from cassmail.imap.errors import No
 from cassmail.imap.fetch import headers_only
 from cassmail.imap.view import MailboxView
+from cassmail.model import MessageSummary
 from cassmail.store.base import NoSuchMessage
 
 if TYPE_CHECKING:
@@ -51,12 +52,18 @@ def compile_program(program: c.And, view: MailboxView) -> Program:
     return Program(_compile(program, view, needs), needs["headers"], needs["body"])
 
 
-async def search(session: Session, args: c.Search) -> str:
-    if args.charset is not None and args.charset not in ("US-ASCII", "UTF-8"):
+def check_charset(charset: str | None) -> None:
+    if charset is not None and charset not in ("US-ASCII", "UTF-8"):
         raise No("Unsupported charset", "BADCHARSET (US-ASCII UTF-8)")
+
+
+async def matching(session: Session, keys: c.And, headers: bool = False) -> list[tuple[int, MessageSummary, mime.Entity | None]]:
+    """(uid, summary, entity) of each message of the selected mailbox the keys match, in
+    mailbox order; the entity is the parsed header (or the whole message, when the keys read the
+    body) when the keys or the caller (`headers`) need it, else None."""
     view = session.selected()
-    program = compile_program(args.program, view)
-    hits = []
+    program = compile_program(keys, view)
+    out = []
     for uid in list(view.uids):
         summary = view.messages.get(uid)
         if summary is None:
@@ -67,12 +74,19 @@ async def search(session: Session, args: c.Search) -> str:
                 entity = mime.parse(await session.store.read_message(view.user, view.name, summary.id))
             except NoSuchMessage:
                 continue
-        elif program.needs_headers:
+        elif program.needs_headers or headers:
             entity = await headers_only(session, summary)
             if entity is None:
                 continue
         if program.match(uid, entity):
-            hits.append(uid if args.uid else view.seq(uid))
+            out.append((uid, summary, entity))
+    return out
+
+
+async def search(session: Session, args: c.Search) -> str:
+    check_charset(args.charset)
+    view = session.selected()
+    hits = [uid if args.uid else view.seq(uid) for uid, _, _ in await matching(session, args.program)]
     if args.returns is None:
         session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits))
     else:

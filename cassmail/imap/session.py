@@ -210,7 +210,8 @@ class Session:
     def capabilities(self) -> list[bytes]:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
                 b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
-                b"STATUS=SIZE", b"COMPRESS=DEFLATE"]
+                b"STATUS=SIZE", b"COMPRESS=DEFLATE", b"SORT", b"SORT=DISPLAY", b"THREAD=ORDEREDSUBJECT",
+                b"THREAD=REFERENCES"]
         if self.store.max_message_size:
             caps.append(b"APPENDLIMIT=%d" % self.store.max_message_size)
         if self.user is None:
@@ -308,7 +309,7 @@ def _syntax_error(exc: BaseException) -> bytes:
 
 
 def _commands() -> dict[str, Entry]:
-    from cassmail.imap import fetch, idle, login, mailboxes, search, selected
+    from cassmail.imap import fetch, idle, login, mailboxes, search, selected, sort
 
     table: dict[str, tuple[frozenset[str], Handler]] = {
         "CAPABILITY": (ANY, login.capability),
@@ -341,6 +342,8 @@ def _commands() -> dict[str, Entry]:
         "COPY": (SELECTED, selected.copy),
         "MOVE": (SELECTED, selected.copy),
         "SEARCH": (SELECTED, search.search),
+        "SORT": (SELECTED, sort.sort),
+        "THREAD": (SELECTED, sort.thread),
         "FETCH": (SELECTED, fetch.fetch),
         "UID": (SELECTED, selected.noop),  # never run: parse_command names the command after UID
     }
