@@ -3,6 +3,7 @@ APPENDLIMIT, COMPRESS=DEFLATE."""
 
 from __future__ import annotations
 
+import base64
 import re
 import socket
 import zlib
@@ -184,3 +185,54 @@ def test_threads_merge_by_base_subject_when_references_are_missing() -> None:
     roots = references(nodes, links)
     # The reply joins the first original; two originals of one subject share a dummy parent.
     assert "".join(f"({render(r)})" for r in roots) == "((1 2)(3))(4)"
+
+
+BLOB = bytes(range(256)) * 3  # every byte value, NUL included
+MIXED = (b"From: a@x.test\r\nSubject: binary\r\nMIME-Version: 1.0\r\n"
+         b"Content-Type: multipart/mixed; boundary=\"b\"\r\n\r\n"
+         b"--b\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: quoted-printable\r\n\r\n"
+         b"caf=C3=A9 and a soft=\r\n break\r\n"
+         b"--b\r\nContent-Type: application/octet-stream\r\nContent-Transfer-Encoding: base64\r\n\r\n"
+         + b"\r\n".join(base64.b64encode(BLOB)[i:i + 76] for i in range(0, len(base64.b64encode(BLOB)), 76))
+         + b"\r\n--b\r\nContent-Type: application/x-thing\r\nContent-Transfer-Encoding: x-uuencode\r\n\r\n"
+         b"begin 644 x\r\n`\r\nend\r\n--b--\r\n")
+
+
+def _literal_after(lines: list[bytes], marker: bytes) -> bytes:
+    """The literal that follows the response line ending in `marker {n}`."""
+    for i, line in enumerate(lines):
+        if re.search(re.escape(marker) + rb" ~\{\d+\}\r\n\Z", line):
+            return lines[i + 1]
+    raise AssertionError(f"no {marker!r} literal in {lines}")
+
+
+async def test_binary_fetch_decodes_parts_and_append_takes_literal8(plain_node, store: Store, users) -> None:  # noqa: F811
+    await deliver(store, users["carol"], [MIXED], "Archive")
+    raw = _session(plain_node, users["carol"], "carol", "Archive")
+    assert b" BINARY" in raw.cmd("CAPABILITY")[0]
+    lines = raw.cmd("FETCH 1 (BINARY.PEEK[1] BINARY.SIZE[2] BINARY.PEEK[2]<1.4> FLAGS)")
+    assert lines[-1].startswith(b"t%d OK" % raw.n)
+    assert _literal_after(lines, b"BINARY[1]") == "café and a soft break".encode()  # the CRLF before a boundary is the boundary's
+    assert b"BINARY.SIZE[2] %d" % len(BLOB) in b"".join(lines)
+    assert _literal_after(lines, b"BINARY[2]<1>") == BLOB[1:5]
+    assert b"\\Seen" not in b"".join(lines)  # PEEK and SIZE do not mark the message read
+    lines = raw.cmd("FETCH 1 BINARY[2]")
+    assert _literal_after(lines, b"BINARY[2]") == BLOB and b"\\Seen" in b"".join(lines)
+    assert raw.cmd("FETCH 1 BINARY.PEEK[3]")[-1].startswith(b"t%d NO [UNKNOWN-CTE]" % raw.n)
+    assert raw.cmd("FETCH 1 BINARY.PEEK[9]")[-1].startswith(b"t%d OK" % raw.n)  # no such part: empty
+    for bad in ("FETCH 1 BINARY[HEADER]", "FETCH 1 BINARY.SIZE[1]<0.2>", "FETCH 1 BINARY"):
+        assert raw.cmd(bad)[-1].split(b" ", 2)[1] == b"BAD", bad
+
+    # APPEND of a message holding NUL bytes, as a literal8; it comes back byte for byte.
+    nul = b"Subject: nul\r\nContent-Type: application/octet-stream\r\n\r\n" + BLOB
+    raw.n += 1
+    raw.send(b"t%d APPEND Archive ~{%d+}\r\n%s\r\n" % (raw.n, len(nul), nul))
+    assert raw.until(b"t%d" % raw.n)[-1].startswith(b"t%d OK [APPENDUID" % raw.n)
+    raw.cmd("NOOP")
+    assert _literal_after(raw.cmd("FETCH 2 BINARY.PEEK[]"), b"BINARY[]") == nul
+    # A literal8 anywhere else is a syntax error.
+    raw.n += 1
+    raw.send(b"t%d SEARCH SUBJECT ~{3+}\r\nnul\r\n" % raw.n)
+    answer = raw.until(b"t%d" % raw.n)[-1]
+    assert answer.startswith(b"t%d BAD " % raw.n) and answer.endswith(b"literal8 (~{n}) is only allowed for an APPEND message\r\n")
+    assert raw.cmd("NOOP")[-1].startswith(b"t%d OK" % raw.n)

@@ -120,7 +120,8 @@ class Section:
 class FetchAtt:
     """One FETCH item. `name` is the item as answered: FLAGS, UID, INTERNALDATE, RFC822.SIZE,
     ENVELOPE, BODYSTRUCTURE, BODY (the structure), RFC822, RFC822.HEADER, RFC822.TEXT, or BODY
-    with a `section` (peek: BODY.PEEK)."""
+    with a `section` (peek: BODY.PEEK); BINARY and BINARY.SIZE with a section of part numbers
+    (RFC 3516; peek: BINARY.PEEK)."""
 
     name: str
     section: Section | None = None
@@ -138,7 +139,8 @@ class FetchAtt:
     @property
     def sets_seen(self) -> bool:
         """Reading the content marks the message \\Seen (RFC 3501 6.4.5), unless it is a PEEK."""
-        return (self.section is not None and not self.peek) or self.name in ("RFC822", "RFC822.TEXT")
+        return (self.section is not None and not self.peek and self.name != "BINARY.SIZE") or \
+            self.name in ("RFC822", "RFC822.TEXT")
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ _PARSED = frozenset({"ENVELOPE", "BODYSTRUCTURE", "RFC822.HEADER", "RFC822.TEXT"
 
 def _streamed(att: c.FetchAtt) -> bool:
     """BODY[] (maybe partial) and RFC822 need no parsing: they are streamed."""
-    return att.name == "RFC822" or (att.section is not None and att.section == c.Section())
+    return att.name == "RFC822" or (att.name == "BODY" and att.section is not None and att.section == c.Section())
 
 
 def _header_only(att: c.FetchAtt) -> bool:
@@ -49,7 +49,7 @@ def _header_only(att: c.FetchAtt) -> bool:
 
 
 def _needs_entity(att: c.FetchAtt) -> bool:
-    return att.name in _PARSED or (att.name == "BODY" and not _streamed(att))
+    return att.name in _PARSED or (att.name == "BODY" and not _streamed(att)) or att.name.startswith("BINARY")
 
 
 async def fetch(session: Session, args: c.Fetch) -> str:
@@ -94,6 +94,13 @@ async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: 
             raise NoSuchMessage(view.name, summary.id)
     elif parsed:
         entity = mime.parse(await session.store.read_message(view.user, view.name, summary.id))
+        for att in parsed:
+            if att.name.startswith("BINARY"):
+                assert att.section is not None
+                try:
+                    mime.binary(entity, att.section.part)
+                except mime.UnknownEncoding as exc:
+                    raise No(f"Cannot decode Content-Transfer-Encoding {exc}", "UNKNOWN-CTE") from None
     # A stalled or vanished client leaves streams unread: their files and reads are given back.
     async with contextlib.AsyncExitStack() as unread:
         streams = {}
@@ -137,6 +144,13 @@ def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, 
         return b"RFC822.TEXT " + wire.literal(entity.body_bytes())
     if att.section is None:  # BODY: the structure, without extension data
         return b"BODY " + wire.encode(mime.bodystructure(entity, False))
+    if name.startswith("BINARY"):
+        data = mime.binary(entity, att.section.part)
+        if name == "BINARY.SIZE":
+            return att.response_name() + b" %d" % len(data)
+        if att.partial is not None:
+            data = data[att.partial[0] : att.partial[0] + att.partial[1]]
+        return att.response_name() + b" ~" + wire.literal(data)  # literal8: the data may hold NUL
     section = att.section
     data = mime.section(entity, section.part, section.text, section.fields)
     if att.partial is not None:

@@ -47,6 +47,8 @@ class Cursor:
 
     def __init__(self, frame: Frame) -> None:
         self.parts = frame.parts
+        #: Indexes in `parts` of the literals sent as literal8 (`~{n}`, RFC 3516).
+        self.binary = frame.binary
         self.index = 0
         self.pos = 0
 
@@ -65,7 +67,10 @@ class Cursor:
     def at_end(self) -> bool:
         return self.pos >= len(self.text) and self.index + 1 >= len(self.parts)
 
-    def take_literal(self) -> bytes:
+    def take_literal(self, binary: bool = False) -> bytes:
+        """The literal next; a literal8 only where `binary` data may come (an APPEND message)."""
+        if self.index + 1 in self.binary and not binary:
+            raise ParseError("a literal8 (~{n}) is only allowed for an APPEND message")
         data = self.parts[self.index + 1]
         self.index += 2
         self.pos = 0
@@ -413,7 +418,7 @@ def _append(cursor: Cursor, uid: bool) -> c.Append:
         cursor.sp()
     if not cursor.literal_next():
         raise ParseError("APPEND needs the message as a literal")
-    return c.Append(name, flags, date, cursor.take_literal())
+    return c.Append(name, flags, date, cursor.take_literal(binary=True))
 
 
 def _expunge(cursor: Cursor, uid: bool) -> c.Expunge:
@@ -474,6 +479,13 @@ def _fetch_att(cursor: Cursor) -> c.FetchAtt:
         section = _section(cursor)
         partial = _partial(cursor)
         return c.FetchAtt("BODY", section, partial, peek=name == "BODY.PEEK")
+    if name in ("BINARY", "BINARY.PEEK", "BINARY.SIZE") and cursor.peek() == 0x5B:  # RFC 3516
+        section = _section(cursor)
+        if section.text is not None:
+            raise ParseError("BINARY sections are part numbers only")
+        if name == "BINARY.SIZE":
+            return c.FetchAtt(name, section)
+        return c.FetchAtt("BINARY", section, _partial(cursor), peek=name == "BINARY.PEEK")
     if name in _PLAIN_ATTS:
         return c.FetchAtt(name)
     raise ParseError("bad FETCH attributes")

@@ -211,7 +211,7 @@ class Session:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
                 b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
                 b"STATUS=SIZE", b"COMPRESS=DEFLATE", b"SORT", b"SORT=DISPLAY", b"THREAD=ORDEREDSUBJECT",
-                b"THREAD=REFERENCES"]
+                b"THREAD=REFERENCES", b"BINARY"]
         if self.store.max_message_size:
             caps.append(b"APPENDLIMIT=%d" % self.store.max_message_size)
         if self.user is None:
