@@ -236,3 +236,27 @@ async def test_binary_fetch_decodes_parts_and_append_takes_literal8(plain_node, 
     answer = raw.until(b"t%d" % raw.n)[-1]
     assert answer.startswith(b"t%d BAD " % raw.n) and answer.endswith(b"literal8 (~{n}) is only allowed for an APPEND message\r\n")
     assert raw.cmd("NOOP")[-1].startswith(b"t%d OK" % raw.n)
+
+
+async def test_utf8_accept_names_mailboxes_in_utf8_and_appends_utf8_messages(plain_node, store: Store,  # noqa: F811
+                                                                            users) -> None:
+    user = users["anne"]
+    raw = _session(plain_node, user, "anne")
+    assert b" UTF8=ACCEPT" in raw.cmd("CAPABILITY")[0]
+    assert raw.cmd("ENABLE UTF8=ACCEPT CONDSTORE")[0] == b"* ENABLED UTF8=ACCEPT\r\n"  # only what it has
+    name = "Reçus/Ünïcode 日本"
+    assert raw.cmd(f'CREATE "{name}"'.encode())[-1].startswith(b"t%d OK" % raw.n)
+    listed = raw.cmd('LIST "" "Re*/*"')
+    assert listed[0] == b'* LIST (\\HasNoChildren) "/" "' + name.encode() + b'"\r\n'
+    head = "Subject: héllo wörld\r\nFrom: Jörg <jörg@exämple.test>\r\n\r\nbody ✓\r\n".encode()
+    raw.n += 1
+    raw.send(b't%d APPEND "%s" UTF8 (~{%d+}\r\n%s)\r\n' % (raw.n, name.encode(), len(head), head))
+    assert raw.until(b"t%d" % raw.n)[-1].startswith(b"t%d OK [APPENDUID" % raw.n)
+    status = raw.cmd(f'STATUS "{name}" (MESSAGES)'.encode())[0]
+    assert status == b'* STATUS "' + name.encode() + b'" (MESSAGES 1)\r\n'
+    assert raw.cmd(f'SELECT "{name}"'.encode())[-1].startswith(b"t%d OK" % raw.n)
+    assert b"\r\n".join(raw.cmd("FETCH 1 BODY.PEEK[]")).count(head) == 1
+    assert raw.cmd(b'SELECT "Re\xc3"')[-1].startswith(b"t%d NO [CANNOT]" % raw.n)  # not UTF-8
+    # A client that did not enable it sees the same mailbox in modified UTF-7.
+    other = _session(plain_node, user, "anne")
+    assert other.cmd('LIST "" "Re*/*"')[0] == b'* LIST (\\HasNoChildren) "/" "Re&AOc-us/&ANw-n&AO8-code &ZeVnLA-"\r\n'

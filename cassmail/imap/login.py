@@ -117,5 +117,8 @@ async def compress(session: Session, args: c.Compress) -> str:
 
 
 async def enable(session: Session, args: c.Enable) -> str:
-    session.untagged(b"ENABLED")  # none of the extensions ENABLE can turn on is offered
+    enabled = [name for name in dict.fromkeys(args.capabilities) if name == "UTF8=ACCEPT"]
+    if enabled:
+        session.utf8 = True
+    session.untagged(b"ENABLED" + b"".join(b" " + name.encode() for name in enabled))
     return "ENABLE completed"

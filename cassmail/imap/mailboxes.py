@@ -215,17 +215,17 @@ async def list_(session: Session, args: c.ListCommand) -> str:
     verb = b"LSUB" if args.lsub else b"LIST"
     done = verb.decode() + " completed"
     try:
-        reference = wire.decode_mailbox(args.reference)
-        patterns = [reference + wire.decode_mailbox(p) for p in args.patterns]
+        reference = session.decode_name(args.reference)
+        patterns = [reference + session.decode_name(p) for p in args.patterns]
     except wire.ParseError:
-        raise No("Mailbox name is not valid modified UTF-7", "CANNOT") from None
+        raise No("Mailbox name is not valid " + ("UTF-8" if session.utf8 else "modified UTF-7"), "CANNOT") from None
     if patterns == [reference] and not reference:  # LIST "" "": the delimiter and the root
         if not args.lsub:
             session.untagged(b'LIST (\\Noselect) "/" ""')
         return done
     mailboxes = await session.store.list_mailboxes(user)
     for name, attrs, extended in list_matches(mailboxes, patterns, args):
-        encoded = wire.astring(wire.encode_mailbox(name))
+        encoded = session.encode_name(name)
         session.untagged(verb + b" (" + b" ".join(attrs) + b') "/" ' + encoded + extended)
         if args.status and b"\\Noselect" not in attrs and b"\\NonExistent" not in attrs:
             try:
@@ -269,7 +269,7 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
     limit = store.max_message_size
     line = " ".join(f"{item} {limit or 'NIL'}" if item == "APPENDLIMIT" else f"{item} {values[item]}"
                     for item in items).encode()
-    session.untagged(b"STATUS " + wire.astring(wire.encode_mailbox(name)) + b" (" + line + b")")
+    session.untagged(b"STATUS " + session.encode_name(name) + b" (" + line + b")")
 
 
 async def status(session: Session, args: c.Status) -> str:

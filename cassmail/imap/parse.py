@@ -416,6 +416,13 @@ def _append(cursor: Cursor, uid: bool) -> c.Append:
     if cursor.peek() == 0x22:
         date = cursor.date_time()
         cursor.sp()
+    if cursor.text[cursor.pos : cursor.pos + 6].upper() == b"UTF8 (":  # RFC 6855: UTF8 (literal8)
+        cursor.pos += 6
+        if not cursor.literal_next() or cursor.index + 1 not in cursor.binary:
+            raise ParseError("APPEND UTF8 needs the message as a literal8 in parentheses")
+        message = cursor.take_literal(binary=True)
+        cursor.expect(b")", "APPEND UTF8 needs the message as a literal8 in parentheses")
+        return c.Append(name, flags, date, message)
     if not cursor.literal_next():
         raise ParseError("APPEND needs the message as a literal")
     return c.Append(name, flags, date, cursor.take_literal(binary=True))

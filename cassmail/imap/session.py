@@ -74,6 +74,8 @@ class Session:
         #: The tag of the command running (ESEARCH names it in its response).
         self.tag = b""
         self.compressed = False
+        #: ENABLE UTF8=ACCEPT (RFC 6855): mailbox names in UTF-8 both ways, not modified UTF-7.
+        self.utf8 = False
         self.closing = False
         #: Run after the tagged answer is written (STARTTLS starts TLS then).
         self.then: Callable[[], Awaitable[None]] | None = None
@@ -211,7 +213,7 @@ class Session:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
                 b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
                 b"STATUS=SIZE", b"COMPRESS=DEFLATE", b"SORT", b"SORT=DISPLAY", b"THREAD=ORDEREDSUBJECT",
-                b"THREAD=REFERENCES", b"BINARY"]
+                b"THREAD=REFERENCES", b"BINARY", b"UTF8=ACCEPT"]
         if self.store.max_message_size:
             caps.append(b"APPENDLIMIT=%d" % self.store.max_message_size)
         if self.user is None:
@@ -220,11 +222,25 @@ class Session:
             caps.append(b"AUTH=PLAIN" if self.plaintext_ok() else b"LOGINDISABLED")
         return caps
 
+    def decode_name(self, raw: bytes) -> str:
+        """A mailbox name (or LIST pattern) from the wire: modified UTF-7, or UTF-8 once the
+        client enabled UTF8=ACCEPT. Raises wire.ParseError."""
+        if not self.utf8:
+            return wire.decode_mailbox(raw)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise wire.ParseError("mailbox name is not valid UTF-8") from None
+
+    def encode_name(self, name: str) -> bytes:
+        """A mailbox name for a response, as the client reads them (see decode_name)."""
+        return wire.astring(name, utf8=True) if self.utf8 else wire.astring(wire.encode_mailbox(name))
+
     def mailbox(self, raw: bytes) -> str:
         """A mailbox name from the wire, canonical; a name that is not valid modified UTF-7 or
         not a valid name is NO [CANNOT] (the name is the trouble, not the command's syntax)."""
         try:
-            name = wire.decode_mailbox(raw)
+            name = self.decode_name(raw)
         except wire.ParseError as exc:
             text = str(exc)
             raise No(text[:1].upper() + text[1:], "CANNOT") from None

@@ -21,6 +21,7 @@ MAX_SET_RANGES = 10_000
 MAX_NUMBER = 0xFFFFFFFF
 
 _SAFE_QUOTED = re.compile(rb'[\x20-\x7e]*\Z')
+_SAFE_QUOTED_UTF8 = re.compile(rb'[\x20-\x7e\x80-\xff]*\Z')
 _ATOM_SPECIALS = re.compile(rb'[(){ %*"\\\]\x00-\x1f\x7f-\xff]')
 
 
@@ -41,12 +42,13 @@ def _bytes(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
 
 
-def string(value: str | bytes | None) -> bytes:
-    """An nstring: NIL, a quoted string when that can carry it, else a literal."""
+def string(value: str | bytes | None, utf8: bool = False) -> bytes:
+    """An nstring: NIL, a quoted string when that can carry it (UTF-8 too, for a client that
+    enabled UTF8=ACCEPT), else a literal."""
     if value is None:
         return b"NIL"
     data = _bytes(value)
-    if len(data) < 1024 and _SAFE_QUOTED.match(data):
+    if len(data) < 1024 and (_SAFE_QUOTED if not utf8 else _SAFE_QUOTED_UTF8).match(data):
         return b'"' + data.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"'
     return b"{%d}\r\n" % len(data) + data
 
@@ -56,12 +58,12 @@ def literal(value: bytes) -> bytes:
     return b"{%d}\r\n" % len(value) + value
 
 
-def astring(value: str | bytes) -> bytes:
+def astring(value: str | bytes, utf8: bool = False) -> bytes:
     """An atom when the value is one, else a string (mailbox names in LIST, STATUS)."""
     data = _bytes(value)
     if data and not _ATOM_SPECIALS.search(data) and data.upper() != b"NIL":
         return data
-    return string(data)
+    return string(data, utf8)
 
 
 def encode(value: Any) -> bytes:
