@@ -722,11 +722,18 @@ def checked_password_hash(password_hash: str) -> str:
     return password_hash
 
 
+def internal_date(when: datetime | None) -> datetime:
+    """An internal date in UTC (now when None); a date without zone is refused."""
+    if when is None:
+        return datetime.now(timezone.utc)
+    if when.tzinfo is None:
+        raise InvalidInput("internal date must carry a time zone")
+    return when.astimezone(timezone.utc)
+
+
 def internal_date_micros(when: datetime | None) -> int:
     """An internal date as microseconds since 1970 (now when None); a date without zone is refused."""
     if when is None:
         return int(time.time() * 1_000_000)
-    if when.tzinfo is None:
-        raise InvalidInput("internal date must carry a time zone")
-    delta = when.astimezone(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)
+    delta = internal_date(when) - datetime(1970, 1, 1, tzinfo=timezone.utc)
     return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds

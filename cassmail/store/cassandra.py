@@ -63,7 +63,6 @@ from cassmail.store.base import (
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
-    MessageTooLarge,
     NoSuchAlias,
     NoSuchDomain,
     NoSuchMailbox,
@@ -72,12 +71,14 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
-    body_view,
     check_alias,
     check_flag_mode,
     check_recent_below,
-    check_targets,
+    check_rename,
+    checked_password_hash,
+    internal_date as internal_date_utc,
     needs_uid,
+    prepare_delivery,
     uid_work,
 )
 
@@ -477,8 +478,7 @@ class CassandraStore(CassandraQueue):
         that the user does not exist, and a retry simply writes both again. The reverse order
         would leave an account that `user list` never shows."""
         key = address_key(user)
-        if not isinstance(password_hash, str) or not password_hash:
-            raise InvalidInput("password hash must be a non-empty string")
+        password_hash = checked_password_hash(password_hash)
         domain = key.rpartition("@")[2]
         if not await self.is_local_domain(domain):
             raise NoSuchDomain(domain)
@@ -513,8 +513,7 @@ class CassandraStore(CassandraQueue):
 
     async def set_password_hash(self, user: str, password_hash: str) -> None:
         key = address_key(user)
-        if not isinstance(password_hash, str) or not password_hash:
-            raise InvalidInput("password hash must be a non-empty string")
+        password_hash = checked_password_hash(password_hash)
         applied, _ = await self._conditional(self._ps["user_passwd"].bind((password_hash, key)))
         if not applied:
             raise NoSuchUser(key)
@@ -689,11 +688,7 @@ class CassandraStore(CassandraQueue):
 
     async def rename_mailbox(self, user: str, old: str, new: str) -> None:
         key = address_key(user)
-        old, new = mailbox_name(old), mailbox_name(new)
-        if old == new:
-            raise MailboxExists(key, new)
-        if new == INBOX or new.startswith(old + HIERARCHY_DELIMITER):
-            raise MailboxNotAllowed(f"cannot rename {old!r} to {new!r}")
+        old, new = check_rename(key, old, new)
         for _ in range(LWT_ATTEMPTS):
             rows = {r.mailbox: r for r in await self._mailbox_rows(key)}
             if old not in rows:
@@ -757,16 +752,10 @@ class CassandraStore(CassandraQueue):
     async def deliver(
         self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
     ) -> list[uuid.UUID]:
-        view = body_view(body)
+        view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
         size = view.nbytes
-        if self.max_message_size and size > self.max_message_size:
-            raise MessageTooLarge(size, self.max_message_size)
-        targets = check_targets(targets)
-        when = _utc(internal_date)
+        when = internal_date_utc(internal_date)
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
-        unique: dict[tuple[str, str], Target] = {}
-        for t in targets:
-            unique.setdefault((t.user, t.mailbox), t)
         rows = await asyncio.gather(*(self._resolve(u, m) for (u, m) in unique))
         mailbox_ids = {k: r.mailbox_id for k, r in zip(unique, rows)}
         ids = {k: new_message_id() for k in unique}
@@ -1153,14 +1142,6 @@ def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:
 
 def _ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
     return f"{mailbox_id}/{message_id}"
-
-
-def _utc(when: datetime | None) -> datetime:
-    if when is None:
-        return datetime.now(timezone.utc)
-    if when.tzinfo is None:
-        raise InvalidInput("internal date must carry a time zone")
-    return when.astimezone(timezone.utc)
 
 
 def _groups(items: list[Any], size: int) -> list[list[Any]]:
