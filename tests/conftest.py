@@ -11,6 +11,7 @@ In CI (CI=true) a test that needs Cassandra fails when none can be had; elsewher
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -150,13 +151,22 @@ def backend_settings(request: pytest.FixtureRequest) -> Settings:
     return backend_settings_for(request.param, request)
 
 
+@contextlib.asynccontextmanager
+async def opened_store(settings: Settings) -> AsyncIterator[Store]:
+    """The store the settings name, opened in the test process, closed afterwards."""
+    opened = make_store(settings)
+    await opened.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
 @pytest.fixture(scope="session")
 async def store(backend_settings: Settings) -> AsyncIterator[Store]:
     """The backend's store, opened in the test process; tests isolate themselves by domain."""
-    opened = make_store(backend_settings)
-    await opened.open()
-    yield opened
-    await opened.close()
+    async with opened_store(backend_settings) as opened:
+        yield opened
 
 
 @pytest.fixture

@@ -14,9 +14,8 @@ import pytest
 
 from cassmail.auth import hash_password
 from cassmail.config import Settings
-from cassmail.store import make_store
 from cassmail.store.base import Store
-from tests.conftest import FAST_HASH, backend_settings_for
+from tests.conftest import FAST_HASH, backend_settings_for, opened_store
 from tests.nodes import Node, node_settings
 
 #: How long the guesses are given to be answered; with the default delay (1 s, doubling) and
@@ -31,10 +30,8 @@ def settings(request: pytest.FixtureRequest) -> Settings:
 
 @pytest.fixture(scope="module")
 async def store(settings: Settings) -> AsyncIterator[Store]:
-    opened = make_store(settings)
-    await opened.open()
-    yield opened
-    await opened.close()
+    async with opened_store(settings) as opened:
+        yield opened
 
 
 @pytest.fixture(scope="module")

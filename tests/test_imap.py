@@ -76,6 +76,15 @@ class Raw:
         assert self.cmd(f'LOGIN "{user}" "{password}"')[-1].startswith(b"t%d OK" % self.n)
 
 
+def logged_in(node: Node, user: str, password: str, mailbox: str | None = None) -> Raw:
+    """A Raw session logged in (and with `mailbox` selected)."""
+    raw = Raw(node.port("imap"))
+    raw.login(user, password)
+    if mailbox is not None:
+        assert raw.cmd(f"SELECT {mailbox}")[-1].startswith(b"t%d OK" % raw.n)
+    return raw
+
+
 @pytest.fixture(scope="module")
 def plain_node(backend_settings, tmp_path_factory) -> Node:
     """A node whose IMAP allows LOGIN in clear text (loopback tests of the protocol itself)."""

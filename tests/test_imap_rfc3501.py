@@ -10,17 +10,12 @@ import re
 import pytest
 
 from cassmail.store.base import Store, Target
-from tests.test_imap import Raw, deliver, message, plain_node  # noqa: F401 - plain_node is a fixture
+from tests.test_imap import Raw, deliver, logged_in, message, plain_node  # noqa: F401 - plain_node is a fixture
 
 pytestmark = pytest.mark.cassandra
 
 
-def _session(node, user: str, password: str, mailbox: str | None = None) -> Raw:
-    raw = Raw(node.port("imap"))
-    raw.login(user, password)
-    if mailbox is not None:
-        assert raw.cmd(f"SELECT {mailbox}")[-1].startswith(b"t%d OK" % raw.n)
-    return raw
+_session = logged_in
 
 
 def _number(lines: list[bytes], pattern: bytes) -> int:

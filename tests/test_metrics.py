@@ -35,7 +35,7 @@ from cassmail.config import Settings
 from cassmail.metrics import CONTRACT_OPS, Metrics, TimedStore
 from cassmail.store import make_store
 from cassmail.store.base import NoSuchMailbox, NoSuchUser, Store, Target
-from tests.conftest import FAST_HASH, backend_settings_for
+from tests.conftest import FAST_HASH, backend_settings_for, opened_store
 from tests.nodes import CASSMAIL, Node, node_settings
 
 #: Messages larger than this are refused while DATA is read (result too-large).
@@ -51,10 +51,8 @@ def settings(request: pytest.FixtureRequest) -> Settings:
 
 @pytest.fixture(scope="module")
 async def store(settings: Settings) -> AsyncIterator[Store]:
-    opened = make_store(settings)
-    await opened.open()
-    yield opened
-    await opened.close()
+    async with opened_store(settings) as opened:
+        yield opened
 
 
 @pytest.fixture

@@ -28,9 +28,8 @@ import dkim
 import pytest
 
 from cassmail.config import Settings
-from cassmail.store import make_store
 from cassmail.store.base import Store
-from tests.conftest import FAST_HASH, backend_settings_for, hash_password
+from tests.conftest import FAST_HASH, backend_settings_for, hash_password, opened_store
 from tests.nodes import CASSMAIL, CLIENT_TLS, Node, node_settings
 from tests.outbound_peers import BadRemote, Dns, RemoteMx, free_port_on
 
@@ -94,10 +93,8 @@ def out_settings(request: pytest.FixtureRequest) -> Settings:
 
 @pytest.fixture(scope="module")
 async def out_store(out_settings: Settings) -> AsyncIterator[Store]:
-    opened = make_store(out_settings)
-    await opened.open()
-    yield opened
-    await opened.close()
+    async with opened_store(out_settings) as opened:
+        yield opened
 
 
 @dataclass
