@@ -25,7 +25,7 @@ NETWORK_MODULES = (
     "rbl", "surbl", "fuzzy_check", "phishing", "asn", "emails", "mx_check", "dcc", "url_redirector",
     "rspamd_update", "greylist", "ratelimit", "neural", "reputation", "history_redis", "replies",
     "spamtrap", "clickhouse", "elastic", "antivirus", "external_services", "p0f", "bimi", "dkim_signing",
-    "arc", "metric_exporter",
+    "metric_exporter",
 )
 
 
@@ -38,14 +38,17 @@ def ensure_rspamd() -> None:
 
 
 class RspamdServer:
-    """rspamd's normal worker on 127.0.0.1:`port` (and its controller on another port, which the
-    learn commands use), configured under `directory`."""
+    """rspamd's normal worker on 127.0.0.1:`port` (its controller on another port), configured
+    under `directory`; with `milter`, also its proxy worker as a milter on `milter_port` (for
+    Postfix's smtpd_milters)."""
 
-    def __init__(self, directory: Path, dns: str) -> None:
+    def __init__(self, directory: Path, dns: str, milter: bool = False) -> None:
         self.dir = directory
-        self.port, self.controller = free_port_on("127.0.0.1"), free_port_on("127.0.0.1")
-        while self.controller == self.port:
-            self.controller = free_port_on("127.0.0.1")
+        ports: set[int] = set()
+        while len(ports) < 3:
+            ports.add(free_port_on("127.0.0.1"))
+        self.port, self.controller, self.milter_port = sorted(ports)
+        self.milter = milter
         self.dns = dns
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -60,7 +63,12 @@ class RspamdServer:
         (override / "worker-normal.inc").write_text(f'bind_socket = "127.0.0.1:{self.port}";\ncount = 1;\n')
         (override / "worker-controller.inc").write_text(
             f'bind_socket = "127.0.0.1:{self.controller}";\ncount = 1;\nsecure_ip = "127.0.0.1";\n')
-        (override / "worker-proxy.inc").write_text("enabled = false;\n")
+        if self.milter:
+            (override / "worker-proxy.inc").write_text(
+                f'bind_socket = "127.0.0.1:{self.milter_port}";\nmilter = yes;\ntimeout = 120s;\ncount = 1;\n'
+                f'upstream "local" {{\n  default = yes;\n  self_scan = no;\n  hosts = "127.0.0.1:{self.port}";\n}}\n')
+        else:
+            (override / "worker-proxy.inc").write_text("enabled = false;\n")
         (override / "logging.inc").write_text(f'type = "file";\nfilename = "{self.dir}/log/rspamd.log";\n'
                                               'level = "notice";\n')
         (self.dir / "local.d" / "options.inc").write_text(

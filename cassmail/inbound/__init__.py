@@ -14,6 +14,8 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
+import dns.resolver
+
 from cassmail.config import InboundSettings, RelaySettings
 from cassmail.inbound.authcheck import AuthPolicy, SenderAuth, decide, header_fields, split_header, strip_forged_results
 from cassmail.inbound.spam import SPAM_HEADERS, Rspamd, SpamFilterUnavailable
@@ -22,6 +24,9 @@ from cassmail.model import DEFAULT_MAILBOXES, INBOX
 from cassmail.store.base import MailboxExists, NoSuchMailbox, Store, Target
 
 log = logging.getLogger("cassmail.inbound")
+
+#: DNS answers kept by the MX's checks (per worker process).
+DNS_CACHE_ENTRIES = 10_000
 
 #: How bad a verdict is: the worst of the steps wins.
 _RANK = {"accept": 0, "junk": 1, "tempfail": 2, "reject": 3}
@@ -58,7 +63,11 @@ class Inbound:
 
         self.settings = settings
         self.authserv_id = settings.authserv_id or node_name
-        self.auth = SenderAuth(make_resolver(relay), relay.dns_timeout) if settings.authentication else None
+        resolver = make_resolver(relay)
+        # Mail from one sender comes in runs: its SPF, DKIM key and DMARC records are asked again
+        # and again. Answers are kept for their TTL, as a local caching resolver would.
+        resolver.cache = dns.resolver.LRUCache(DNS_CACHE_ENTRIES)
+        self.auth = SenderAuth(resolver, relay.dns_timeout) if settings.authentication else None
         self.policy = AuthPolicy(settings.dmarc_reject, settings.dmarc_quarantine, settings.spf_reject_fail)
         self.rspamd = Rspamd(settings.rspamd_url, settings.rspamd_password, settings.rspamd_timeout) \
             if settings.rspamd_url else None

@@ -20,6 +20,7 @@ import logging
 import random
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.parser import BytesHeaderParser
 from email.policy import compat32
@@ -38,6 +39,9 @@ log = logging.getLogger("cassmail.inbound")
 
 #: The library loggers stay out of the node's error counts: a bad signature is the sender's fault.
 _LIBRARY_LOG = logging.getLogger("dkimpy")
+
+#: Threads of the library calls per worker process (three per message being checked).
+THREADS = 64
 
 #: Results of one method, as RFC 8601 names them.
 PASS, FAIL, SOFTFAIL, NEUTRAL, NONE, TEMPERROR, PERMERROR = (
@@ -101,7 +105,7 @@ class DnsBridge:
         return found
 
 
-#: The bridge of the check running in this thread: `asyncio.to_thread` copies the context in.
+#: The bridge of the check running in this thread (`SenderAuth._in_thread` copies the context in).
 _bridge: contextvars.ContextVar[DnsBridge | None] = contextvars.ContextVar("cassmail_dns_bridge", default=None)
 _library_lookup: Callable[..., Any] = spf.DNSLookup
 
@@ -276,15 +280,23 @@ class SenderAuth:
     def __init__(self, resolver: dns.asyncresolver.Resolver, dns_timeout: float) -> None:
         self.resolver = resolver
         self.dns_timeout = dns_timeout
+        #: The library calls mostly wait for DNS answers: a pool of its own, larger than the
+        #: loop's default (cores + 4), so slow DNS for one message does not hold up the others.
+        self.threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="cassmail-auth")
+
+    def _in_thread(self, call: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """`call(*args)` in the pool, with this context (the DNS bridge) copied in."""
+        context = contextvars.copy_context()
+        return asyncio.get_running_loop().run_in_executor(self.threads, context.run, call, *args)
 
     async def check(self, message: bytes, ip: str, helo: str, sender: str) -> AuthOutcome:
         """Every method's result for a message from `ip` that said `helo` and MAIL FROM `sender`."""
         bridge = DnsBridge(self.resolver, asyncio.get_running_loop())
         token = _bridge.set(bridge)
         try:
-            spf_task = asyncio.to_thread(self._spf, ip, helo, sender)
-            dkim_task = asyncio.to_thread(self._dkim, message, bridge)
-            arc_task = asyncio.to_thread(self._arc, message, bridge)
+            spf_task = self._in_thread(self._spf, ip, helo, sender)
+            dkim_task = self._in_thread(self._dkim, message, bridge)
+            arc_task = self._in_thread(self._arc, message, bridge)
             (spf_mfrom, spf_helo, mfrom_domain), dkims, arc = await asyncio.gather(spf_task, dkim_task, arc_task)
         finally:
             _bridge.reset(token)
