@@ -10,8 +10,8 @@ What it does:
 1. A DNS server of its own on loopback (the tests' dnslib server) holding the SPF, DKIM and
    DMARC (p=reject) records of the sending domain `sender.bench`, and a real rspamd (Debian's
    package, its own configuration directory, loopback ports, DNS pointed at that server, the
-   modules that ask the internet off; `tests/inbound_peers.py`) with its proxy worker in milter
-   mode for Postfix.
+   modules that ask the internet off; `tests/inbound_peers.py`; one normal and one proxy worker
+   per core, rspamd's default) with its proxy worker in milter mode for Postfix.
 2. A pool of DKIM-signed messages from `sender.bench` (dkimpy, a 2048-bit key, fresh
    Message-IDs), --size bytes each, made before any run.
 3. For each server: --connections SMTP clients (aiosmtplib, in this process) send from
@@ -223,7 +223,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
     zone.add(SENDER_DOMAIN, "TXT", '"v=spf1 ip4:127.0.0.1 -all"')
     zone.add(HELO, "TXT", '"v=spf1 ip4:127.0.0.1 -all"')
     zone.add(f"_dmarc.{SENDER_DOMAIN}", "TXT", '"v=DMARC1; p=reject"')
-    rspamd = RspamdServer(workdir / "rspamd", dns.address, milter=True)
+    rspamd = RspamdServer(workdir / "rspamd", dns.address, milter=True, workers=os.cpu_count() or 1)
     need_rspamd = bool({"rspamd", "postfix-rspamd"} & set(args.targets))
     if need_rspamd:
         rspamd.start_process()

@@ -42,8 +42,9 @@ class RspamdServer:
     under `directory`; with `milter`, also its proxy worker as a milter on `milter_port` (for
     Postfix's smtpd_milters)."""
 
-    def __init__(self, directory: Path, dns: str, milter: bool = False) -> None:
+    def __init__(self, directory: Path, dns: str, milter: bool = False, workers: int = 1) -> None:
         self.dir = directory
+        self.workers = workers
         ports: set[int] = set()
         while len(ports) < 3:
             ports.add(free_port_on("127.0.0.1"))
@@ -60,12 +61,12 @@ class RspamdServer:
         for sub in ("local.d", "override.d", "run", "db", "log"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         override = self.dir / "override.d"
-        (override / "worker-normal.inc").write_text(f'bind_socket = "127.0.0.1:{self.port}";\ncount = 1;\n')
+        (override / "worker-normal.inc").write_text(f'bind_socket = "127.0.0.1:{self.port}";\ncount = {self.workers};\n')
         (override / "worker-controller.inc").write_text(
             f'bind_socket = "127.0.0.1:{self.controller}";\ncount = 1;\nsecure_ip = "127.0.0.1";\n')
         if self.milter:
             (override / "worker-proxy.inc").write_text(
-                f'bind_socket = "127.0.0.1:{self.milter_port}";\nmilter = yes;\ntimeout = 120s;\ncount = 1;\n'
+                f'bind_socket = "127.0.0.1:{self.milter_port}";\nmilter = yes;\ntimeout = 120s;\ncount = {self.workers};\n'
                 f'upstream "local" {{\n  default = yes;\n  self_scan = no;\n  hosts = "127.0.0.1:{self.port}";\n}}\n')
         else:
             (override / "worker-proxy.inc").write_text("enabled = false;\n")

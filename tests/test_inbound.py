@@ -179,7 +179,7 @@ def pop_messages(node: Node, user: str) -> list[bytes]:
 
 def results(stored: bytes) -> list[str]:
     """The Authentication-Results fields of a stored message, unfolded."""
-    head = stored.split(b"\r\n\r\n", 1)[0].decode()
+    head = stored.split(b"\r\n\r\n", 1)[0].decode("utf-8", "replace")
     return [re.sub(r"\r\n[ \t]+", " ", m) for m in re.findall(r"^Authentication-Results:[^\r\n]*(?:\r\n[ \t][^\r\n]*)*", head, re.M)]
 
 
@@ -313,6 +313,29 @@ async def test_spf_fail_is_refused_only_where_the_operator_says_so(mx: Node, str
     # ...spf_reject_fail refuses it.
     code, text = await asyncio.to_thread(send, strict, "x@reject.test", rcpt, msg)
     assert code == 550 and text.startswith("5.7.23")
+
+
+MALFORMED = [
+    b"no header block at all, only text\r\n",
+    b"From: \r\nFrom: a@good.test, b@reject.test\r\n\r\nx\r\n",
+    b"From: =?utf-8?q?=FF=FE?= <@>\r\nSubject: \xff\xfe\r\n\r\n\x00\x01\r\n",
+    b"DKIM-Signature: v=1; a=rsa-sha256; d=good.test; s=sel; h=from; bh=!!; b=%%%\r\nFrom: a@good.test\r\n\r\nx\r\n",
+    b"DKIM-Signature: garbage\r\nDKIM-Signature: v=1; a=rsa-sha256; d=" + b"x" * 70 + b".test; s=s; h=from; "
+    b"bh=AAAA; b=AAAA\r\nFrom: a@" + b"y" * 70 + b".test\r\n\r\nx\r\n",
+    b"ARC-Seal: i=1; a=rsa-sha256; cv=none; d=lists.test; s=sel; b=!!\r\nARC-Message-Signature: i=x\r\n"
+    b"ARC-Authentication-Results: i=1; lists.test; spf=pass\r\nFrom: a@nodmarc.test\r\n\r\nx\r\n",
+]
+
+
+async def test_malformed_messages_get_an_answer_never_an_internal_error(mx: Node, rcpt: str) -> None:
+    """Hostile headers are the checks' permerror or fail, not a 451 the sender would retry forever."""
+    for msg in MALFORMED:
+        code, text = await asyncio.to_thread(send, mx, "a@nodmarc.test", rcpt, msg, "[127.0.0.1]")
+        assert code in (250, 550), (msg[:60], code, text)
+        assert "Internal error" not in text
+    # rspamd may judge them spam: filed into Junk then.
+    stored = [*await asyncio.to_thread(imap_messages, mx, rcpt), *await asyncio.to_thread(imap_messages, mx, rcpt, "Junk")]
+    assert len(stored) >= 4 and all(len(results(m)) == 1 for m in stored)
 
 
 # ----------------------------------------------------------------------------- rspamd

@@ -48,6 +48,11 @@ PASS, FAIL, SOFTFAIL, NEUTRAL, NONE, TEMPERROR, PERMERROR = (
     "pass", "fail", "softfail", "neutral", "none", "temperror", "permerror")
 
 
+#: What the libraries raise, beside their own exceptions, on input they did not expect (a
+#: hostile message): the method's result is then permerror (or fail), never an internal error.
+LIBRARY_INPUT_ERRORS: tuple[type[Exception], ...] = (ValueError, KeyError, IndexError, TypeError)
+
+
 class DnsTemporary(Exception):
     """A DNS question got no answer (timeout, SERVFAIL, no server): the check cannot decide."""
 
@@ -66,8 +71,11 @@ class DnsBridge:
             answer = await self.resolver.resolve(name, rdtype, raise_on_no_answer=False, search=False)
         except dns.resolver.NXDOMAIN:
             return []
-        except dns.exception.DNSException as exc:
+        except (dns.resolver.NoNameservers, dns.exception.Timeout) as exc:
             raise DnsTemporary(f"{rdtype} {name}: {exc}") from None
+        except (dns.exception.DNSException, ValueError):
+            # A name that cannot be asked (a label over 63 octets, not IDNA): no such record.
+            return []
         return list(answer.rrset) if answer.rrset is not None else []
 
     def resolve_blocking(self, name: str, rdtype: str) -> list[Any]:
@@ -323,7 +331,7 @@ class SenderAuth:
         try:
             query = spf.query(i=ip, s=sender, h=helo, timeout=self.dns_timeout, querytime=self.dns_timeout * 2)
             result, _code, _why = query.check()
-        except (ValueError, spf.PermError) as exc:
+        except (spf.PermError, *LIBRARY_INPUT_ERRORS) as exc:
             log.debug("spf %s: %s", sender or helo, exc)
             return PERMERROR
         return str(result) if result in (PASS, FAIL, SOFTFAIL, NEUTRAL, NONE, TEMPERROR, PERMERROR) else PERMERROR
@@ -349,6 +357,9 @@ class SenderAuth:
                 result, reason = FAIL, str(exc).split(" (")[0]
             except dkim.DKIMException as exc:
                 result, reason = PERMERROR, str(exc)
+            except LIBRARY_INPUT_ERRORS as exc:
+                # dkimpy lets some malformed signatures through as Python errors (bad base64, ...).
+                result, reason = PERMERROR, f"malformed signature ({type(exc).__name__})"
             fields = getattr(signed, "signature_fields", {}) or {}
             results.append(DkimResult(
                 result, _text(fields.get(b"d", b"")).lower(), _text(fields.get(b"s", b"")),
@@ -361,7 +372,7 @@ class SenderAuth:
                 dnsfunc=bridge.txt)
         except DnsTemporary:
             return TEMPERROR
-        except dkim.DKIMException:
+        except (dkim.DKIMException, *LIBRARY_INPUT_ERRORS):
             return FAIL
         if cv == dkim.CV_Pass:
             return PASS
@@ -391,15 +402,14 @@ class SenderAuth:
             return
         try:
             policy = dmarc.DMARC(ORG_DOMAINS).parse_record(record, domain, org)
-        except dmarc.RecordSyntaxError as exc:
+        except (dmarc.RecordSyntaxError, *LIBRARY_INPUT_ERRORS) as exc:
             outcome.dmarc, outcome.dmarc_reason = PERMERROR, f"bad DMARC record: {exc}"
             return
-        spf_result = outcome.spf_mfrom if outcome.spf_mfrom in {r.value for r in dmarc.SPFResult} else NONE
-        auth = dmarc.AuthResults(
-            spf=dmarc.SPFAuthResult(outcome.mfrom_domain, dmarc.SPFResult(spf_result)) if outcome.mfrom_domain else None,
-            dkim=[dmarc.DKIMAuthResult(d.domain, dmarc.DKIMResult(d.result)) for d in outcome.dkim if d.domain] or None,
-        )
-        result = dmarc.DMARC(ORG_DOMAINS).get_result(policy, auth_results=auth)
+        try:
+            result = self._evaluate(policy, outcome)
+        except LIBRARY_INPUT_ERRORS as exc:
+            outcome.dmarc, outcome.dmarc_reason = PERMERROR, f"cannot evaluate ({type(exc).__name__})"
+            return
         if result.result is dmarc.DMARCResult.PASS:
             outcome.dmarc = PASS
             return
@@ -409,6 +419,16 @@ class SenderAuth:
             # RFC 7489 6.6.4: outside the sampled share, the next lower policy applies.
             disposition = "quarantine" if disposition == "reject" else "none"
         outcome.policy = disposition
+
+    @staticmethod
+    def _evaluate(policy: Any, outcome: AuthOutcome) -> Any:
+        """The `dmarc` package's verdict on the SPF and DKIM results (alignment, p/sp)."""
+        spf_result = outcome.spf_mfrom if outcome.spf_mfrom in {r.value for r in dmarc.SPFResult} else NONE
+        auth = dmarc.AuthResults(
+            spf=dmarc.SPFAuthResult(outcome.mfrom_domain, dmarc.SPFResult(spf_result)) if outcome.mfrom_domain else None,
+            dkim=[dmarc.DKIMAuthResult(d.domain, dmarc.DKIMResult(d.result)) for d in outcome.dkim if d.domain] or None,
+        )
+        return dmarc.DMARC(ORG_DOMAINS).get_result(policy, auth_results=auth)
 
     async def _dmarc_record(self, domain: str, bridge: DnsBridge) -> tuple[str | None, str | None]:
         """The DMARC record of the From domain, else of its organisational domain (then also
