@@ -380,6 +380,17 @@ async def test_the_metrics_count_what_the_checks_decided(mx: Node, rcpt: str) ->
         assert after.get(key, 0) == before.get(key, 0) + 1, (key, before, after)
 
 
+def test_inbound_settings_are_checked_at_start() -> None:
+    from cassmail import config
+
+    for override, key in (("inbound.rspamd_failure=drop", "inbound.rspamd_failure"),
+                          ('inbound.rspamd_url="https://spam.example"', "inbound.rspamd_url"),
+                          ("inbound.timeout=0", "inbound.timeout"),
+                          ('inbound.authserv_id="mx example"', "inbound.authserv_id")):
+        with pytest.raises(config.ConfigError, match=key):
+            config.load(overrides=[override], env={})
+
+
 # ----------------------------------------------------------------------------- library internals
 
 

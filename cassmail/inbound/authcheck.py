@@ -22,8 +22,6 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from email.parser import BytesHeaderParser
-from email.policy import compat32
 from typing import Any
 
 import dkim
@@ -35,10 +33,15 @@ import dns.resolver
 import spf
 from publicsuffixlist import PublicSuffixList
 
+from cassmail.delivery.message import fields, header_section
+
 log = logging.getLogger("cassmail.inbound")
 
-#: The library loggers stay out of the node's error counts: a bad signature is the sender's fault.
-_LIBRARY_LOG = logging.getLogger("dkimpy")
+#: dkimpy logs a bad signature or a missing key at ERROR: the sender's fault, already said in the
+#: Authentication-Results reason, so not an error of this node (nor a line per hostile message).
+_LIBRARY_LOG = logging.getLogger("dkimpy.cassmail")
+_LIBRARY_LOG.propagate = False
+_LIBRARY_LOG.addHandler(logging.NullHandler())
 
 #: Threads of the library calls per worker process (three per message being checked).
 THREADS = 64
@@ -220,12 +223,11 @@ def _quoted(text: str) -> str:
 
 
 def split_header(message: bytes) -> tuple[bytes, bytes]:
-    """(the header block with its last line ending, the rest from the empty line on)."""
-    for sep in (b"\r\n\r\n", b"\n\n"):
-        at = message.find(sep)
-        if at >= 0:
-            return message[: at + len(sep) // 2], message[at + len(sep) // 2:]
-    return message, b""
+    """(the header section with its last line ending, the rest from the empty line on)."""
+    end = len(header_section(message))
+    if message[end - 1:end + 1] == b"\r\n":
+        end += 1  # the CR of the last line's CRLF ends the section there: keep its LF with it
+    return message[:end], message[end:]
 
 
 def header_fields(block: bytes) -> list[bytes]:
@@ -260,10 +262,8 @@ def strip_forged_results(message: bytes, authserv_id: str) -> tuple[bytes, int]:
 
 def from_domains(block: bytes) -> list[str]:
     """The domains of the From field's addresses (RFC 5322.From), lowercased, in order."""
-    parsed = BytesHeaderParser(policy=compat32).parsebytes(block)
-    values = [str(v) for v in parsed.get_all("From") or []]
     domains = []
-    for _, address in email.utils.getaddresses(values):
+    for _, address in email.utils.getaddresses(fields(block, "From")):
         domain = address.rpartition("@")[2].strip().lower().rstrip(".")
         if "@" in address and domain:
             domains.append(domain)
