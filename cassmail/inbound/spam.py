@@ -93,15 +93,28 @@ class Rspamd:
             writer.write(head.encode("utf-8"))
             writer.write(message)
             await writer.drain()
-            reply = await reader.read(MAX_REPLY)
-            while len(reply) < MAX_REPLY:
-                more = await reader.read(MAX_REPLY - len(reply))
-                if not more:
-                    break
-                reply += more
+            try:
+                reply_head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                raise SpamFilterUnavailable(f"rspamd's answer has no header end: {exc}") from None
+            length = _content_length(reply_head)
+            if length is not None and length <= MAX_REPLY:
+                body = await reader.readexactly(length)
+            else:
+                body = await reader.read(MAX_REPLY)
+        except asyncio.IncompleteReadError as exc:
+            raise SpamFilterUnavailable(f"rspamd's answer was cut short: {exc}") from None
         finally:
             writer.close()
-        return _parse(reply)
+        return _parse(reply_head + body)
+
+
+def _content_length(head: bytes) -> int | None:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return int(value.strip())
+    return None
 
 
 def _parse(reply: bytes) -> SpamResult:
@@ -109,10 +122,9 @@ def _parse(reply: bytes) -> SpamResult:
     status = head.split(b"\r\n", 1)[0].split()
     if len(status) < 2 or not status[0].startswith(b"HTTP/") or status[1] != b"200":
         raise SpamFilterUnavailable(f"rspamd answered {head[:100]!r}")
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length" and value.strip().isdigit():
-            body = body[: int(value.strip())]
+    length = _content_length(head)
+    if length is not None:
+        body = body[:length]
     try:
         data = json.loads(body)
         action = str(data["action"])
