@@ -29,8 +29,9 @@ What it does:
    --backend cassandra (--set store.cassandra.port=... names the node; a fresh keyspace).
 4. Each server's stored mail is counted afterwards (cassmail: INBOX through the Store API;
    Postfix: its Maildirs once its queue is empty) and must equal what was accepted; CPU seconds
-   of the server, of rspamd and of this process (the clients) over the counted window, and the
-   whole machine's busy cores.
+   of the server, of rspamd and of this process (the clients) over the counted window, the same
+   per message counted (the cost of the checks, less sensitive than the rate to what else the
+   machine runs), and the whole machine's busy cores.
 """
 
 from __future__ import annotations
@@ -185,8 +186,14 @@ class Row:
     def cells(self) -> list[str]:
         lat = [x * 1000 for x in self.counted.latencies]
         rate = self.counted.accepted / self.window
+        n = self.counted.accepted
+
+        def per_message(cpu: float | None) -> str:
+            return fmt(cpu * 1000 / n if cpu is not None and n else None, ".2f")
+
         return [self.name, f"{rate:,.0f}", fmt(pct(lat, 50)), fmt(pct(lat, 99)),
                 f"{self.counted.refused + self.counted.errors}", f"{self.stored:,} / {self.total_accepted:,}",
+                f"{per_message(self.cpu_server)} / {per_message(self.cpu_rspamd)}",
                 f"{fmt(self.cpu_server)} / {fmt(self.cpu_rspamd)} / {fmt(self.cpu_clients)}", fmt(self.busy, ".2f")]
 
 
@@ -295,7 +302,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
             log(f"kept {workdir}")
     log()
     head = ["server / checks", "msgs/s", "p50 ms", "p99 ms", "refused+errors", "stored / accepted (whole run)",
-            "CPU s: server / rspamd / clients", "machine busy (cores)"]
+            "CPU ms per message: server / rspamd", "CPU s: server / rspamd / clients", "machine busy (cores)"]
     for line in markdown(head, [r.cells() for r in rows], left={0}):
         log(line)
     base = {r.name.split()[0]: r for r in rows if r.name in ("cassmail off", "Postfix")}
