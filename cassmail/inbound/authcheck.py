@@ -29,6 +29,8 @@ import dkim
 import dmarc
 import dns.asyncresolver
 import dns.exception
+import dns.name
+import dns.rdataclass
 import dns.rdatatype
 import dns.resolver
 import spf
@@ -83,13 +85,30 @@ class DnsBridge:
         return list(answer.rrset) if answer.rrset is not None else []
 
     def resolve_blocking(self, name: str, rdtype: str) -> list[Any]:
-        """`resolve` from a worker thread (never from the loop's own thread)."""
+        """`resolve` from a worker thread (never from the loop's own thread). An answer in the
+        resolver's cache (thread-safe) is taken at once, without a trip to the loop."""
+        cached = self._cached(name, rdtype)
+        if cached is not None:
+            return cached
         future = asyncio.run_coroutine_threadsafe(self.resolve(name, rdtype), self.loop)
         try:
             return future.result(self.wait)
         except TimeoutError:
             future.cancel()
             raise DnsTemporary(f"{rdtype} {name}: no answer in {self.wait:.0f} s") from None
+
+    def _cached(self, name: str, rdtype: str) -> list[Any] | None:
+        cache = self.resolver.cache
+        if cache is None:
+            return None
+        try:
+            key = (dns.name.from_text(name), dns.rdatatype.from_text(rdtype), dns.rdataclass.IN)
+        except (dns.exception.DNSException, ValueError):
+            return None
+        answer = cache.get(key)
+        if answer is None:
+            return None
+        return list(answer.rrset) if answer.rrset is not None else []
 
     def txt(self, name: bytes | str, timeout: float = 5) -> bytes | None:
         """dkimpy's `dnsfunc`: the first TXT record of a name, its strings joined."""
@@ -343,6 +362,8 @@ class SenderAuth:
     # DKIM and ARC -------------------------------------------------------
 
     def _dkim(self, message: bytes, bridge: DnsBridge) -> list[DkimResult]:
+        if not _has_field(message, b"dkim-signature"):
+            return []
         try:
             signed = dkim.DKIM(message, logger=_LIBRARY_LOG, timeout=int(self.dns_timeout))
         except dkim.DKIMException as exc:
@@ -371,6 +392,8 @@ class SenderAuth:
         return results
 
     def _arc(self, message: bytes, bridge: DnsBridge) -> str:
+        if not _has_field(message, b"arc-seal"):
+            return NONE  # no chain: not worth dkimpy parsing the message
         try:
             cv, _results, _why = dkim.ARC(message, logger=_LIBRARY_LOG, timeout=int(self.dns_timeout)).verify(
                 dnsfunc=bridge.txt)
@@ -451,6 +474,12 @@ class SenderAuth:
         texts = [b"".join(r.strings).decode("utf-8", "replace") for r in await bridge.resolve(f"_dmarc.{domain}", "TXT")]
         records = [t for t in texts if re.match(r"v\s*=\s*DMARC1\s*(;|$)", t)]
         return records[0] if len(records) == 1 else None
+
+
+def _has_field(message: bytes, name: bytes) -> bool:
+    """Whether the header section may hold a field of that (lowercase) name: a cheap look before
+    a library parses the whole message."""
+    return name in split_header(message)[0].lower()
 
 
 def _text(value: bytes | str) -> str:
