@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench clean
 
 # Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
-TEST_TOOLS := swaks openssl getmail mbsync
+TEST_TOOLS := swaks openssl getmail mbsync rspamd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # A virtualenv with cassmail (editable) and its test tools; redone when pyproject.toml changes.

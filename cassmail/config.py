@@ -576,6 +576,54 @@ class RelaySettings:
         _check(self.connection_reuse_count >= 1, f"{prefix}.connection_reuse_count", "must be >= 1")
 
 
+@dataclass
+class InboundSettings:
+    """What the MX does with a message between DATA and the store (cassmail.inbound): sender
+    authentication (SPF, DKIM, DMARC, ARC; DNS through the [relay] resolver settings) and the
+    rspamd spam filter. Submission and LMTP are never checked."""
+
+    #: Check SPF (MAIL FROM and HELO), every DKIM signature, DMARC and the ARC chain, and add one
+    #: Authentication-Results header.
+    authentication: bool = False
+    #: The authserv-id of that header (RFC 8601); "" = node.name. Incoming Authentication-Results
+    #: headers that claim this id are forged and removed.
+    authserv_id: str = ""
+    #: Refuse a message whose From domain fails DMARC with p=reject (550 5.7.1 at the end of DATA).
+    dmarc_reject: bool = True
+    #: File a message whose From domain fails DMARC with p=quarantine into `junk_mailbox`.
+    dmarc_quarantine: bool = True
+    #: Refuse a message whose MAIL FROM domain's SPF record says fail ("-all" matched): 550 5.7.23.
+    spf_reject_fail: bool = False
+    #: Seconds for every check of one message (DNS included); past it the sender is told to retry.
+    timeout: float = 20.0
+    #: Mailbox of the messages judged junk (DMARC quarantine, rspamd "add header"); made when missing.
+    junk_mailbox: str = "Junk"
+    #: rspamd's normal worker ("http://127.0.0.1:11333"); "" = no spam filter.
+    rspamd_url: str = ""
+    #: The worker's password (rspamd's `password` option), sent as the Password header; "" = none.
+    rspamd_password: str = ""
+    #: Seconds for rspamd's answer.
+    rspamd_timeout: float = 15.0
+    #: rspamd unreachable or too slow: "accept" the message unfiltered (logged and counted) or
+    #: "tempfail" (451, the sender retries).
+    rspamd_failure: str = "accept"
+    #: Largest message given to rspamd, in bytes; larger ones are accepted unfiltered (as rspamd's
+    #: own milter does).
+    rspamd_max_size: int = 20 * 1024 * 1024
+
+    def validate(self, prefix: str) -> None:
+        _check(0.5 <= self.timeout <= 600, f"{prefix}.timeout", "must be 0.5..600 seconds")
+        _check(0.5 <= self.rspamd_timeout <= 600, f"{prefix}.rspamd_timeout", "must be 0.5..600 seconds")
+        _check(self.rspamd_failure in ("accept", "tempfail"), f"{prefix}.rspamd_failure",
+               f"must be accept or tempfail, got {self.rspamd_failure!r}")
+        _check(not self.rspamd_url or self.rspamd_url.startswith("http://"), f"{prefix}.rspamd_url",
+               f'must be "" or an http:// URL, got {self.rspamd_url!r}')
+        _check(bool(self.junk_mailbox.strip()), f"{prefix}.junk_mailbox", "must not be empty")
+        _check(self.rspamd_max_size > 0, f"{prefix}.rspamd_max_size", "must be > 0 bytes")
+        _check(all(c.isprintable() and c not in " ;()" for c in self.authserv_id), f"{prefix}.authserv_id",
+               "must be a host name (no spaces, ';' or parentheses)")
+
+
 def next_hop_ok(text: str) -> bool:
     """Whether a transport value or relayhost has one of the forms "host", "host:port", "[host]",
     "[host]:port" (host a name or an IP address)."""
@@ -616,6 +664,7 @@ class Settings:
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    inbound: InboundSettings = field(default_factory=InboundSettings)
 
 
 def host_port(text: str, key: str = "listen") -> tuple[str, int]:

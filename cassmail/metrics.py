@@ -62,7 +62,10 @@ SMTP_LISTENERS = ("smtp", "submission", "submissions", "lmtp")
 #: What an outbound attempt did for one recipient.
 OUTBOUND_RESULTS = ("sent", "deferred", "bounced")
 NODE = "node"
-DELIVERY_RESULTS = ("ok", "tempfail", "too-large")
+DELIVERY_RESULTS = ("ok", "tempfail", "too-large", "rejected")
+#: What an MX check (step "auth": sender authentication, "spam": rspamd) made of a message.
+INBOUND_STEPS = ("auth", "spam")
+INBOUND_RESULTS = ("accept", "junk", "tempfail", "reject", "timeout", "unavailable", "too-large")
 AUTH_RESULTS = ("ok", "fail", "tempfail", "error", "closed")
 #: Any other value of a bounded label.
 OTHER = "other"
@@ -131,6 +134,10 @@ class Metrics:
             "cassmail_delivery_seconds", "From the end of DATA to the answer, every result", ("listener",),
             DELIVERY_BUCKETS)
         self.sessions = counter("cassmail_sessions", "Sessions ended (connections closed)", ("listener",))
+        self.inbound = counter(
+            "cassmail_inbound_checks", "MX checks by step (auth: SPF/DKIM/DMARC/ARC, spam: rspamd) and result; "
+            "spam=unavailable counts messages rspamd did not judge (accepted unfiltered or deferred, by setting)",
+            ("step", "result"))
         self.session_seconds = histogram(
             "cassmail_session_seconds", "Length of the sessions ended", ("listener",), SESSION_BUCKETS)
         self.sessions_open = Gauge(
@@ -234,6 +241,10 @@ class Metrics:
             self.auth.labels(listener or OTHER, _bounded(fields["result"], AUTH_RESULTS)).inc()
         elif event == "worker-exit":
             self.worker_exits.inc()
+        elif event == "inbound":
+            for step in INBOUND_STEPS:
+                if fields.get(step) is not None:
+                    self.inbound.labels(step, _bounded(fields[step], INBOUND_RESULTS)).inc()
         if event in _ALWAYS_ERRORS:
             default, kind = _ALWAYS_ERRORS[event]
             self.errors.labels(listener or default, kind).inc()

@@ -44,7 +44,8 @@ class Node:
         # Queue workers only where a test asks for them: they would take what other tests queue.
         self.settings.delivery = dataclasses.replace(settings.delivery, enabled=False)
         self.settings.relay = dataclasses.replace(settings.relay)
-        for section in ("delivery", "relay"):
+        self.settings.inbound = dataclasses.replace(settings.inbound)
+        for section in ("delivery", "relay", "inbound"):
             for key, value in listeners.get(section, {}).items():
                 setattr(getattr(self.settings, section), key, value)
         self.settings.metrics = dataclasses.replace(settings.metrics, listen=f"127.0.0.1:{free_port()}")

@@ -47,10 +47,12 @@ def free_port_on(*hosts: str) -> int:
 
 class Zone(BaseResolver):
     """Answers from `records`: (name, type) -> list of zone-file rdata texts. A name with no
-    record of any type is NXDOMAIN; a name with others is an empty answer (NOERROR)."""
+    record of any type is NXDOMAIN; a name with others is an empty answer (NOERROR); a name in
+    `failing` is SERVFAIL (a broken zone, for DNS failure tests)."""
 
     def __init__(self) -> None:
         self.records: dict[tuple[str, str], list[str]] = {}
+        self.failing: set[str] = set()
         self.lock = threading.Lock()
 
     def add(self, name: str, rtype: str, *values: str) -> None:
@@ -62,6 +64,9 @@ class Zone(BaseResolver):
         qname = str(request.q.qname).rstrip(".").lower()
         qtype = dnslib.QTYPE[request.q.qtype]
         with self.lock:
+            if qname in self.failing:
+                reply.header.rcode = dnslib.RCODE.SERVFAIL
+                return reply
             found = self.records.get((qname, qtype), [])
             known = any(name == qname for name, _ in self.records)
         for value in found:

@@ -291,3 +291,20 @@ def test_imap_mix_answers_every_command_on_dovecot_and_cassmail_and_prints_the_r
     assert "Dovecot mean / p50 / p99 ms" in out and "server+Cassandra CPU ms/command" in out
     assert "| Dovecot            | {BLF-CRYPT} cost 5" in out and "sessions/s" in out  # the logins, apart
     assert "Dovecot: stopped" in out and "dropped keyspace bench_imap_mix_" in out
+
+
+def test_the_inbound_benchmark_counts_what_each_configuration_stored(tmp_path: Path) -> None:
+    """bench_inbound.py's smallest run: cassmail with the checks off and with authentication
+    and rspamd, each with every accepted message stored."""
+    cmd = [PY, str(LOADTEST / "bench_inbound.py"), "--targets", "off,rspamd", "--seconds", "3", "--warmup", "1",
+           "--connections", "2", "--users", "5", "--pool", "20", "--workers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| cassmail")}
+    assert set(rows) == {"cassmail off", "cassmail auth+rspamd"}, done.stdout
+    for name, cells in rows.items():
+        stored, accepted = (int(x.replace(",", "")) for x in cells[4].split(" / "))
+        assert stored == accepted > 0, (name, cells)
+        assert cells[3] == "0", (name, cells)  # nothing refused
+    assert "the rate of cassmail off" in done.stdout

@@ -79,12 +79,7 @@ def ascii_domain(domain: str) -> str:
 class Router:
     def __init__(self, settings: RelaySettings) -> None:
         self.settings = settings
-        resolver = dns.asyncresolver.Resolver(configure=not settings.nameservers)
-        if settings.nameservers:
-            resolver.nameservers = [_nameserver(text) for text in settings.nameservers]
-        resolver.lifetime = settings.dns_timeout
-        resolver.timeout = min(settings.dns_timeout, 3.0)
-        self.resolver = resolver
+        self.resolver = make_resolver(settings)
 
     def tls_level(self, domain: str) -> str:
         return self.settings.tls_policy.get(domain, self.settings.tls)
@@ -170,6 +165,17 @@ class Router:
                 raise RouteError(f"host {host} does not exist (DNS: NXDOMAIN)", True, "5.1.2")
             raise RouteError(f"host {host} has no A or AAAA record", True, "5.1.2")
         return (Hop(host, port, tuple(addresses)),)
+
+
+def make_resolver(settings: RelaySettings) -> dns.asyncresolver.Resolver:
+    """The node's DNS resolver: `relay.nameservers` when set, else the system's, with the relay's
+    timeouts. Outbound routing and the MX's sender authentication ask the same servers."""
+    resolver = dns.asyncresolver.Resolver(configure=not settings.nameservers)
+    if settings.nameservers:
+        resolver.nameservers = [_nameserver(text) for text in settings.nameservers]
+    resolver.lifetime = settings.dns_timeout
+    resolver.timeout = min(settings.dns_timeout, 3.0)
+    return resolver
 
 
 def _nameserver(text: str) -> dns.nameserver.Do53Nameserver:

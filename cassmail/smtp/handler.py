@@ -20,6 +20,7 @@ from aiosmtpd.smtp import AuthResult, Envelope, Session
 
 from cassmail import auth
 from cassmail.config import SmtpSettings
+from cassmail.inbound import Inbound, deliver as deliver_to
 from cassmail.logs import Timer, kv
 from cassmail.model import Address, InvalidInput
 from cassmail.store.base import (
@@ -110,8 +111,10 @@ class LocalDomains:
 
 class DeliveryHandler:
     def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
-                 outbound: QueueHandoff | None = None) -> None:
+                 outbound: QueueHandoff | None = None, inbound: Inbound | None = None) -> None:
         self.store = store
+        #: The MX's checks between DATA and the store (sender authentication, spam filter), if any.
+        self.inbound = inbound if inbound is not None and inbound.enabled else None
         #: This process's delivery worker, which takes what is queued here (None: no worker here).
         self.outbound = outbound
         self.settings = settings
@@ -126,6 +129,8 @@ class DeliveryHandler:
         self.sessions = 0
         #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
         self.open: set[Any] = set()
+        #: Mailboxes a delivery makes when the user has none of that name (the Junk mailbox).
+        self.creatable: frozenset[str] = frozenset({self.inbound.settings.junk_mailbox} if self.inbound else ())
 
     # ------------------------------------------------------------------ session
 
@@ -238,14 +243,24 @@ class DeliveryHandler:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
         remote = list(dict.fromkeys(_remote(envelope)))
         sender = "" if envelope.mail_from == "<>" else envelope.mail_from
-        message = self.trace_headers(server, session, envelope, queue_id) + body
         fields = self._delivery_fields(session, envelope, len(body), queue_id)
+        added = b""
+        if self.inbound is not None:
+            verdict = await self.inbound.check(body, _peer(session), session.host_name or "", sender,
+                                               _recipients(envelope), queue_id)
+            if verdict.reply:
+                result = "tempfail" if verdict.reply.startswith("4") else "rejected"
+                log.info(kv("delivery", **fields, result=result, why=verdict.action, ms=timer.ms))
+                return self.per_recipient(envelope, verdict.reply)
+            body, added = verdict.message, verdict.headers
+            targets = verdict.file(targets, self.inbound.settings.junk_mailbox)
+        message = self.trace_headers(server, session, envelope, queue_id) + added + body
         # The worker of this process takes a message queued here at once, when it has room.
         owner = self.outbound.reserve() if remote and self.outbound is not None else None
         entry_id: uuid.UUID | None = None
         queued_at = time.time()
         try:
-            ids = await self.store.deliver(message, targets) if targets else []
+            ids = await deliver_to(self.store, message, targets, self.creatable) if targets else []
             if remote:
                 try:
                     lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None

@@ -1,0 +1,141 @@
+"""The rspamd client: one message to rspamd's normal worker over its HTTP protocol (`POST
+/checkv2`), its action turned into what the MX does.
+
+rspamd's actions and ours: "no action" accepts; "add header" and "rewrite subject" accept into
+the Junk mailbox with `X-Spam-Flag: YES`; "greylist" and "soft reject" answer 451 (the sender
+retries later); "reject" answers 550. Every checked message gets X-Spam-Status, X-Spam-Score and
+X-Spam-Action. One connection per message (`Connection: close`): rspamd's answer is small and
+the connection costs little on a local network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+log = logging.getLogger("cassmail.inbound")
+
+#: Largest answer read from rspamd (its JSON with every symbol is a few KB).
+MAX_REPLY = 1 << 20
+#: Headers a sender could forge to look filtered: removed from incoming mail when rspamd is on.
+SPAM_HEADERS = (b"x-spam-status", b"x-spam-score", b"x-spam-action", b"x-spam-flag")
+
+
+class SpamFilterUnavailable(Exception):
+    """rspamd did not answer, or answered something that is not a verdict."""
+
+
+@dataclass
+class SpamResult:
+    action: str
+    score: float
+    required: float
+    symbols: list[str]
+
+    def verdict(self) -> tuple[str, str]:
+        """(verdict, SMTP reply) as the handler wants it: reject, tempfail, junk or accept."""
+        if self.action == "reject":
+            return "reject", "550 5.7.1 Message rejected as spam"
+        if self.action in ("soft reject", "greylist"):
+            return "tempfail", "451 4.7.1 Message deferred by the spam filter, try again later"
+        if self.action in ("add header", "rewrite subject"):
+            return "junk", ""
+        return "accept", ""
+
+    def headers(self) -> bytes:
+        spam = self.action in ("add header", "rewrite subject", "reject", "soft reject")
+        lines = [
+            f"X-Spam-Status: {'Yes' if spam else 'No'}, score={self.score:.2f} required={self.required:.2f}",
+            f"X-Spam-Score: {self.score:.2f}",
+            f"X-Spam-Action: {self.action}",
+        ]
+        if spam:
+            lines.append("X-Spam-Flag: YES")
+        return ("\r\n".join(lines) + "\r\n").encode("ascii", "replace")
+
+
+class Rspamd:
+    """rspamd's normal worker at `url` (http://host:port)."""
+
+    def __init__(self, url: str, password: str, timeout: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"not an http:// URL: {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 11333
+        self.path = (parts.path.rstrip("/") or "") + "/checkv2"
+        self.password, self.timeout = password, timeout
+
+    async def check(self, message: bytes, ip: str, helo: str, sender: str, recipients: list[str],
+                    queue_id: str) -> SpamResult:
+        """rspamd's verdict on a message, or SpamFilterUnavailable."""
+        try:
+            return await asyncio.wait_for(self._ask(message, ip, helo, sender, recipients, queue_id), self.timeout)
+        except TimeoutError:
+            raise SpamFilterUnavailable(f"no answer from rspamd in {self.timeout:.0f} s") from None
+        except OSError as exc:
+            raise SpamFilterUnavailable(f"rspamd at {self.host}:{self.port}: {exc}") from None
+
+    async def _ask(self, message: bytes, ip: str, helo: str, sender: str, recipients: list[str],
+                   queue_id: str) -> SpamResult:
+        fields = [("Host", f"{self.host}:{self.port}"), ("Content-Length", str(len(message))),
+                  ("Connection", "close"), ("IP", ip), ("Queue-Id", queue_id), ("From", sender or "<>")]
+        if helo:
+            fields.append(("Helo", helo))
+        fields.extend(("Rcpt", rcpt) for rcpt in recipients)
+        if self.password:
+            fields.append(("Password", self.password))
+        head = f"POST {self.path} HTTP/1.1\r\n" + "".join(f"{k}: {_clean(v)}\r\n" for k, v in fields) + "\r\n"
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(head.encode("utf-8"))
+            writer.write(message)
+            await writer.drain()
+            try:
+                reply_head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                raise SpamFilterUnavailable(f"rspamd's answer has no header end: {exc}") from None
+            length = _content_length(reply_head)
+            if length is not None and length <= MAX_REPLY:
+                body = await reader.readexactly(length)
+            else:
+                body = await reader.read(MAX_REPLY)
+        except asyncio.IncompleteReadError as exc:
+            raise SpamFilterUnavailable(f"rspamd's answer was cut short: {exc}") from None
+        finally:
+            writer.close()
+        return _parse(reply_head + body)
+
+
+def _content_length(head: bytes) -> int | None:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return int(value.strip())
+    return None
+
+
+def _parse(reply: bytes) -> SpamResult:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if len(status) < 2 or not status[0].startswith(b"HTTP/") or status[1] != b"200":
+        raise SpamFilterUnavailable(f"rspamd answered {head[:100]!r}")
+    length = _content_length(head)
+    if length is not None:
+        body = body[:length]
+    try:
+        data = json.loads(body)
+        action = str(data["action"])
+        score = float(data.get("score", 0.0))
+        required = float(data.get("required_score", 0.0))
+        symbols = sorted(data.get("symbols", {}))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SpamFilterUnavailable(f"rspamd's answer is not a verdict: {exc}") from None
+    return SpamResult(action, score, required, symbols)
+
+
+def _clean(value: str) -> str:
+    """A value safe in an HTTP header line (no line breaks, bounded)."""
+    return "".join(c for c in value if c.isprintable())[:512]

@@ -1,0 +1,403 @@
+"""The MX's checks between DATA and the store, end to end: a real `cassmail serve`, a DNS server of
+the test's own on loopback holding SPF, DKIM and DMARC records, messages signed by dkimpy with the
+test's keys (and forged or altered ones), a real rspamd; results read back over IMAP and POP3.
+On the Cassandra and mbox stores."""
+
+from __future__ import annotations
+
+import asyncio
+import imaplib
+import poplib
+import re
+import smtplib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dkim
+import pytest
+import spf
+
+from cassmail.config import Settings
+from cassmail.delivery.dkim import generate
+from cassmail.inbound import authcheck
+from cassmail.server import make_store
+from cassmail.store.base import Store
+from tests.conftest import FAST_HASH, backend_settings_for, hash_password
+from tests.inbound_peers import RspamdServer
+from tests.nodes import Node, node_settings
+from tests.outbound_peers import Dns, free_port_on
+
+pytestmark = pytest.mark.cassandra
+
+GTUBE = b"XJS*C4JDBQADN1.NSBN3*2IDNEN*GTUBE-STANDARD-ANTI-UBE-TEST-EMAIL*C.34X"
+AUTHSERV = "mx.test"
+
+
+def txt(text: str) -> str:
+    """A TXT record's rdata in zone-file form, cut into strings of at most 200 characters."""
+    return " ".join(f'"{text[i:i + 200]}"' for i in range(0, len(text), 200))
+
+
+@dataclass
+class World:
+    dns: Dns
+    keys: dict[str, bytes]  # domain -> private key PEM (selector "sel")
+    rspamd: RspamdServer
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    dns = Dns().start()
+    rspamd = RspamdServer(tmp_path_factory.mktemp("rspamd"), dns.address)
+    zone = dns.zone
+    keys: dict[str, bytes] = {}
+    for domain in ("good.test", "reject.test", "lists.test", "brand.co.uk"):
+        pem, public = generate(1024)
+        keys[domain] = pem.encode()
+        zone.add(f"sel._domainkey.{domain}", "TXT", txt(f"v=DKIM1; k=rsa; p={public}"))
+    zone.add("good.test", "TXT", txt("v=spf1 ip4:127.0.0.1 -all"))
+    zone.add("_dmarc.good.test", "TXT", txt("v=DMARC1; p=reject"))
+    zone.add("mail.good.test", "TXT", txt("v=spf1 ip4:127.0.0.1 -all"))
+    zone.add("reject.test", "TXT", txt("v=spf1 ip4:192.0.2.1 -all"))
+    zone.add("_dmarc.reject.test", "TXT", txt("v=DMARC1; p=reject; adkim=s"))
+    zone.add("quarantine.test", "TXT", txt("v=spf1 ip4:192.0.2.1 -all"))
+    zone.add("_dmarc.quarantine.test", "TXT", txt("v=DMARC1; p=quarantine"))
+    zone.add("lists.test", "TXT", txt("v=spf1 ip4:127.0.0.1 -all"))
+    zone.add("nodmarc.test", "TXT", txt("v=spf1 ?all"))
+    # The policy lives at the organisational domain only (co.uk is a public suffix).
+    zone.add("_dmarc.brand.co.uk", "TXT", txt("v=DMARC1; p=none; sp=reject"))
+    zone.add("news.brand.co.uk", "TXT", txt("v=spf1 ip4:192.0.2.1 -all"))
+    zone.add("broken.test", "TXT", txt("v=spf1 ip4:127.0.0.1 -all"))
+    zone.failing.add("_dmarc.broken.test")
+    rspamd_started = rspamd.start_process()
+    try:
+        yield World(dns, keys, rspamd_started)
+    finally:
+        rspamd.stop()
+        dns.stop()
+
+
+@pytest.fixture(scope="module", params=["cassandra", "mbox"])
+def in_settings(request: pytest.FixtureRequest) -> Settings:
+    return backend_settings_for(request.param, request)
+
+
+@pytest.fixture(scope="module")
+async def in_store(in_settings: Settings) -> AsyncIterator[Store]:
+    opened = make_store(in_settings)
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+def _node(settings: Settings, world: World, directory: Path, **inbound: object) -> Node:
+    return Node(
+        node_settings(settings), directory,
+        submission={"allow_plaintext_auth": True}, lmtp={"enabled": False},
+        pop3={"allow_plaintext_auth": True}, imap={"allow_plaintext_auth": True},
+        relay={"nameservers": [world.dns.address], "dns_timeout": 3.0},
+        inbound={"authentication": True, "authserv_id": AUTHSERV, **inbound},
+        metrics={"enabled": True},
+    )
+
+
+@pytest.fixture(scope="module")
+def mx(in_settings: Settings, world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """Sender authentication with the default policies, and rspamd."""
+    node = _node(in_settings, world, tmp_path_factory.mktemp("mx"), rspamd_url=world.rspamd.url).start()
+    world.rspamd.wait()
+    yield node
+    assert node.stop() == 0
+    assert "Traceback" not in node.log_text(), node.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def strict(in_settings: Settings, world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """SPF fail refused, and an rspamd that is not there with rspamd_failure = tempfail."""
+    closed = free_port_on("127.0.0.1")
+    node = _node(in_settings, world, tmp_path_factory.mktemp("strict"), spf_reject_fail=True,
+                 rspamd_url=f"http://127.0.0.1:{closed}", rspamd_failure="tempfail", rspamd_timeout=2.0).start()
+    yield node
+    assert node.stop() == 0
+    assert "Traceback" not in node.log_text(), node.log_text()[-3000:]
+
+
+@pytest.fixture
+async def rcpt(in_store: Store) -> str:
+    domain = f"i{uuid.uuid4().hex[:10]}.example"
+    await in_store.add_domain(domain)
+    address = f"rita@{domain}"
+    await in_store.create_user(address, hash_password("rita", FAST_HASH))
+    return address
+
+
+def message(sender: str, subject: str, body: bytes = b"Hello Rita, see you at noon.\r\n", extra: bytes = b"") -> bytes:
+    return (f"From: Sender <{sender}>\r\nTo: rita@example.net\r\nSubject: {subject}\r\n"
+            f"Message-ID: <{uuid.uuid4().hex}@{sender.rpartition('@')[2]}>\r\n"
+            "Date: Wed, 25 Nov 2026 12:00:00 +0000\r\nMIME-Version: 1.0\r\n"
+            "Content-Type: text/plain; charset=utf-8\r\n").encode() + extra + b"\r\n" + body
+
+
+def sign(world: World, domain: str, msg: bytes) -> bytes:
+    return dkim.sign(msg, b"sel", domain.encode(), world.keys[domain],
+                     include_headers=[b"from", b"to", b"subject", b"message-id", b"date"]) + msg
+
+
+def send(node: Node, sender: str, rcpt: str, msg: bytes, helo: str = "mail.good.test") -> tuple[int, str]:
+    """(code, text) of the reply to the end of DATA."""
+    with smtplib.SMTP("127.0.0.1", node.port("smtp"), local_hostname=helo, timeout=30) as client:
+        try:
+            client.sendmail(sender, [rcpt], msg)
+        except smtplib.SMTPDataError as exc:
+            return exc.smtp_code, exc.smtp_error.decode()
+        return 250, ""
+
+
+def imap_messages(node: Node, user: str, mailbox: str = "INBOX") -> list[bytes]:
+    client = imaplib.IMAP4("127.0.0.1", node.port("imap"), timeout=30)
+    try:
+        client.login(user, user.split("@")[0])
+        typ, _ = client.select(f'"{mailbox}"', readonly=True)
+        assert typ == "OK", mailbox
+        typ, data = client.fetch("1:*", "(BODY.PEEK[])") if int(_[0]) else ("OK", [])
+        return [part[1] for part in data if isinstance(part, tuple)]
+    finally:
+        client.logout()
+
+
+def pop_messages(node: Node, user: str) -> list[bytes]:
+    client = poplib.POP3("127.0.0.1", node.port("pop3"), timeout=30)
+    try:
+        client.user(user)
+        client.pass_(user.split("@")[0])
+        return [b"\r\n".join(client.retr(n)[1]) + b"\r\n" for n in range(1, client.stat()[0] + 1)]
+    finally:
+        client.quit()
+
+
+def results(stored: bytes) -> list[str]:
+    """The Authentication-Results fields of a stored message, unfolded."""
+    head = stored.split(b"\r\n\r\n", 1)[0].decode("utf-8", "replace")
+    return [re.sub(r"\r\n[ \t]+", " ", m) for m in re.findall(r"^Authentication-Results:[^\r\n]*(?:\r\n[ \t][^\r\n]*)*", head, re.M)]
+
+
+# ----------------------------------------------------------------------------- sender authentication
+
+
+async def test_a_signed_aligned_message_passes_everything_and_says_so_in_one_header(mx: Node, world: World,
+                                                                                    rcpt: str) -> None:
+    msg = sign(world, "good.test", message("anna@good.test", "lunch"))
+    assert await asyncio.to_thread(send, mx, "anna@good.test", rcpt, msg) == (250, "")
+    [stored] = await asyncio.to_thread(imap_messages, mx, rcpt)
+    [header] = results(stored)
+    assert header.startswith(f"Authentication-Results: {AUTHSERV}; ")
+    assert "spf=pass smtp.mailfrom=anna@good.test" in header
+    assert "spf=pass smtp.helo=mail.good.test" in header
+    assert "dkim=pass header.d=good.test header.s=sel header.b=" in header
+    assert "dmarc=pass header.from=good.test" in header and "arc=none" in header
+    assert stored.endswith(msg)  # the message itself is untouched, byte for byte
+    assert b"X-Spam-Status: No, score=" in stored and b"X-Spam-Flag" not in stored
+    assert await asyncio.to_thread(imap_messages, mx, rcpt, "Junk") == []
+
+
+async def test_a_forged_sender_of_a_reject_domain_gets_550_and_nothing_is_stored(mx: Node, rcpt: str) -> None:
+    msg = message("ceo@reject.test", "wire the money")
+    code, text = await asyncio.to_thread(send, mx, "ceo@reject.test", rcpt, msg)
+    assert code == 550 and text.startswith("5.7.1") and "DMARC" in text and "reject.test" in text
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+
+
+async def test_an_altered_signed_message_fails_dkim_and_strict_alignment_refuses_it(mx: Node, world: World,
+                                                                                     rcpt: str) -> None:
+    signed = sign(world, "reject.test", message("ceo@reject.test", "invoice"))
+    altered = signed.replace(b"Hello Rita", b"Hello Rota")
+    code, _ = await asyncio.to_thread(send, mx, "ceo@reject.test", rcpt, altered)
+    assert code == 550
+    # Signed by good.test: a valid signature, but not aligned with From: reject.test (adkim=s).
+    other = sign(world, "good.test", message("ceo@reject.test", "invoice"))
+    code, _ = await asyncio.to_thread(send, mx, "anna@good.test", rcpt, other)
+    assert code == 550
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+
+
+async def test_a_quarantine_domain_failing_dmarc_is_filed_into_junk(mx: Node, rcpt: str) -> None:
+    msg = message("promo@quarantine.test", "you won")
+    assert await asyncio.to_thread(send, mx, "promo@quarantine.test", rcpt, msg) == (250, "")
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+    [stored] = await asyncio.to_thread(imap_messages, mx, rcpt, "Junk")
+    [header] = results(stored)
+    assert "spf=fail smtp.mailfrom=promo@quarantine.test" in header
+    assert "dkim=none" in header and "dmarc=fail (p=quarantine) header.from=quarantine.test" in header
+
+
+async def test_junk_is_created_when_the_user_deleted_it(mx: Node, in_store: Store, rcpt: str) -> None:
+    await in_store.delete_mailbox(rcpt, "Junk")
+    assert await asyncio.to_thread(send, mx, "promo@quarantine.test", rcpt, message("promo@quarantine.test", "x")) \
+        == (250, "")
+    assert len(await asyncio.to_thread(imap_messages, mx, rcpt, "Junk")) == 1
+
+
+async def test_the_organisational_domain_comes_from_the_public_suffix_list(mx: Node, world: World,
+                                                                            rcpt: str) -> None:
+    """news.brand.co.uk has no record: brand.co.uk's sp=reject applies, not co.uk's (none)."""
+    code, _ = await asyncio.to_thread(send, mx, "news@news.brand.co.uk", rcpt, message("news@news.brand.co.uk", "news"))
+    assert code == 550
+    # Signed by the organisational domain: relaxed alignment passes.
+    signed = sign(world, "brand.co.uk", message("news@news.brand.co.uk", "news"))
+    assert await asyncio.to_thread(send, mx, "news@news.brand.co.uk", rcpt, signed) == (250, "")
+    [stored] = await asyncio.to_thread(pop_messages, mx, rcpt)
+    [header] = results(stored)
+    assert "dkim=pass header.d=brand.co.uk" in header and "dmarc=pass header.from=news.brand.co.uk" in header
+
+
+async def test_a_dns_failure_is_a_temporary_451_never_a_pass(mx: Node, rcpt: str) -> None:
+    code, text = await asyncio.to_thread(send, mx, "a@broken.test", rcpt, message("a@broken.test", "hi"))
+    assert code == 451 and text.startswith("4.7.5"), text
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+
+
+async def test_every_signature_is_reported_and_forged_results_with_our_id_are_removed(mx: Node, world: World,
+                                                                                       rcpt: str) -> None:
+    forged = (f"Authentication-Results: {AUTHSERV}; dkim=pass header.d=bank.test; dmarc=pass\r\n"
+              f"Authentication-Results: (comment) {AUTHSERV.upper()} ; spf=pass\r\n"
+              "Authentication-Results: relay.elsewhere.test; spf=pass smtp.mailfrom=x@good.test\r\n").encode()
+    msg = message("anna@good.test", "two signatures", extra=forged)
+    signed = sign(world, "good.test", msg)
+    # A second signature by another domain whose key does not match (it claims lists.test,
+    # signed with good.test's key).
+    bad = dkim.sign(signed, b"sel", b"lists.test", world.keys["good.test"], include_headers=[b"from", b"subject"])
+    assert await asyncio.to_thread(send, mx, "anna@good.test", rcpt, bad + signed) == (250, "")
+    [stored] = await asyncio.to_thread(imap_messages, mx, rcpt)
+    found = results(stored)
+    ours = [h for h in found if re.match(rf"Authentication-Results: {AUTHSERV};", h)]
+    assert len(ours) == 1 and "dkim=pass header.d=bank.test" not in stored.decode()
+    assert "Authentication-Results: relay.elsewhere.test;" in stored.decode()  # someone else's, kept
+    assert not re.search(rf"\(comment\) {AUTHSERV.upper()}", stored.decode())
+    header = ours[0]
+    assert "dkim=fail" in header and "header.d=lists.test" in header
+    assert "dkim=pass header.d=good.test" in header and "dmarc=pass" in header
+
+
+async def test_an_arc_sealed_message_from_a_list_is_validated(mx: Node, world: World, rcpt: str) -> None:
+    original = message("member@nodmarc.test", "list post")
+    relayed = b"Authentication-Results: lists.test; spf=pass smtp.mailfrom=member@nodmarc.test\r\n" + original
+    seal = dkim.arc_sign(relayed, b"sel", b"lists.test", world.keys["lists.test"], b"lists.test",
+                         include_headers=[b"from", b"to", b"subject"])
+    sealed = b"".join(seal) + relayed
+    assert await asyncio.to_thread(send, mx, "bounce@lists.test", rcpt, sealed, "mx.lists.test") == (250, "")
+    # The same chain with the body changed after sealing.
+    tampered = sealed.replace(b"see you at noon", b"see you at one")
+    assert await asyncio.to_thread(send, mx, "bounce@lists.test", rcpt, tampered, "mx.lists.test") == (250, "")
+    first, second = await asyncio.to_thread(imap_messages, mx, rcpt)
+    assert "arc=pass" in results(first)[0] and "arc=fail" in results(second)[0]
+    assert "spf=pass smtp.mailfrom=bounce@lists.test" in results(first)[0]
+
+
+async def test_submission_is_not_checked(mx: Node, in_store: Store, rcpt: str) -> None:
+    msg = message(rcpt, "from myself")
+    with smtplib.SMTP("127.0.0.1", mx.port("submission"), timeout=30) as client:
+        client.login(rcpt, "rita")
+        assert client.sendmail(rcpt, [rcpt], msg) == {}
+    [stored] = await asyncio.to_thread(imap_messages, mx, rcpt)
+    assert results(stored) == [] and b"X-Spam-" not in stored
+
+
+async def test_spf_fail_is_refused_only_where_the_operator_says_so(mx: Node, strict: Node, rcpt: str) -> None:
+    msg = message("x@nodmarc.test", "spf")
+    # The default MX accepts an SPF fail of a domain without DMARC (the A-R header says fail)...
+    assert await asyncio.to_thread(send, mx, "x@reject.test", rcpt, message("x@nodmarc.test", "spf")) == (250, "")
+    [stored] = await asyncio.to_thread(imap_messages, mx, rcpt)
+    assert "spf=fail smtp.mailfrom=x@reject.test" in results(stored)[0]
+    # ...spf_reject_fail refuses it.
+    code, text = await asyncio.to_thread(send, strict, "x@reject.test", rcpt, msg)
+    assert code == 550 and text.startswith("5.7.23")
+
+
+MALFORMED = [
+    b"no header block at all, only text\r\n",
+    b"From: \r\nFrom: a@good.test, b@reject.test\r\n\r\nx\r\n",
+    b"From: =?utf-8?q?=FF=FE?= <@>\r\nSubject: \xff\xfe\r\n\r\n\x00\x01\r\n",
+    b"DKIM-Signature: v=1; a=rsa-sha256; d=good.test; s=sel; h=from; bh=!!; b=%%%\r\nFrom: a@good.test\r\n\r\nx\r\n",
+    b"DKIM-Signature: garbage\r\nDKIM-Signature: v=1; a=rsa-sha256; d=" + b"x" * 70 + b".test; s=s; h=from; "
+    b"bh=AAAA; b=AAAA\r\nFrom: a@" + b"y" * 70 + b".test\r\n\r\nx\r\n",
+    b"ARC-Seal: i=1; a=rsa-sha256; cv=none; d=lists.test; s=sel; b=!!\r\nARC-Message-Signature: i=x\r\n"
+    b"ARC-Authentication-Results: i=1; lists.test; spf=pass\r\nFrom: a@nodmarc.test\r\n\r\nx\r\n",
+]
+
+
+async def test_malformed_messages_get_an_answer_never_an_internal_error(mx: Node, rcpt: str) -> None:
+    """Hostile headers are the checks' permerror or fail, not a 451 the sender would retry forever."""
+    for msg in MALFORMED:
+        code, text = await asyncio.to_thread(send, mx, "a@nodmarc.test", rcpt, msg, "[127.0.0.1]")
+        assert code in (250, 550), (msg[:60], code, text)
+        assert "Internal error" not in text
+    # rspamd may judge them spam: filed into Junk then.
+    stored = [*await asyncio.to_thread(imap_messages, mx, rcpt), *await asyncio.to_thread(imap_messages, mx, rcpt, "Junk")]
+    assert len(stored) >= 4 and all(len(results(m)) == 1 for m in stored)
+
+
+# ----------------------------------------------------------------------------- rspamd
+
+
+async def test_rspamd_rejects_gtube_and_adds_headers_to_clean_mail(mx: Node, world: World, rcpt: str) -> None:
+    spam = sign(world, "good.test", message("anna@good.test", "offer", body=GTUBE + b"\r\n"))
+    code, text = await asyncio.to_thread(send, mx, "anna@good.test", rcpt, spam)
+    assert code == 550 and "spam" in text
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+    forged = b"X-Spam-Status: No, score=-100\r\nX-Spam-Flag: NO\r\n"
+    clean = sign(world, "good.test", message("anna@good.test", "agenda", extra=forged))
+    assert await asyncio.to_thread(send, mx, "anna@good.test", rcpt, clean) == (250, "")
+    [stored] = await asyncio.to_thread(pop_messages, mx, rcpt)
+    head = stored.split(b"\r\n\r\n", 1)[0]
+    assert re.search(rb"^X-Spam-Status: No, score=-?\d+\.\d\d required=\d+\.\d\d\r$", head, re.M)
+    assert b"X-Spam-Action: no action" in head and b"X-Spam-Flag: NO" not in head
+    assert head.count(b"X-Spam-Status:") == 1
+
+
+async def test_an_unreachable_rspamd_is_a_tempfail_when_set_so(strict: Node, world: World, rcpt: str) -> None:
+    clean = sign(world, "good.test", message("anna@good.test", "agenda"))
+    code, text = await asyncio.to_thread(send, strict, "anna@good.test", rcpt, clean)
+    assert code == 451 and text.startswith("4.7.1") and "Spam filter" in text
+    assert re.search(r"event=inbound .*verdict=tempfail .*spam=unavailable", strict.log_text())
+
+
+async def test_the_metrics_count_what_the_checks_decided(mx: Node, rcpt: str) -> None:
+    import urllib.request
+
+    def counts() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mx.port('metrics')}/metrics", timeout=10).read().decode()
+        return {m.group(1): float(m.group(2)) for m in
+                re.finditer(r"^cassmail_inbound_checks_total\{(.*?)\} (\S+)$", text, re.M)}
+
+    before = await asyncio.to_thread(counts)
+    assert (await asyncio.to_thread(send, mx, "ceo@reject.test", rcpt, message("ceo@reject.test", "m")))[0] == 550
+    spam = message("anna@good.test", "m", body=GTUBE + b"\r\n")
+    assert (await asyncio.to_thread(send, mx, "anna@good.test", rcpt, spam))[0] == 550
+    after = await asyncio.to_thread(counts)
+    for key in ('result="reject",step="auth"', 'result="accept",step="auth"', 'result="reject",step="spam"'):
+        assert after.get(key, 0) == before.get(key, 0) + 1, (key, before, after)
+
+
+def test_inbound_settings_are_checked_at_start() -> None:
+    from cassmail import config
+
+    for override, key in (("inbound.rspamd_failure=drop", "inbound.rspamd_failure"),
+                          ('inbound.rspamd_url="https://spam.example"', "inbound.rspamd_url"),
+                          ("inbound.timeout=0", "inbound.timeout"),
+                          ('inbound.authserv_id="mx example"', "inbound.authserv_id")):
+        with pytest.raises(config.ConfigError, match=key):
+            config.load(overrides=[override], env={})
+
+
+# ----------------------------------------------------------------------------- library internals
+
+
+def test_pyspf_still_asks_dns_through_its_module_function() -> None:
+    """SPF lookups reach the node's resolver only because pyspf 2.0.x calls `spf.DNSLookup` from
+    `query.dns`: this fails loudly when a pyspf release changes that."""
+    import inspect
+
+    assert spf.DNSLookup is authcheck._spf_dns
+    assert "DNSLookup(" in inspect.getsource(spf.query.dns)
