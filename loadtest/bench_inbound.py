@@ -57,7 +57,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from cassmail.config import Settings  # noqa: E402
 from cassmail.delivery.dkim import generate  # noqa: E402
-from cassmail.server import make_store  # noqa: E402
+from cassmail.store import make_store  # noqa: E402
 from cassmail.store.base import Store  # noqa: E402
 
 from _common import (CassmailNode, bench_settings, count_inboxes, delta, fmt, machine_cpu, make_users,  # noqa: E402

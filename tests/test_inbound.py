@@ -22,7 +22,7 @@ import spf
 from cassmail.config import Settings
 from cassmail.delivery.dkim import generate
 from cassmail.inbound import authcheck
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.store.base import Store
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password
 from tests.inbound_peers import RspamdServer
