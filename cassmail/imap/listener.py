@@ -17,6 +17,7 @@ from cassmail.imap.cache import Lru
 from cassmail.imap.mime import Entity
 from cassmail.imap.session import Session, load_commands
 from cassmail.logs import kv
+from cassmail.sessions import Sessions
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
@@ -26,10 +27,8 @@ log = logging.getLogger("cassmail.imap")
 STATUSES_KEPT = 10_000
 
 
-class Listener:
-    """Shared by every session of one listener in one worker. `sessions` counts those in
-    progress and `open` holds them, for a stopping worker to cut the ones its grace period
-    did not end."""
+class Listener(Sessions):
+    """Shared by every session of one listener in one worker."""
 
     def __init__(self, store: Store, settings: ImapSettings) -> None:
         load_commands()
@@ -44,8 +43,7 @@ class Listener:
         #: (user, mailbox) -> (changes token, STATUS values): a STATUS of a mailbox that did not
         #: change since is answered without listing it again.
         self.statuses: Lru[tuple[Hashable, dict[str, int]]] = Lru(STATUSES_KEPT)
-        self.sessions = 0
-        self.open: set[Session] = set()
+        Sessions.__init__(self, settings.max_connections)
         #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).
         self.watchers: dict[tuple[str, str], Any] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -58,13 +56,11 @@ class Listener:
         peer = transport.get_extra_info("peername")
         host = peer[0] if isinstance(peer, tuple) else str(peer)
         session = Session(self, conn, host, secure=transport.get_extra_info("ssl_object") is not None)
-        self.sessions += 1
-        self.open.add(session)
+        admitted = self.opened(session)
         try:
-            await session.run()
+            await session.run(admitted)
         finally:
-            self.sessions -= 1
-            self.open.discard(session)
+            self.closed(session)
             log.info(kv("session", listener="imap", peer=host, user=session.user, tls=session.secure,
                         commands=session.commands, ms=int((time.monotonic() - session.opened_at) * 1000)))
 

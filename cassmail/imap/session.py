@@ -99,10 +99,10 @@ class Session:
 
     # ------------------------------------------------------------------ the loop
 
-    async def run(self) -> None:
+    async def run(self, admitted: bool = True) -> None:
         conn = self.conn
         try:
-            if self.listener.sessions > self.settings.max_connections:
+            if not admitted:
                 self.untagged(b"BYE [UNAVAILABLE] Too many connections, try again later")
                 return
             self.untagged(b"OK [CAPABILITY " + b" ".join(self.capabilities()) + b"] cassmail IMAP4rev1 ready")

@@ -51,6 +51,7 @@ from cassmail import auth
 from cassmail.config import Pop3Settings
 from cassmail.logs import kv
 from cassmail.model import INBOX, InvalidInput, MessageSummary, mailbox_name, uidl
+from cassmail.sessions import Sessions
 from cassmail.store.base import NoSuchMailbox, NoSuchMessage, Store, StoreError
 from cassmail.twisted_asyncio import ClientStalled, WriteGate, deferred
 
@@ -142,10 +143,9 @@ class Pop3Session(pop3.POP3):
         self._secure = settings.implicit_tls
         peer = self.transport.getPeer()
         self._peer = getattr(peer, "host", str(peer))
-        self.factory.sessions += 1
-        self.factory.open.add(self)
+        admitted = self.factory.opened(self)
         self._opened_at = time.monotonic()
-        if self.factory.sessions > settings.max_connections:
+        if not admitted:
             self.sendLine(b"-ERR [SYS/TEMP] Too many connections, try again later")
             self.transport.loseConnection()
             return
@@ -154,8 +154,7 @@ class Pop3Session(pop3.POP3):
 
     def connectionLost(self, reason: Any = None) -> None:
         if self._opened_at is not None:
-            self.factory.sessions -= 1
-            self.factory.open.discard(self)
+            self.factory.closed(self)
             box = self.mbox
             log.info(
                 kv(
@@ -656,7 +655,7 @@ async def _growing_reads(store: Store, user: str, mailbox: str, message_id: Any,
         start, step = end, min(step * TOP_READ_GROWTH, TOP_MAX_READ)
 
 
-class Pop3Factory(ServerFactory):
+class Pop3Factory(ServerFactory, Sessions):
     """Builds sessions; holds what they share in one worker."""
 
     protocol = Pop3Session
@@ -664,9 +663,7 @@ class Pop3Factory(ServerFactory):
     def __init__(self, store: Store, settings: Pop3Settings, tls: Any) -> None:
         self.store, self.settings, self.tls = store, settings, tls
         self.logins = auth.Logins("pop3", settings.auth_failure_delay)
-        self.sessions = 0
-        #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
-        self.open: set[Pop3Session] = set()
+        Sessions.__init__(self, settings.max_connections)
 
     def buildProtocol(self, addr: Any) -> Pop3Session:
         session = Pop3Session()

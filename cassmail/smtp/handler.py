@@ -23,6 +23,7 @@ from cassmail.config import SmtpSettings
 from cassmail.inbound import Inbound, deliver as deliver_to
 from cassmail.logs import Timer, kv
 from cassmail.model import Address, InvalidInput
+from cassmail.sessions import Sessions
 from cassmail.store.base import (
     MessageTooLarge,
     NoSuchMailbox,
@@ -109,7 +110,7 @@ class LocalDomains:
         return await self.store.is_local_domain(domain)
 
 
-class DeliveryHandler:
+class DeliveryHandler(Sessions):
     def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
                  outbound: QueueHandoff | None = None, inbound: Inbound | None = None) -> None:
         self.store = store
@@ -125,10 +126,7 @@ class DeliveryHandler:
         self.trusted_networks = tuple(ipaddress.ip_network(n, strict=False) for n in settings.trusted_networks
                                       ) if role.submission else ()
         self.logins = auth.Logins(role.name, settings.auth_failure_delay)
-        #: Sessions open on this listener in this worker (limited by settings.max_connections).
-        self.sessions = 0
-        #: The sessions themselves, for a stopping worker to cut those its grace period did not end.
-        self.open: set[Any] = set()
+        Sessions.__init__(self, settings.max_connections)
         #: Mailboxes a delivery makes when the user has none of that name (the Junk mailbox).
         self.creatable: frozenset[str] = frozenset({self.inbound.settings.junk_mailbox} if self.inbound else ())
 

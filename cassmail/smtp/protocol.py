@@ -333,8 +333,7 @@ class _CassmailEngine:
         # TLS from the first byte (an implicit-TLS listener): aiosmtpd only notes STARTTLS's.
         self._tls_from_start = transport.get_extra_info("ssl_object") is not None
         handler = self.event_handler
-        handler.sessions += 1
-        handler.open.add(self)
+        admitted = handler.opened(self)
         peer = peer_ip(self.session.peer)
         trusted = handler.trusted_networks
         # A trusted client of a submission listener (Postfix's mynetworks) may send without AUTH.
@@ -345,7 +344,7 @@ class _CassmailEngine:
         # Turned away before the greeting, as RFC 5321 3.1 allows.
         if rates is not None and not rates.admit(peer):
             self._refuse("throttled", b"421 4.7.0 Too many connections from your address, try again later\r\n")
-        elif handler.sessions > handler.settings.max_connections:
+        elif not admitted:
             self._refuse("busy", b"421 4.7.0 Too many connections, try again later\r\n")
 
     def _refuse(self, result: str, reply: bytes) -> None:
@@ -394,8 +393,7 @@ class _CassmailEngine:
     def connection_lost(self, error: Exception | None) -> None:
         if self._opened_at is not None:
             handler, session = self.event_handler, self.session
-            handler.sessions -= 1
-            handler.open.discard(self)
+            handler.closed(self)
             log.info(
                 kv(
                     "session", listener=handler.role.name, peer=peer_ip(session.peer), helo=session.host_name,
