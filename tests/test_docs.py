@@ -1,11 +1,14 @@
 """The documentation cannot drift: the configuration reference is what the settings' own
 definitions say, every setting says what it is for, every setting a document or the example
-file names exists, and every relative link in README.md and docs/ leads somewhere."""
+file names exists, every relative link in README.md and docs/ leads somewhere, and every
+capability keyword the protocols advertise is in the support matrix."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from cassmail import config
@@ -108,3 +111,25 @@ def test_every_relative_link_in_the_readme_and_docs_resolves() -> None:
             elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
                 broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
     assert broken == []
+
+
+def advertised(function: Callable[..., object], pattern: str) -> set[str]:
+    """The keywords a capability function puts in its answer, read from its source (the words of
+    its byte or string literals), so a keyword added to the code is a keyword to document."""
+    found = set()
+    for literal in re.findall(pattern, inspect.getsource(function)):
+        found |= {word.removesuffix("=%d") for word in literal.split() if re.fullmatch(r"[A-Z][A-Za-z0-9+=\-%]*", word)}
+    return found
+
+
+def test_every_advertised_capability_is_in_the_protocol_matrix() -> None:
+    from cassmail.imap.session import Session
+    from cassmail.pop3.server import Pop3Session
+    from cassmail.smtp.handler import DeliveryHandler
+
+    matrix = (ROOT / "docs" / "protocols.md").read_text()
+    keywords = (advertised(Session.capabilities, r'b"([^"]+)"')
+                | advertised(Pop3Session.listCapabilities, r'b"([^"]+)"')
+                | advertised(DeliveryHandler.handle_EHLO, r'"250-([^"]+)"'))
+    assert {"IMAP4rev1", "COMPRESS=DEFLATE", "APPENDLIMIT", "UIDL", "STLS", "ENHANCEDSTATUSCODES"} <= keywords
+    assert sorted(k for k in keywords if k not in matrix) == [], "add these to docs/protocols.md"
