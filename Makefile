@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench clean
+.PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench docs clean
 
 # Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
 TEST_TOOLS := swaks openssl getmail mbsync rspamd
@@ -49,6 +49,10 @@ test: install test-tools
 # Store benchmark against the local node started by `make cassandra`.
 bench: install
 	$(BIN)/python loadtest/bench_store.py
+
+# docs/configuration.md from the settings' definitions in cassmail/config.py (a test checks it is current).
+docs: install
+	$(BIN)/python -m cassmail.config reference --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -17,11 +17,14 @@ settings and are left alone.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import inspect
 import ipaddress
 import json
 import os
+import re
 import socket
 import tomllib
 import typing
@@ -70,23 +73,36 @@ class NodeSettings:
 
 @dataclass
 class CassandraSettings:
+    #: Cassandra nodes the driver first connects to (it discovers the rest of the cluster).
     contact_points: list[str] = field(default_factory=lambda: ["127.0.0.1"])
+    #: Cassandra's CQL (native protocol) port.
     port: int = 9042
+    #: Keyspace holding every table; `cassmail schema apply` creates it.
     keyspace: str = "cassmail"
     #: "SimpleStrategy" (one data centre) or "NetworkTopologyStrategy" (per-DC factors in `datacenters`).
     replication_strategy: str = "SimpleStrategy"
+    #: SimpleStrategy only: replicas of every partition (applied by `cassmail schema apply`).
     replication_factor: int = 1
     #: NetworkTopologyStrategy only: {"dc1" = 3, "dc2" = 2}.
     datacenters: dict[str, int] = field(default_factory=dict)
     #: Data centre this node prefers for its requests ("" = the driver's default policy).
     local_dc: str = ""
+    #: Consistency level of reads: with RF=3, QUORUM/LOCAL_QUORUM reads see every acknowledged write (R + W >
+    #: RF); ONE may miss one for a while after a node failure.
     read_consistency: str = "LOCAL_QUORUM"
+    #: Consistency level of writes: a write acknowledged to a client (SMTP 250) was stored at this level; ALL
+    #: refuses writes (4xx, senders retry) while any replica is down.
     write_consistency: str = "LOCAL_QUORUM"
+    #: Paxos level of the few lightweight transactions (IMAP UID allocation, account and mailbox creation,
+    #: queue leases): SERIAL across data centres, LOCAL_SERIAL within one.
     serial_consistency: str = "LOCAL_SERIAL"
     #: Seconds before a request to Cassandra is abandoned (a StoreUnavailable, SMTP 451).
     request_timeout: float = 10.0
+    #: Seconds to wait for the cluster when the store is opened.
     connect_timeout: float = 10.0
+    #: Credentials for Cassandra's PasswordAuthenticator ("" = none).
     username: str = ""
+    #: Password of `username`.
     password: str = ""
     #: Bodies are cut into chunks of this many bytes, each its own partition (well under
     #: Cassandra's cell and frame limits).
@@ -248,7 +264,8 @@ class WheelFSSettings:
 
 @dataclass
 class StoreSettings:
-    #: The embedded default needs nothing but a directory; "cassandra" for a cluster.
+    #: "mbox" (the embedded default: local files, nothing to set up), "cassandra" (a cluster) or
+    #: "wheelfs" (one file per message on a shared file system).
     backend: str = "mbox"
     #: Largest message accepted, in bytes (SMTP SIZE, IMAP APPEND limit).
     max_message_size: int = 64 * 1024 * 1024
@@ -269,7 +286,9 @@ class StoreSettings:
 class AuthSettings:
     #: scrypt cost for new password hashes (existing hashes keep the cost they were made with).
     scrypt_n: int = 2**14
+    #: scrypt block size for new password hashes.
     scrypt_r: int = 8
+    #: scrypt parallelism for new password hashes.
     scrypt_p: int = 1
     #: Login attempts a node counts before slowing answers down, per client address and per
     #: account, across all its listeners and worker processes (attempts in progress count).
@@ -289,10 +308,13 @@ class AuthSettings:
 
 @dataclass
 class ListenerSettings:
+    #: Run this listener in `cassmail serve`.
     enabled: bool = True
+    #: Address and port to listen on, "host:port" (IPv6 as "[::1]:port").
     listen: str = "127.0.0.1:0"
     #: PEM certificate chain and key; with them STARTTLS (or STLS) is offered.
     tls_cert: str = ""
+    #: PEM private key of `tls_cert` (the two go together).
     tls_key: str = ""
     #: TLS from the first byte (ports 465, 993, 995 style) instead of STARTTLS.
     implicit_tls: bool = False
@@ -413,7 +435,7 @@ class MailboxListenerSettings(ListenerSettings):
 
 @dataclass
 class Pop3Settings(MailboxListenerSettings):
-    #: RFC 1939 3: the autologout timer is at least 10 minutes.
+    #: Seconds a session may stay idle before it is closed; RFC 1939 3: at least 10 minutes.
     timeout: float = 600.0
     #: Longest command line in bytes (RFC 2449: 255); longer ones get -ERR and the session goes on.
     max_line_length: int = 1024
@@ -426,7 +448,7 @@ class Pop3Settings(MailboxListenerSettings):
 
 @dataclass
 class ImapSettings(MailboxListenerSettings):
-    #: RFC 3501 5.4: the autologout timer is at least 30 minutes.
+    #: Seconds a session may stay idle before it is closed; RFC 3501 5.4: at least 30 minutes.
     timeout: float = 1800.0
     #: Longest command line in bytes, literals excluded; longer ones get BAD and the session goes on.
     max_line_length: int = 65536
@@ -482,8 +504,9 @@ class DeliverySettings:
     #: Seconds between two looks at the queue when nothing was due (new local mail wakes the
     #: workers of its process at once).
     poll_interval: float = 1.0
-    #: Retry schedule after a temporary failure: the first wait, doubled per attempt up to the most.
+    #: Retry schedule after a temporary failure: the first wait, doubled per attempt up to max_backoff.
     min_backoff: float = 300.0
+    #: Seconds: the longest wait between two attempts (the doubling stops there).
     max_backoff: float = 4000.0
     #: Seconds a message may stay queued; then every recipient still pending bounces.
     max_lifetime: float = 5 * 86400.0
@@ -520,6 +543,7 @@ class RelaySettings:
     relayhost: str = ""
     #: AUTH (PLAIN or LOGIN) at the relayhost; only over TLS.
     relayhost_username: str = ""
+    #: Password of `relayhost_username`.
     relayhost_password: str = ""
     #: TLS at the relayhost: "encrypt" (required) or "verify" (required, certificate checked).
     relayhost_tls: str = "encrypt"
@@ -534,15 +558,15 @@ class RelaySettings:
     tls_ca_file: str = ""
     #: Name given in EHLO; "" = node.name.
     helo_name: str = ""
-    #: Seconds to connect and get the greeting; seconds for every other reply (DATA's grows
-    #: with the message: one more second per 64 KiB).
+    #: Seconds to connect and get the greeting.
     connect_timeout: float = 30.0
+    #: Seconds for every reply but the greeting (DATA's grows with the message: one more second per 64 KiB).
     timeout: float = 300.0
     #: Seconds for a DNS answer.
     dns_timeout: float = 10.0
-    #: Seconds an open connection waits for more mail to the same destination, and how many
-    #: messages one connection carries at most.
+    #: Seconds an open connection waits for more mail to the same destination.
     connection_reuse_time: float = 2.0
+    #: Messages one connection carries at most.
     connection_reuse_count: int = 100
 
     def validate(self, prefix: str) -> None:
@@ -879,3 +903,133 @@ def _coerce(value: Any, hint: Any, key: str, from_text: bool) -> Any:
 def example_path() -> Path:
     """The commented example config shipped in the repository."""
     return Path(__file__).resolve().parent.parent / "cassmail.example.toml"
+
+
+# --------------------------------------------------------------------------- reference
+
+#: Where the generated configuration reference lives, and the command that writes it.
+REFERENCE_PATH = "docs/configuration.md"
+REFERENCE_COMMAND = "make docs"
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The `#:` comment lines above each field of a settings class, read from its source: the
+    settings' own definitions are the documentation, so the reference cannot drift from them.
+    A field a subclass redeclares without a comment (a different default, the same meaning)
+    keeps its base class's comment."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        lines, pending = inspect.getsourcelines(klass)[0], []
+        for line in lines[1:]:
+            stripped = line.strip()
+            if stripped.startswith("#:"):
+                pending.append(stripped[2:].strip())
+            elif (match := re.match(r"    (\w+)\s*:", line)) and not stripped.startswith("def "):
+                if pending:
+                    comments[match.group(1)] = " ".join(pending)
+                pending = []
+            else:
+                pending = []
+    return comments
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint)
+
+
+def _default_text(cls: type, name: str, value: Any) -> str:
+    """A default as it would be written in the file; one computed on the running machine (a
+    named factory such as socket.getfqdn) is shown as the call, so the page is the same everywhere."""
+    factory = next(f.default_factory for f in dataclasses.fields(cls) if f.name == name)
+    if callable(factory) and getattr(factory, "__name__", "<lambda>") != "<lambda>" and not isinstance(factory, type):
+        return f"`{factory.__module__}.{factory.__qualname__}()`"
+    return f"`{toml_value(value)}`"
+
+
+def settings_sections(obj: Any = None, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every section of the settings, dotted name and value, parents before their subsections."""
+    obj = Settings() if obj is None else obj
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.append((f"{prefix}{f.name}", value))
+            out += settings_sections(value, f"{prefix}{f.name}.")
+    return out
+
+
+def undocumented_settings() -> list[str]:
+    """Settings whose field has no `#:` comment (each must say what it is for)."""
+    missing = []
+    for name, section in settings_sections():
+        comments = field_comments(type(section))
+        for f in dataclasses.fields(section):
+            if not dataclasses.is_dataclass(getattr(section, f.name)) and f.name not in comments:
+                missing.append(f"{name}.{f.name}")
+    return missing
+
+
+def reference() -> str:
+    """docs/configuration.md: every section and key with its type, default and comment, from
+    the dataclasses above. Sections of one class (the listeners) share a table."""
+    out = [
+        "# Configuration reference",
+        "",
+        f"Generated from the settings' definitions in `cassmail/config.py` by `{REFERENCE_COMMAND}`",
+        "(`python -m cassmail.config reference`); do not edit it by hand: `tests/test_docs.py` fails",
+        "when this page is not what the generator writes.",
+        "",
+        "Settings are read from a TOML file (`--config FILE` or `CASSMAIL_CONFIG`), then from",
+        "environment variables `CASSMAIL_<SECTION>_<KEY>` (dots as underscores, e.g.",
+        "`CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS=10.0.0.1,10.0.0.2`), then from flags",
+        "`--set section.key=value` (or `-o`). An invalid value, or an unknown key in any of the three",
+        "(a misspelt variable is refused with the closest real name), stops start-up with one line",
+        "naming the key. [`cassmail.example.toml`](../cassmail.example.toml) is a commented file with",
+        "every key.",
+        "",
+    ]
+    groups: dict[type, list[tuple[str, Any]]] = {}
+    for name, section in settings_sections():
+        groups.setdefault(type(section), []).append((name, section))
+    for cls, members in groups.items():
+        names = [name for name, _ in members]
+        out.append("## " + ", ".join(f"`[{name}]`" for name in names))
+        out.append("")
+        if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
+            out += [" ".join(cls.__doc__.split()), ""]
+        out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        comments, hints = field_comments(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                continue
+            defaults = [_default_text(cls, f.name, getattr(section, f.name)) for _, section in members]
+            if len(set(defaults)) == 1:
+                default = defaults[0]
+            else:
+                default = "<br>".join(f"{name}: {text}" for name, text in zip(names, defaults))
+            meaning = comments.get(f.name, "").replace("|", "\\|")
+            out.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | {default} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cassmail.config reference [--write]`: print the configuration reference, or
+    write it to docs/configuration.md in the repository."""
+    parser = argparse.ArgumentParser(prog="python -m cassmail.config")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ref = sub.add_parser("reference", help="the configuration reference (Markdown)")
+    ref.add_argument("--write", action="store_true", help=f"write it to {REFERENCE_PATH} instead of printing it")
+    args = parser.parse_args(argv)
+    text = reference()
+    if args.write:
+        (example_path().parent / REFERENCE_PATH).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
