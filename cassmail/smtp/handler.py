@@ -32,6 +32,7 @@ from cassmail.store.base import (
     Target,
     local_recipients,
 )
+from cassmail.sieve.delivery import SieveFilter
 from cassmail.smtp.protocol import peer_ip
 from cassmail.tls import describe
 
@@ -110,8 +111,10 @@ class LocalDomains:
 
 class DeliveryHandler:
     def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
-                 outbound: QueueHandoff | None = None) -> None:
+                 outbound: QueueHandoff | None = None, sieve: SieveFilter | None = None) -> None:
         self.store = store
+        #: Users' Sieve scripts, run on each local copy before it is stored (None: not run).
+        self.sieve = sieve
         #: This process's delivery worker, which takes what is queued here (None: no worker here).
         self.outbound = outbound
         self.settings = settings
@@ -221,7 +224,7 @@ class DeliveryHandler:
                     envelope.rcpt_options.extend(rcpt_options)
                     return "250 2.1.5 Recipient OK"
                 return "550 5.7.1 Relaying denied"
-            users = await local_recipients(self.store, rcpt.key)
+            users = await local_recipients(self.store, rcpt.key, self.settings.recipient_delimiter)
             if not users:
                 return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
         except StoreError as exc:
@@ -246,8 +249,10 @@ class DeliveryHandler:
         body = envelope.original_content
         assert isinstance(body, bytes)
         targets = [Target(user) for user in _recipients(envelope)]
+        sent_copy = None
         if self.role.submission and session.auth_data:
-            targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
+            sent_copy = Target(session.auth_data, "Sent", frozenset({"\\Seen"}))
+            targets.append(sent_copy)
         remote = list(dict.fromkeys(_remote(envelope)))
         sender = "" if envelope.mail_from == "<>" else envelope.mail_from
         message = self.trace_headers(server, session, envelope, queue_id) + body
@@ -256,13 +261,25 @@ class DeliveryHandler:
         owner = self.outbound.reserve() if remote and self.outbound is not None else None
         entry_id: uuid.UUID | None = None
         queued_at = time.time()
+        plan = None
         try:
+            if self.sieve is not None:  # last before storing: users' scripts see the message as stored
+                plan = await self.sieve.plan(message, sender, _addressed(envelope), targets, skip=sent_copy)
+                if plan.all_rejected and not remote:
+                    if owner is not None and self.outbound is not None:
+                        self.outbound.unreserve()
+                    log.info(kv("delivery", **fields, result="rejected", ms=timer.ms))
+                    return self.per_recipient(envelope, plan.refusal)
+                targets = plan.targets
             ids = await self.store.deliver(message, targets) if targets else []
-            if remote:
+            if remote or (plan is not None and plan.forwards):
                 try:
-                    lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
-                    entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
-                                                        lease=lease)
+                    if remote:
+                        lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
+                        entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
+                                                            lease=lease)
+                    if plan is not None:
+                        await self.sieve.forward(plan, message, sender, envelope.smtp_utf8)  # type: ignore[union-attr]
                 except BaseException:
                     await self._undo(targets, ids)
                     raise
@@ -281,6 +298,8 @@ class DeliveryHandler:
             raise
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
+        if plan is not None and self.sieve is not None:
+            await self.sieve.follow_up(plan, message, sender)
         if entry_id is not None and self.outbound is not None:
             if owner is not None:
                 self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
@@ -358,6 +377,17 @@ def _expansions(envelope: Envelope) -> dict[str, list[str]]:
     if found is None:
         found = {}
         envelope.cassmail_expansions = found  # type: ignore[attr-defined]
+    return found
+
+
+def _addressed(envelope: Envelope) -> dict[str, str]:
+    """Each local user -> the recipient address that reached them, as the sender wrote it (a
+    `+detail` kept): what a Sieve script's envelope "to" is."""
+    expansions = _expansions(envelope)
+    found: dict[str, str] = {}
+    for rcpt in envelope.rcpt_tos:
+        for user in expansions.get(rcpt, ()):
+            found.setdefault(user, rcpt)
     return found
 
 
