@@ -113,7 +113,8 @@ def _tokens(text: str) -> list[_Token]:
             end = _MULTILINE_END.search(text, match.end() - 1)
             if end is None:
                 raise SieveSyntaxError("multi-line string without its closing '.' line", line)
-            body = text[match.end():end.start() + 1]
+            # The line break before the closing dot ends the last line of the string.
+            body = text[match.end():end.start()] + "\n" if end.start() >= match.end() else ""
             lines = body.split("\n")
             value = "\n".join(item[1:] if item.startswith("..") else item for item in lines)
             value = value.replace("\r\n", "\n").replace("\n", "\r\n")
