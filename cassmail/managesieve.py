@@ -241,6 +241,9 @@ class Session:
             await self._bye("Idle for too long", "")
         except (ConnectionError, ssl.SSLError, OSError):
             pass
+        except Exception as exc:  # a bug must reach the log, not the client: end the session cleanly
+            log.error(kv("session-error", listener="managesieve", error=type(exc).__name__), exc_info=exc)
+            await self._bye("Internal error, try again later", "TRYLATER")
         finally:
             await _close(self.writer)
 
@@ -272,6 +275,9 @@ class Session:
             return True
         try:
             return await handler[0](self, args)
+        except ProtocolError as exc:  # a bad SASL response line
+            await self.reply("NO", str(exc))
+            return True
         except StoreError as exc:
             log.warning(kv("managesieve", user=self.user, command=name, result="tempfail", error=exc))
             await self.reply("NO", "Storage is temporarily unavailable, try again later", "TRYLATER")

@@ -62,7 +62,7 @@ SMTP_LISTENERS = ("smtp", "submission", "submissions", "lmtp")
 #: What an outbound attempt did for one recipient.
 OUTBOUND_RESULTS = ("sent", "deferred", "bounced")
 NODE = "node"
-DELIVERY_RESULTS = ("ok", "tempfail", "too-large")
+DELIVERY_RESULTS = ("ok", "tempfail", "too-large", "rejected")
 AUTH_RESULTS = ("ok", "fail", "tempfail", "error", "closed")
 #: Any other value of a bounded label.
 OTHER = "other"

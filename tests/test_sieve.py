@@ -292,6 +292,17 @@ class Raw:
         self.sock = context.wrap_socket(self.sock)
         self.file = self.sock.makefile("rb")
 
+    @classmethod
+    def secured(cls, port: int) -> Raw:
+        """Past the greeting and STARTTLS, with the capabilities sent again read."""
+        raw = cls(port)
+        raw.until_status()
+        raw.send(b"STARTTLS\r\n")
+        assert raw.until_status()[-1].startswith(b"OK")
+        raw.tls()
+        raw.until_status()
+        return raw
+
 
 async def test_thunderbird_command_sequence(snode: Node, sstore: Store, people: dict[str, str]) -> None:
     anne = people["anne"]
@@ -349,17 +360,16 @@ async def test_thunderbird_command_sequence(snode: Node, sstore: Store, people: 
 
 async def test_bad_input_gets_no_or_bye_never_a_traceback(snode: Node, sstore: Store, people: dict[str, str]) -> None:
     anne = people["anne"]
-    raw = Raw(snode.port("managesieve"))
-    raw.until_status()
-    raw.send(b"STARTTLS\r\n")
-    raw.until_status()
-    raw.tls()
-    raw.until_status()
+    raw = Raw.secured(snode.port("managesieve"))
     for bad in (b"\r\n", b"FROB\r\n", b'PUTSCRIPT "x"\r\n', b'"quoted first"\r\n', b'GETSCRIPT "unterminated\r\n',
                 b"LISTSCRIPTS\r\n", b"AUTHENTICATE \"DIGEST-MD5\"\r\n", b"HAVESPACE \"a\" x\r\n", b"\xff\xfe\r\n"):
         raw.send(bad)
         assert raw.until_status()[-1].startswith(b"NO"), bad
     raw.send(b'AUTHENTICATE "PLAIN" "not base64!"\r\n')
+    assert raw.until_status()[-1].startswith(b"NO")
+    raw.send(b'AUTHENTICATE "PLAIN"\r\n')
+    assert raw.line() == b'""\r\n'
+    raw.send(b'"unterminated\r\n')
     assert raw.until_status()[-1].startswith(b"NO")
     token = base64.b64encode(f"\0{anne}\0anne".encode())
     raw.send(b'AUTHENTICATE "PLAIN"\r\n')
@@ -377,12 +387,7 @@ async def test_bad_input_gets_no_or_bye_never_a_traceback(snode: Node, sstore: S
     raw.send(b'PUTSCRIPT "huge" {999999999+}\r\n')
     assert raw.until_status()[-1].startswith(b"BYE")
     # Three wrong passwords end the session.
-    raw = Raw(snode.port("managesieve"))
-    raw.until_status()
-    raw.send(b"STARTTLS\r\n")
-    raw.until_status()
-    raw.tls()
-    raw.until_status()
+    raw = Raw.secured(snode.port("managesieve"))
     wrong = base64.b64encode(f"\0{anne}\0wrong".encode())
     answers = []
     for _ in range(3):
