@@ -4,7 +4,9 @@ client and with Thunderbird's command sequence on a raw socket."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import io
 import email
 import imaplib
 import smtplib
@@ -22,7 +24,7 @@ from cassmail.server import make_store
 from cassmail.config import to_toml
 from cassmail.store.base import SieveScriptInfo, Store
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password
-from tests.nodes import CASSMAIL, Node, node_settings
+from tests.nodes import Node, node_settings
 
 pytestmark = pytest.mark.cassandra
 
@@ -397,29 +399,43 @@ async def test_bad_input_gets_no_or_bye_never_a_traceback(snode: Node, sstore: S
     assert await sstore.list_sieve_scripts(anne) == [SieveScriptInfo("ok", False)]
 
 
-def test_operator_cli_puts_lists_activates_gets_and_deletes(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """The commands are the same over every store (they use the contract): run once, on mbox."""
+def test_operator_cli_puts_lists_activates_gets_and_deletes(request: pytest.FixtureRequest, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cassmail sieve ...` through the CLI's entry point (in this process: its commands are the same
+    over every store, they use the contract), once, on mbox."""
+    from cassmail import cli
+
     user = f"cli-{uuid.uuid4().hex[:6]}@cli{uuid.uuid4().hex[:6]}.example"
     config = str(tmp_path / "cli.toml")
-    Path(config).write_text(to_toml(backend_settings_for("mbox", request)))
 
-    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([CASSMAIL, "--config", config, *args], input=stdin, capture_output=True, text=True,
-                              timeout=60)
+    def run(*args: str, stdin: str = "") -> tuple[int, str, str]:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        code = cli.main(["--config", config, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
 
-    assert cli("domain", "add", user.split("@")[1]).returncode == 0
-    assert cli("user", "add", user, "--password-stdin", stdin="pw\n").returncode == 0
+    settings = backend_settings_for("mbox", request)
+    Path(config).write_text(to_toml(settings))
+
+    async def make_user() -> None:
+        async with make_store(settings) as store:
+            await store.add_domain(user.split("@")[1])
+            await store.create_user(user, hash_password("pw", FAST_HASH))
+
+    asyncio.run(make_user())
     script = tmp_path / "rules.sieve"
     script.write_text('require "fileinto";\nfileinto "Junk";\n')
-    done = cli("sieve", "put", user, "rules", str(script), "--activate")
-    assert done.returncode == 0, done.stderr
-    assert cli("sieve", "put", user, "broken", "-", stdin="fileinto \"x\";").returncode == 1
-    assert cli("sieve", "list", user).stdout == "rules  (active)\n"
-    assert cli("sieve", "get", user, "rules").stdout == script.read_text()
-    refused = cli("sieve", "delete", user, "rules")
-    assert refused.returncode == 1 and "active" in refused.stderr and "Traceback" not in refused.stderr
-    assert cli("sieve", "activate", user, "--none").returncode == 0
-    assert cli("sieve", "delete", user, "rules").returncode == 0
-    assert cli("sieve", "list", user).stdout == ""
-    assert cli("sieve", "get", user, "rules").returncode == 1
-
+    assert run("sieve", "put", user, "rules", str(script), "--activate") == (
+        0, f"stored script 'rules' of {user} (active)\n", "")
+    code, _, err = run("sieve", "put", user, "broken", "-", stdin='fileinto "x";')
+    assert code == 1 and 'needs require "fileinto"' in err
+    assert run("sieve", "list", user)[1] == "rules  (active)\n"
+    assert run("sieve", "get", user, "rules")[1] == script.read_text()
+    code, _, err = run("sieve", "delete", user, "rules")
+    assert code == 1 and "active" in err
+    assert run("sieve", "activate", user, "--none")[0] == 0
+    assert run("sieve", "delete", user, "rules")[0] == 0
+    assert run("sieve", "list", user)[1] == ""
+    code, _, err = run("sieve", "get", user, "rules")
+    assert code == 1 and "no such Sieve script" in err

@@ -135,9 +135,13 @@ class SieveFilter:
                 script = self.compiled(text)
                 if parsed is None:
                     parsed = Message(message, self.limits.max_body_bytes)
-                mailboxes = [m.name for m in await self.store.list_mailboxes(target.user)]
-                actions = run(script, parsed, Envelope(sender, rcpt), mailboxes, self.limits)
-                outcome = await self._carry_out(target, rcpt, actions, mailboxes, parsed, plan)
+                # The mailbox list is read only when the script can look at it (mailboxexists) or
+                # files into a mailbox: most scripts on most messages keep.
+                mailboxes = await self._mailboxes(target.user) if "mailboxexists" in text else None
+                actions = run(script, parsed, Envelope(sender, rcpt), mailboxes or (), self.limits)
+                if mailboxes is None and any(isinstance(a, FileInto) for a in actions):
+                    mailboxes = await self._mailboxes(target.user)
+                outcome = await self._carry_out(target, rcpt, actions, mailboxes or [], parsed, plan)
             except (SieveError, SieveRuntimeError, InvalidInput) as exc:
                 log.warning(kv("sieve", user=target.user, script=name, result="error", error=exc))
                 plan.targets.append(target)
@@ -147,6 +151,9 @@ class SieveFilter:
                         actions=",".join(type(a).__name__.lower() for a in actions)))
         plan.all_rejected = bool(rejected) and rejected == filtered and not plan.targets and not plan.forwards
         return plan
+
+    async def _mailboxes(self, user: str) -> list[str]:
+        return [m.name for m in await self.store.list_mailboxes(user)]
 
     async def _carry_out(self, target: Target, rcpt: str, actions: list[Any], mailboxes: list[str],
                          parsed: Message, plan: Plan) -> str:

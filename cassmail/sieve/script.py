@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from email.header import decode_header, make_header
+from email.parser import BytesHeaderParser
 from email.utils import getaddresses, parsedate_to_datetime
 
 import regex
@@ -393,10 +394,22 @@ class Message:
         self.raw = raw
         self.size = len(raw)
         self.max_body_bytes = max_body_bytes
-        self.parsed = email.message_from_bytes(raw, policy=email.policy.compat32)
+        self._parsed: email.message.Message | None = None
         self._headers: dict[str, list[str]] = {}
-        for name, value in self.parsed.items():
+        split = raw.find(b"\r\n\r\n")
+        head = raw if split < 0 else raw[:split + 2]
+        for name, value in BytesHeaderParser(policy=email.policy.compat32).parsebytes(head).items():
             self._headers.setdefault(name.lower(), []).append(value)
+
+    @property
+    def parsed(self) -> email.message.Message:
+        """The whole MIME tree, parsed on first use (only the body test needs it), from at most
+        max_body_bytes past the header."""
+        if self._parsed is None:
+            split = self.raw.find(b"\r\n\r\n")
+            end = len(self.raw) if split < 0 else split + 4 + self.max_body_bytes
+            self._parsed = email.message_from_bytes(self.raw[:end], policy=email.policy.compat32)
+        return self._parsed
 
     def raw_headers(self, name: str) -> list[str]:
         return [str(v) for v in self._headers.get(name.lower(), [])]
