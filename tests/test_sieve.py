@@ -62,6 +62,7 @@ def snode(sieve_settings, sieve_tls: dict[str, str], tmp_path_factory: pytest.Te
     running = Node(
         node_settings(sieve_settings), tmp_path_factory.mktemp("sieve-node"),
         smtp={}, lmtp={"enabled": True}, imap={"allow_plaintext_auth": True},
+        submission={"allow_plaintext_auth": True},
         managesieve={"enabled": True, "auth_failure_delay": 0.2, **sieve_tls},
     ).start()
     yield running
@@ -224,6 +225,19 @@ async def test_lmtp_runs_the_same_scripts(snode: Node, sstore: Store, people: di
     with smtplib.LMTP("127.0.0.1", snode.port("lmtp"), timeout=30) as client:
         client.sendmail(f"x@{REMOTE}", [anne], mail(f"x@{REMOTE}", anne, "via lmtp").encode())
     assert [s for _, s in imap_view(snode, anne)["Receipts"]] == [b"Subject: via lmtp"]
+
+
+async def test_submission_filters_local_recipients_not_the_senders_sent_copy(snode: Node, sstore: Store,
+                                                                              people: dict[str, str]) -> None:
+    anne, bob = people["anne"], people["bob"]
+    await activate(sstore, anne, "discard;")
+    await activate(sstore, bob, 'require "fileinto"; fileinto "Junk";')
+    with smtplib.SMTP("127.0.0.1", snode.port("submission"), timeout=30) as client:
+        client.login(anne, "anne")
+        client.sendmail(anne, [anne, bob], mail(anne, f"{anne}, {bob}", "minutes").encode())
+    assert [s for _, s in imap_view(snode, bob)["Junk"]] == [b"Subject: minutes"]
+    view = imap_view(snode, anne)
+    assert [s for _, s in view["Sent"]] == [b"Subject: minutes"] and "INBOX" not in view
 
 
 # ----------------------------------------------------------------------------- ManageSieve
