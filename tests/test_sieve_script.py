@@ -3,6 +3,8 @@ test and action decides, and the limits that bound a script's work."""
 
 from __future__ import annotations
 
+import email
+import email.policy
 from datetime import datetime, timezone
 
 import pytest
@@ -215,3 +217,32 @@ def test_an_undecodable_or_odd_message_does_not_break_a_script() -> None:
     assert actions == [Discard()]
     with pytest.raises(SieveError):
         compile_script("\x00")
+
+
+def test_vacation_answers_whom_and_in_whose_name() -> None:
+    from cassmail.config import SieveSettings
+    from cassmail.sieve.delivery import SieveFilter
+
+    step = SieveFilter(None, SieveSettings(), "mx.example")  # type: ignore[arg-type] - no store needed here
+    user, rcpt = "bob@example.com", "bob+work@example.com"
+    parsed = Message(MESSAGE, 1 << 20)
+    away = Vacation("Back soon", None, "Bob B <bob@example.com>", (), None, False, "h")
+    assert step.answer_refused(user, rcpt, away, parsed, "alice@example.org") is None
+    for sender, why in (("", "null sender"), ("bob@example.com", "own address"), ("owner-dev@lists.example", "list"),
+                        ("MAILER-DAEMON@x.example", "list or system"), ("dev-request@x.example", "list or system")):
+        assert why in (step.answer_refused(user, rcpt, away, parsed, sender) or ""), sender
+    listed = Message(MESSAGE.replace(b"Cc:", b"List-Id: <dev.example>\r\nCc:"), 1 << 20)
+    assert step.answer_refused(user, rcpt, away, listed, "alice@example.org") == "mailing list"
+    auto = Message(MESSAGE.replace(b"Cc:", b"Auto-Submitted: auto-generated\r\nCc:"), 1 << 20)
+    assert step.answer_refused(user, rcpt, away, auto, "alice@example.org") == "auto-submitted"
+    assert step.answer_refused("zed@example.com", "zed@example.com", away, parsed, "a@example.org") == \
+        "not addressed to the user"
+    reply = step.vacation_message(user, away, parsed, "alice@example.org", rcpt)
+    parsed_reply = email.message_from_bytes(reply, policy=email.policy.default)
+    assert parsed_reply["From"] == "Bob B <bob@example.com>" and parsed_reply["To"] == "alice@example.org"
+    assert parsed_reply["Subject"] == "Auto: Grüße [dev] weekly report"
+    assert b"Auto-Submitted: auto-replied" in reply and b"In-Reply-To:" not in reply  # the original had no Message-ID
+    forged = Vacation("x", "Hi", "ceo@example.com\r\nBcc: everyone@example.com", (), None, False, "h")
+    reply = step.vacation_message(user, forged, parsed, "alice@example.org", rcpt)
+    assert b"From: bob@example.com\r\n" in reply and b"Bcc" not in reply and b"ceo@" not in reply
+    assert step.period(Vacation("x", None, None, (), 60, False, "h")) == 86400.0  # clamped to the least period

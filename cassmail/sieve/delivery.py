@@ -226,13 +226,13 @@ class SieveFilter:
         for user, rcpt, vacation in plan.vacations:
             try:
                 await self._vacation(user, rcpt, vacation, message, sender)
-            except (StoreError, InvalidInput) as exc:
+            except (StoreError, ValueError) as exc:  # ValueError: InvalidInput, a header email refuses
                 log.warning(kv("vacation", user=user, to=sender, result="fail", error=exc))
         if not plan.all_rejected:
             for user, rcpt, reason in plan.rejections:
                 try:
                     await self._reject_notice(rcpt, reason, message, sender)
-                except (StoreError, InvalidInput) as exc:
+                except (StoreError, ValueError) as exc:
                     log.warning(kv("sieve-reject", user=user, to=sender, result="fail", error=exc))
 
     # ----------------------------------------------------------------- answers
@@ -273,21 +273,20 @@ class SieveFilter:
         if not await self.store.note_vacation(user, key, self.period(vacation)):
             log.info(kv("vacation", user=user, to=sender, result="skipped", reason="answered in this period"))
             return
-        reply = self.vacation_message(user, vacation, parsed, sender)
+        reply = self.vacation_message(user, vacation, parsed, sender, rcpt)
         await self.send(reply, "", sender)
         log.info(kv("vacation", user=user, to=sender, result="sent"))
 
-    def vacation_message(self, user: str, vacation: Vacation, parsed: Message, sender: str) -> bytes:
+    def vacation_message(self, user: str, vacation: Vacation, parsed: Message, sender: str, rcpt: str = "") -> bytes:
         """The answer (RFC 5230 5, RFC 3834): In-Reply-To and References of the original,
-        Auto-Submitted: auto-replied, and the script's text (a MIME part itself with :mime)."""
+        Auto-Submitted: auto-replied, and the script's text (a MIME part itself with :mime).
+        `:from` is used when it is the user's own address or the one the mail came to (a script
+        may not answer in someone else's name); else the answer is from the user."""
         origin = user
         if vacation.sender:
             found = [a for _, a in getaddresses([_one_line(vacation.sender)]) if a]
-            if found:
-                try:
-                    origin = str(Address.parse(found[0]))
-                except InvalidInput:
-                    origin = user
+            if found and (_same(found[0], user) or (rcpt and _same(found[0], rcpt))):
+                origin = _one_line(vacation.sender)
         subject = _one_line(vacation.subject) if vacation.subject is not None else None
         if subject is None:
             original = _one_line((parsed.headers("subject") or [""])[0])

@@ -278,8 +278,8 @@ class DeliveryHandler:
                         lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
                         entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
                                                             lease=lease)
-                    if plan is not None:
-                        await self.sieve.forward(plan, message, sender, envelope.smtp_utf8)  # type: ignore[union-attr]
+                    if plan is not None and self.sieve is not None:
+                        await self.sieve.forward(plan, message, sender, envelope.smtp_utf8)
                 except BaseException:
                     await self._undo(targets, ids)
                     raise
@@ -298,13 +298,13 @@ class DeliveryHandler:
             raise
         server.deliveries += 1
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
-        if plan is not None and self.sieve is not None:
-            await self.sieve.follow_up(plan, message, sender)
         if entry_id is not None and self.outbound is not None:
             if owner is not None:
                 self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
             else:
                 self.outbound.notify()
+        if plan is not None and self.sieve is not None:  # vacation answers, notices of rejection
+            await self.sieve.follow_up(plan, message, sender)
         return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
 
     async def _undo(self, targets: list[Target], ids: list[uuid.UUID]) -> None:
