@@ -148,6 +148,31 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(run=cmd_dkim_del)
     dkim.add_parser("list", help="domains that sign, with their selectors").set_defaults(run=cmd_dkim_list)
 
+    sieve = sub.add_parser("sieve", help="users' Sieve scripts (mail filters run at delivery)").add_subparsers(
+        metavar="ACTION")
+    v = sieve.add_parser("put", help="store a script (checked first) from FILE ('-' = stdin)")
+    v.add_argument("address")
+    v.add_argument("name")
+    v.add_argument("file")
+    v.add_argument("--activate", action="store_true", help="make it the script that runs")
+    v.set_defaults(run=cmd_sieve_put)
+    v = sieve.add_parser("get", help="print a script")
+    v.add_argument("address")
+    v.add_argument("name")
+    v.set_defaults(run=cmd_sieve_get)
+    v = sieve.add_parser("list", help="a user's scripts; the active one is marked")
+    v.add_argument("address")
+    v.set_defaults(run=cmd_sieve_list)
+    v = sieve.add_parser("activate", help="make a script the one that runs (--none: no script runs)")
+    v.add_argument("address")
+    v.add_argument("name", nargs="?")
+    v.add_argument("--none", action="store_true")
+    v.set_defaults(run=cmd_sieve_activate)
+    v = sieve.add_parser("delete", help="delete a script that is not active")
+    v.add_argument("address")
+    v.add_argument("name")
+    v.set_defaults(run=cmd_sieve_delete)
+
     cass = sub.add_parser("cassandra", help="a local Apache Cassandra for development and tests").add_subparsers(
         metavar="ACTION"
     )
@@ -276,6 +301,53 @@ def cmd_alias_del(settings: config.Settings, args: argparse.Namespace) -> int:
 def cmd_alias_list(settings: config.Settings, args: argparse.Namespace) -> int:
     for alias in _with_store(settings, lambda s: s.list_aliases(args.domain)):
         print(f"{alias.address} -> {', '.join(alias.users)}")
+    return 0
+
+
+def cmd_sieve_put(settings: config.Settings, args: argparse.Namespace) -> int:
+    from cassmail.sieve.delivery import limits_of
+    from cassmail.sieve.script import check
+
+    key = address_key(args.address)
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    error = check(text, limits_of(settings.sieve))
+    if error is not None:
+        raise CommandError(f"script {args.name!r} not stored: {error}")
+
+    async def put(store: Store) -> None:
+        await store.put_sieve_script(key, args.name, text)
+        if args.activate:
+            await store.set_active_sieve_script(key, args.name)
+
+    _with_store(settings, put)
+    print(f"stored script {args.name!r} of {key}" + (" (active)" if args.activate else ""))
+    return 0
+
+
+def cmd_sieve_get(settings: config.Settings, args: argparse.Namespace) -> int:
+    sys.stdout.write(_with_store(settings, lambda s: s.get_sieve_script(address_key(args.address), args.name)))
+    return 0
+
+
+def cmd_sieve_list(settings: config.Settings, args: argparse.Namespace) -> int:
+    for script in _with_store(settings, lambda s: s.list_sieve_scripts(address_key(args.address))):
+        print(f"{script.name}{'  (active)' if script.active else ''}")
+    return 0
+
+
+def cmd_sieve_activate(settings: config.Settings, args: argparse.Namespace) -> int:
+    if bool(args.none) == bool(args.name):
+        raise CommandError("give a script name or --none")
+    key = address_key(args.address)
+    _with_store(settings, lambda s: s.set_active_sieve_script(key, None if args.none else args.name))
+    print(f"no script runs for {key}" if args.none else f"script {args.name!r} runs for {key}")
+    return 0
+
+
+def cmd_sieve_delete(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.address)
+    _with_store(settings, lambda s: s.delete_sieve_script(key, args.name))
+    print(f"deleted script {args.name!r} of {key}")
     return 0
 
 

@@ -366,6 +366,9 @@ class SmtpSettings(ListenerSettings):
     rate_limit_exempt: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     #: Seconds the list of local domains is cached for RCPT checks.
     domain_cache_seconds: float = 10.0
+    #: Mail to `user<delimiter>detail@domain` that names no user or alias reaches `user@domain`
+    #: (RFC 5233 subaddresses; Sieve's :detail sees the detail). "" turns it off.
+    recipient_delimiter: str = "+"
     #: Submission listeners only: client networks that may submit without AUTH, like Postfix's
     #: mynetworks (applications on the same host, a load generator): their mail may go to any
     #: domain, from any sender, with no copy in Sent. [] = every client authenticates.
@@ -396,6 +399,8 @@ class SmtpSettings(ListenerSettings):
                     f"{prefix}.rate_limit_exempt[{i}]: must be an IP address or network like 10.0.0.0/8, got {network!r}"
                 ) from None
         _check(self.domain_cache_seconds >= 0, f"{prefix}.domain_cache_seconds", "must be >= 0")
+        _check(self.recipient_delimiter in ("", "+", "-", "_", "=", "."), f"{prefix}.recipient_delimiter",
+               f'must be "" (off) or one of + - _ = ., got {self.recipient_delimiter!r}')
         _check(not self.trusted_networks or prefix not in ("smtp", "lmtp"), f"{prefix}.trusted_networks",
                "is for the submission listeners only (the MX never relays)")
         for i, network in enumerate(self.trusted_networks):
@@ -469,6 +474,58 @@ class ImapSettings(MailboxListenerSettings):
         _check(256 <= self.max_string_literal <= 1 << 20, f"{prefix}.max_string_literal", "must be 256..1048576")
         _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
         _check(0 <= self.header_cache_bytes <= 1 << 34, f"{prefix}.header_cache_bytes", "must be 0..17179869184 bytes")
+
+
+@dataclass
+class ManageSieveSettings(ListenerSettings):
+    """The ManageSieve listener (RFC 5804), where mail clients edit their Sieve scripts."""
+
+    #: Longest command line in bytes, literals excluded; longer ones get NO and the session goes on.
+    max_line_length: int = 8192
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        _check(not self.implicit_tls, f"{prefix}.implicit_tls", "ManageSieve has STARTTLS only (RFC 5804)")
+        _check(1024 <= self.max_line_length <= 1 << 20, f"{prefix}.max_line_length", "must be 1024..1048576 bytes")
+
+
+@dataclass
+class SieveSettings:
+    """Per-user Sieve scripts run at delivery (cassmail.sieve); every limit bounds one script's
+    work on one message, and a script past one leaves the message in INBOX."""
+
+    #: Run users' active scripts when mail is delivered to them.
+    enabled: bool = True
+    #: Largest script a user may store (bytes) and most scripts per user (ManageSieve HAVESPACE).
+    max_script_size: int = 64 * 1024
+    max_scripts: int = 32
+    #: Actions one script may take on one message, and how many of them may be redirects.
+    max_actions: int = 32
+    max_redirects: int = 4
+    #: Longest :regex key (characters), and seconds one regular expression may run on one value.
+    max_regex_length: int = 1024
+    regex_timeout: float = 0.1
+    #: Bytes of a message the body test looks at.
+    max_body_bytes: int = 1024 * 1024
+    #: Vacation (RFC 5230): the period when a script names none, and the shortest and longest a
+    #: script may ask for (seconds); one reply per sender per period.
+    vacation_default_period: float = 7 * 86400.0
+    vacation_min_period: float = 86400.0
+    vacation_max_period: float = 90 * 86400.0
+    #: Compiled scripts each worker keeps (by their text).
+    cache_size: int = 1000
+
+    def validate(self, prefix: str) -> None:
+        _check(64 <= self.max_script_size <= 1 << 20, f"{prefix}.max_script_size", "must be 64..1048576 bytes")
+        _check(1 <= self.max_scripts <= 1000, f"{prefix}.max_scripts", "must be 1..1000")
+        _check(1 <= self.max_actions <= 1000, f"{prefix}.max_actions", "must be 1..1000")
+        _check(0 <= self.max_redirects <= 100, f"{prefix}.max_redirects", "must be 0..100")
+        _check(1 <= self.max_regex_length <= 65536, f"{prefix}.max_regex_length", "must be 1..65536")
+        _check(0.001 <= self.regex_timeout <= 10, f"{prefix}.regex_timeout", "must be 0.001..10 seconds")
+        _check(1024 <= self.max_body_bytes <= 1 << 30, f"{prefix}.max_body_bytes", "must be 1024..1073741824")
+        _check(0 < self.vacation_min_period <= self.vacation_default_period <= self.vacation_max_period,
+               f"{prefix}.vacation_default_period", "needs 0 < vacation_min_period <= it <= vacation_max_period")
+        _check(0 <= self.cache_size <= 1_000_000, f"{prefix}.cache_size", "must be 0..1000000")
 
 
 @dataclass
@@ -668,7 +725,7 @@ def _listener(port: int, enabled: bool = True, kind: type = ListenerSettings, im
 #: 995) run beside their STARTTLS siblings (587, 143, 110) with settings of their own.
 LISTENER_PROTOCOLS: dict[str, str] = {
     "smtp": "smtp", "submission": "submission", "submissions": "submission", "lmtp": "lmtp",
-    "pop3": "pop3", "pop3s": "pop3", "imap": "imap", "imaps": "imap",
+    "pop3": "pop3", "pop3s": "pop3", "imap": "imap", "imaps": "imap", "managesieve": "managesieve",
 }
 
 
@@ -685,6 +742,8 @@ class Settings:
     pop3s: Pop3Settings = _listener(1995, enabled=False, kind=Pop3Settings, implicit_tls=True)
     imap: ImapSettings = _listener(1143, kind=ImapSettings)
     imaps: ImapSettings = _listener(1993, enabled=False, kind=ImapSettings, implicit_tls=True)
+    managesieve: ManageSieveSettings = _listener(14190, enabled=False, kind=ManageSieveSettings)
+    sieve: SieveSettings = field(default_factory=SieveSettings)
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)

@@ -18,7 +18,8 @@ from cassmail import config
 from cassmail.server import enabled_listeners
 
 #: What each listener's greeting starts with.
-GREETINGS = {"smtp": b"220", "submission": b"220", "lmtp": b"220", "pop3": b"+OK", "imap": b"* OK"}
+GREETINGS = {"smtp": b"220", "submission": b"220", "lmtp": b"220", "pop3": b"+OK", "imap": b"* OK",
+             "managesieve": b"\"IMPLEMENTATION\""}
 
 _NO_VERIFY = ssl.create_default_context()
 _NO_VERIFY.check_hostname = False

@@ -56,7 +56,7 @@ PATH = "/metrics"
 SAMPLE_INTERVAL = 1.0
 
 #: Values the `listener` label takes: the listeners, and "node" for what belongs to none.
-LISTENERS = ("smtp", "submission", "submissions", "lmtp", "pop3", "imap")
+LISTENERS = ("smtp", "submission", "submissions", "lmtp", "pop3", "imap", "managesieve")
 #: The SMTP-family listeners (they deliver and queue).
 SMTP_LISTENERS = ("smtp", "submission", "submissions", "lmtp")
 #: What an outbound attempt did for one recipient.

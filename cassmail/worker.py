@@ -66,6 +66,12 @@ async def run_worker(settings: Settings) -> int:
     for server, listener in await imap.start(settings, store):
         servers.append((server, listener))
         keepers.append(("imap", listener))
+    if settings.managesieve.enabled:
+        from cassmail import managesieve
+
+        for server, sieve_listener in await managesieve.start(settings, store):
+            servers.append((server, sieve_listener))
+            keepers.append(("managesieve", sieve_listener))
     if reactor is not None:
         from cassmail import pop3
 

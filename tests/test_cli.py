@@ -237,7 +237,8 @@ def test_schema_apply_on_a_keyspace_of_an_older_version_adds_only_what_is_new(ru
         # until the new version is applied, commands (and nodes) stop with one line saying what to run
         fails(run("-o", f"store.cassandra.keyspace={keyspace}", "user", "list"), "has `cassmail schema apply` run?")
         out = ok(run("-o", f"store.cassandra.keyspace={keyspace}", "schema", "apply"))
-        assert out == "applied schema 003_aliases\napplied schema 004_recent\napplied schema 005_changes\napplied schema 006_outbound\n"
+        assert out == ("applied schema 003_aliases\napplied schema 004_recent\napplied schema 005_changes\napplied schema 006_outbound\n"
+                       "applied schema 007_sieve\n")
         domain = f"old{uuid.uuid4().hex[:6]}.example"
         ok(run("-o", f"store.cassandra.keyspace={keyspace}", "domain", "add", domain))
         ok(run("-o", f"store.cassandra.keyspace={keyspace}", "user", "add", f"a@{domain}", "--password-stdin", stdin="pw\n"))

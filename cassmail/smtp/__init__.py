@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from cassmail.config import Settings, SmtpSettings, host_port
 from cassmail.inbound import Inbound
+from cassmail.sieve.delivery import SieveFilter
 from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role
 from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP, RateLimits
 from cassmail.store.base import Store
@@ -22,7 +23,9 @@ def _factory(
     settings: Settings, listener: SmtpSettings, role: Role, store: Store, outbound: QueueHandoff | None
 ) -> tuple[Callable[[], asyncio.Protocol], DeliveryHandler]:
     checks = Inbound(settings.inbound, settings.relay, settings.node.name) if role is MX else None
-    handler = DeliveryHandler(store, listener, role, settings.node.name, outbound, checks)
+    sieve = SieveFilter(store, settings.sieve, settings.node.name, outbound, listener.recipient_delimiter
+                        ) if settings.sieve.enabled else None
+    handler = DeliveryHandler(store, listener, role, settings.node.name, outbound, checks, sieve)
     tls = server_context(listener)
     engine = CassmailLMTP if role.lmtp else CassmailSMTP
     starttls = tls if (tls is not None and not listener.implicit_tls) else None

@@ -34,6 +34,7 @@ from cassmail.store.base import (
     Target,
     local_recipients,
 )
+from cassmail.sieve.delivery import SieveFilter
 from cassmail.smtp.protocol import peer_ip
 from cassmail.tls import describe
 
@@ -112,10 +113,13 @@ class LocalDomains:
 
 class DeliveryHandler(Sessions):
     def __init__(self, store: Store, settings: SmtpSettings, role: Role, node_name: str,
-                 outbound: QueueHandoff | None = None, inbound: Inbound | None = None) -> None:
+                 outbound: QueueHandoff | None = None, inbound: Inbound | None = None,
+                 sieve: SieveFilter | None = None) -> None:
         self.store = store
         #: The MX's checks between DATA and the store (sender authentication, spam filter), if any.
         self.inbound = inbound if inbound is not None and inbound.enabled else None
+        #: Users' Sieve scripts, run on each local copy before it is stored (None: not run).
+        self.sieve = sieve
         #: This process's delivery worker, which takes what is queued here (None: no worker here).
         self.outbound = outbound
         self.settings = settings
@@ -212,7 +216,7 @@ class DeliveryHandler(Sessions):
                     envelope.rcpt_options.extend(rcpt_options)
                     return "250 2.1.5 Recipient OK"
                 return "550 5.7.1 Relaying denied"
-            users = await local_recipients(self.store, rcpt.key)
+            users = await local_recipients(self.store, rcpt.key, self.settings.recipient_delimiter)
             if not users:
                 return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
         except StoreError as exc:
@@ -237,8 +241,10 @@ class DeliveryHandler(Sessions):
         body = envelope.original_content
         assert isinstance(body, bytes)
         targets = [Target(user) for user in _recipients(envelope)]
+        sent_copy = None
         if self.role.submission and session.auth_data:
-            targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
+            sent_copy = Target(session.auth_data, "Sent", frozenset({"\\Seen"}))
+            targets.append(sent_copy)
         remote = list(dict.fromkeys(_remote(envelope)))
         sender = "" if envelope.mail_from == "<>" else envelope.mail_from
         fields = self._delivery_fields(session, envelope, len(body), queue_id)
@@ -257,13 +263,25 @@ class DeliveryHandler(Sessions):
         owner = self.outbound.reserve() if remote and self.outbound is not None else None
         entry_id: uuid.UUID | None = None
         queued_at = time.time()
+        plan = None
         try:
+            if self.sieve is not None:  # last before storing: users' scripts see the message as stored
+                plan = await self.sieve.plan(message, sender, _addressed(envelope), targets, skip=sent_copy)
+                if plan.all_rejected and not remote:
+                    if owner is not None and self.outbound is not None:
+                        self.outbound.unreserve()
+                    log.info(kv("delivery", **fields, result="rejected", ms=timer.ms))
+                    return self.per_recipient(envelope, plan.refusal)
+                targets = plan.targets
             ids = await deliver_to(self.store, message, targets, self.creatable) if targets else []
-            if remote:
+            if remote or (plan is not None and plan.forwards):
                 try:
-                    lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
-                    entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
-                                                        lease=lease)
+                    if remote:
+                        lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
+                        entry_id = await self.store.enqueue(message, sender, remote, smtputf8=envelope.smtp_utf8,
+                                                            lease=lease)
+                    if plan is not None and self.sieve is not None:
+                        await self.sieve.forward(plan, message, sender, envelope.smtp_utf8)
                 except BaseException:
                     await self._undo(targets, ids)
                     raise
@@ -287,6 +305,8 @@ class DeliveryHandler(Sessions):
                 self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
             else:
                 self.outbound.notify()
+        if plan is not None and self.sieve is not None:  # vacation answers, notices of rejection
+            await self.sieve.follow_up(plan, message, sender)
         return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
 
     async def _undo(self, targets: list[Target], ids: list[uuid.UUID]) -> None:
@@ -359,6 +379,17 @@ def _expansions(envelope: Envelope) -> dict[str, list[str]]:
     if found is None:
         found = {}
         envelope.cassmail_expansions = found  # type: ignore[attr-defined]
+    return found
+
+
+def _addressed(envelope: Envelope) -> dict[str, str]:
+    """Each local user -> the recipient address that reached them, as the sender wrote it (a
+    `+detail` kept): what a Sieve script's envelope "to" is."""
+    expansions = _expansions(envelope)
+    found: dict[str, str] = {}
+    for rcpt in envelope.rcpt_tos:
+        for user in expansions.get(rcpt, ()):
+            found.setdefault(user, rcpt)
     return found
 
 

@@ -122,6 +122,26 @@ class NoSuchQueueEntry(StoreError):
         self.entry_id = entry_id
 
 
+class NoSuchSieveScript(StoreError):
+    def __init__(self, user: str, name: str) -> None:
+        super().__init__(f"no such Sieve script: {name!r} of {user}")
+        self.user, self.name = user, name
+
+
+class SieveScriptExists(StoreError):
+    def __init__(self, user: str, name: str) -> None:
+        super().__init__(f"Sieve script already exists: {name!r} of {user}")
+        self.user, self.name = user, name
+
+
+class SieveScriptActive(StoreError):
+    """The active script cannot be deleted (RFC 5804 2.10): deactivate it first."""
+
+    def __init__(self, user: str, name: str) -> None:
+        super().__init__(f"Sieve script {name!r} of {user} is active; deactivate it first")
+        self.user, self.name = user, name
+
+
 class StoreUnavailable(StoreError):
     """The storage could not do it now (down, timed out, too few replicas); retrying later may work.
 
@@ -161,6 +181,14 @@ class DkimKey:
     domain: str
     selector: str
     private_key_pem: str
+
+
+@dataclass(frozen=True, slots=True)
+class SieveScriptInfo:
+    """A user's Sieve script as ManageSieve's LISTSCRIPTS shows it."""
+
+    name: str
+    active: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,15 +601,107 @@ class Store(abc.ABC):
     async def list_dkim_keys(self) -> list[DkimKey]:
         """Every key, sorted by domain."""
 
+    # ----------------------------------------------------------------- Sieve scripts
+    # A user's scripts (RFC 5228), at most one of them active, kept in the store so that every
+    # node filters with the same rules; ManageSieve (RFC 5804) and `cassmail sieve` edit them.
+    # Names are checked by `check_sieve_name`; the text is not parsed here (cassmail.sieve does).
 
-async def local_recipients(store: Store, address: str) -> list[str]:
+    @abc.abstractmethod
+    async def put_sieve_script(self, user: str, name: str, content: str) -> None:
+        """Create or replace a script (an active one stays active). Raises NoSuchUser,
+        InvalidInput for a bad name or text larger than MAX_SIEVE_SCRIPT_BYTES."""
+
+    @abc.abstractmethod
+    async def get_sieve_script(self, user: str, name: str) -> str:
+        """Raises NoSuchSieveScript, NoSuchUser."""
+
+    @abc.abstractmethod
+    async def list_sieve_scripts(self, user: str) -> list[SieveScriptInfo]:
+        """The user's scripts sorted by name. Raises NoSuchUser."""
+
+    @abc.abstractmethod
+    async def set_active_sieve_script(self, user: str, name: str | None) -> None:
+        """Make a script the active one (None: no script runs). Raises NoSuchSieveScript, NoSuchUser."""
+
+    @abc.abstractmethod
+    async def delete_sieve_script(self, user: str, name: str) -> None:
+        """Raises NoSuchSieveScript, SieveScriptActive for the active script, NoSuchUser."""
+
+    @abc.abstractmethod
+    async def rename_sieve_script(self, user: str, old: str, new: str) -> None:
+        """Rename keeping the text and, if it was, the active mark. Raises NoSuchSieveScript,
+        SieveScriptExists, NoSuchUser."""
+
+    @abc.abstractmethod
+    async def active_sieve_script(self, user: str) -> tuple[str, str] | None:
+        """(name, text) of the active script, None when none is: read on every delivery to the
+        user, so one or two small reads. A user that does not exist has none."""
+
+    @abc.abstractmethod
+    async def note_vacation(self, user: str, key: str, seconds: float) -> bool:
+        """Record that a vacation reply `key` (check_vacation_key: a digest of the sender and
+        the reply) is sent now, unless one was within the last `seconds`: True when the caller
+        should send it. Records expire after their period. Raises NoSuchUser (file stores),
+        InvalidInput."""
+
+
+#: Largest Sieve script any store keeps; the [sieve] max_script_size setting is below it.
+MAX_SIEVE_SCRIPT_BYTES = 1 << 20
+#: Longest script name in characters (RFC 5804 1.6 sets no bound; file names need one).
+MAX_SIEVE_NAME = 128
+_VACATION_KEY = re.compile(r"[0-9a-f]{16,128}\Z")
+
+
+def check_sieve_name(name: str) -> str:
+    """A script name as stores keep it, or InvalidInput: 1..128 characters of Unicode text,
+    with no control characters (RFC 5804 1.6)."""
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_SIEVE_NAME:
+        raise InvalidInput(f"a Sieve script name has 1..{MAX_SIEVE_NAME} characters")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029" for c in name):
+        raise InvalidInput("a Sieve script name has no control characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("a Sieve script name is UTF-8 text") from None
+    return name
+
+
+def check_sieve_content(content: str) -> str:
+    if not isinstance(content, str):
+        raise InvalidInput("a Sieve script is text")
+    try:
+        size = len(content.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidInput("a Sieve script is UTF-8 text") from None
+    if size > MAX_SIEVE_SCRIPT_BYTES:
+        raise InvalidInput(f"a Sieve script has at most {MAX_SIEVE_SCRIPT_BYTES} bytes")
+    return content
+
+
+def check_vacation_key(key: str, seconds: float) -> tuple[str, float]:
+    if not isinstance(key, str) or not _VACATION_KEY.match(key):
+        raise InvalidInput("a vacation key is 16..128 lower-case hex digits")
+    if not isinstance(seconds, (int, float)) or not 0 < seconds <= 10 * 365 * 86400:
+        raise InvalidInput("a vacation period is 0..10 years")
+    return key, float(seconds)
+
+
+async def local_recipients(store: Store, address: str, delimiter: str = "") -> list[str]:
     """The users mail to a local address reaches: the user, or an alias's users; [] when the
     address is neither. The user lookup comes first, so the common case is one read, and the
-    alias is read only on a miss. (A function over the contract, so a wrapped store sees both calls.)"""
+    alias is read only on a miss. (A function over the contract, so a wrapped store sees both calls.)
+    With a `delimiter` ("+"), `anne+lists@x` that is neither reaches what `anne@x` reaches
+    (RFC 5233 subaddresses, which Sieve scripts test with :detail)."""
     key = address_key(address)
     if await store.user_exists(key):
         return [key]
-    return await store.get_alias(key) or []
+    found = await store.get_alias(key) or []
+    if not found and delimiter:
+        local, _, domain = key.rpartition("@")
+        base, sep, _detail = local.partition(delimiter)
+        if sep and base:
+            return await local_recipients(store, f"{base}@{domain}")
+    return found
 
 
 # --------------------------------------------------------------------------- helpers for backends

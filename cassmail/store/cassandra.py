@@ -7,7 +7,7 @@ timeuuid; bodies are cut into chunks, each chunk its own partition. Aliases
 an index of the aliases that list each user.
 
 The outbound queue and DKIM keys (schema/006_outbound.cql) are in
-cassandra_queue.py.
+cassandra_queue.py; Sieve scripts (schema/007_sieve.cql) in cassandra_sieve.py.
 
 Delivery is plain idempotent writes at the write consistency level, in an
 order that never shows a half-written message: chunks first, then (for a
@@ -83,6 +83,7 @@ from cassmail.store.base import (
 )
 
 from cassmail.store.cassandra_queue import QUEUE_STATEMENTS, CassandraQueue
+from cassmail.store.cassandra_sieve import SIEVE_STATEMENTS, CassandraSieve
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def _now_100ns() -> int:
     return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
 
 
-class CassandraStore(CassandraQueue):
+class CassandraStore(CassandraSieve, CassandraQueue):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
         self.settings = settings
         self.max_message_size = max_message_size
@@ -342,6 +343,7 @@ class CassandraStore(CassandraQueue):
         "chunk_get": ("SELECT data FROM body_chunks WHERE body_id = ? AND idx = ?", "r"),
         "chunk_delete": ("DELETE FROM body_chunks WHERE body_id = ? AND idx = ?", "w"),
         **QUEUE_STATEMENTS,
+        **SIEVE_STATEMENTS,
     }
 
     async def _prepare_all(self) -> None:
@@ -537,6 +539,7 @@ class CassandraStore(CassandraQueue):
         batch.add(self._ps["user_del"], (key,))
         batch.add(self._ps["by_domain_del"], (key.rpartition("@")[2], key))
         batch.add(self._ps["alias_of_purge"], (key,))
+        self._sieve_purge(batch, key)
         await self._exec(batch)
 
     async def list_users(self, domain: str | None = None) -> list[str]:

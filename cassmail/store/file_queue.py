@@ -50,9 +50,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from cassmail.model import new_message_id, normalize_domain, parse_sortable_id, sortable_id
+from cassmail.model import address_key, new_message_id, normalize_domain, parse_sortable_id, sortable_id
+from cassmail.store.file_sieve import FileSieve
 from cassmail.store.base import (
     Body,
+    SieveScriptInfo,
     DkimKey,
     InvalidInput,
     NoSuchDomain,
@@ -488,11 +490,12 @@ class FileKeys:
 
 
 class FileQueueStore(Store):
-    """The queue and DKIM methods of the Store contract for a file-based store, which sets
-    `queue` and `keys` and runs blocking work through its `_call(fn, *args, cancel=...)`."""
+    """The queue, DKIM and Sieve methods of the Store contract for a file-based store, which sets
+    `queue`, `keys` and `sieve` and runs blocking work through its `_call(fn, *args, cancel=...)`."""
 
     queue: FileQueue
     keys: FileKeys
+    sieve: FileSieve
 
     async def _call(self, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None) -> T:
         raise NotImplementedError  # pragma: no cover - every file store has its own
@@ -555,3 +558,27 @@ class FileQueueStore(Store):
 
     async def list_dkim_keys(self) -> list[DkimKey]:
         return await self._call(self.keys.list)
+
+    async def put_sieve_script(self, user: str, name: str, content: str) -> None:
+        await self._call(self.sieve.put, address_key(user), name, content)
+
+    async def get_sieve_script(self, user: str, name: str) -> str:
+        return await self._call(self.sieve.get, address_key(user), name)
+
+    async def list_sieve_scripts(self, user: str) -> list[SieveScriptInfo]:
+        return await self._call(self.sieve.list, address_key(user))
+
+    async def set_active_sieve_script(self, user: str, name: str | None) -> None:
+        await self._call(self.sieve.set_active, address_key(user), name)
+
+    async def delete_sieve_script(self, user: str, name: str) -> None:
+        await self._call(self.sieve.delete, address_key(user), name)
+
+    async def rename_sieve_script(self, user: str, old: str, new: str) -> None:
+        await self._call(self.sieve.rename, address_key(user), old, new)
+
+    async def active_sieve_script(self, user: str) -> tuple[str, str] | None:
+        return await self._call(self.sieve.active_script, address_key(user))
+
+    async def note_vacation(self, user: str, key: str, seconds: float) -> bool:
+        return await self._call(self.sieve.note_vacation, address_key(user), key, seconds)

@@ -12,6 +12,7 @@ Layout under `store.mbox.path`::
     users/<user>/mail/<mailbox>/mbox      the mailbox, mboxrd (`mutt -f .../mail/INBOX/mbox`)
     users/<user>/mail/<mailbox>/index     its side index (see mbox_index)
     users/<user>/mail/<mailbox>/meta.json special-use and subscription
+    users/<user>/sieve/...                Sieve scripts and vacation records (file_sieve)
 
 Names map to file names reversibly: `%` becomes `%25`, `/` (the hierarchy
 delimiter) `%2F` and a leading `.` `%2E`; everything else, Unicode included, is
@@ -67,6 +68,7 @@ from cassmail.model import (
 )
 from cassmail.store import mbox_fs
 from cassmail.store.file_queue import FileKeys, FileQueue, FileQueueStore
+from cassmail.store.file_sieve import FileSieve
 from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.base import (
     Alias,
@@ -115,6 +117,7 @@ class MboxStore(FileQueueStore):
         self._collapse = False
         self.queue = FileQueue(FileSystem(), str(self.root / "queue"), settings.fsync)
         self.keys = FileKeys(FileSystem(), str(self.root / "dkim"), settings.fsync)
+        self.sieve = FileSieve(FileSystem(), settings.fsync, lambda key: str(self._existing_user(key)))
 
     # ================================================================= lifecycle
 

@@ -94,6 +94,7 @@ from cassmail.store.base import (
     uid_work,
 )
 from cassmail.store.file_queue import FileKeys, FileQueue, FileQueueStore
+from cassmail.store.file_sieve import FileSieve
 from cassmail.store.wheelfs_fs import FileSystem
 from cassmail.store.wheelfs_layout import (
     LAYOUT_FILE,
@@ -170,6 +171,7 @@ class WheelFSStore(FileQueueStore):
         self._validity_hint: dict[str, int] = {}
         self.queue = FileQueue(self.fs, self.layout.queue, settings.fsync)
         self.keys = FileKeys(self.fs, self.layout.dkim, settings.fsync)
+        self.sieve = FileSieve(self.fs, settings.fsync, self._require_user)
 
     # ================================================================= lifecycle
 

@@ -15,6 +15,7 @@ user's files are kept together while users spread over the servers::
         validity/<n>                                  UIDVALIDITY values ever handed out
         uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
         recent/<mailbox id>/<mark>                    \\Recent claimed from <mark>: the next mark (ditto)
+        sieve/...                                     Sieve scripts and vacation records (file_sieve)
     <root>/cassmail/queue/<strong cues>/              the outbound queue (see file_queue)
     <root>/cassmail/dkim/<strong cues>/<domain>       a domain's DKIM key (JSON)
     <root>/cassmail/mail/<mail cues>/<user>/<mailbox id>/
