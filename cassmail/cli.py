@@ -14,8 +14,9 @@ import json
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
 from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TextIO
 
 from cassmail import auth, config

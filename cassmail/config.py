@@ -496,21 +496,25 @@ class SieveSettings:
 
     #: Run users' active scripts when mail is delivered to them.
     enabled: bool = True
-    #: Largest script a user may store (bytes) and most scripts per user (ManageSieve HAVESPACE).
+    #: Largest script a user may store, in bytes (ManageSieve HAVESPACE answers by it).
     max_script_size: int = 64 * 1024
+    #: Most scripts one user may store.
     max_scripts: int = 32
-    #: Actions one script may take on one message, and how many of them may be redirects.
+    #: Actions one script may take on one message.
     max_actions: int = 32
+    #: Of those actions, how many may be redirects.
     max_redirects: int = 4
-    #: Longest :regex key (characters), and seconds one regular expression may run on one value.
+    #: Longest :regex key, in characters.
     max_regex_length: int = 1024
+    #: Seconds one regular expression may run on one value.
     regex_timeout: float = 0.1
     #: Bytes of a message the body test looks at.
     max_body_bytes: int = 1024 * 1024
-    #: Vacation (RFC 5230): the period when a script names none, and the shortest and longest a
-    #: script may ask for (seconds); one reply per sender per period.
+    #: Vacation (RFC 5230): seconds between two replies to one sender when a script names no period.
     vacation_default_period: float = 7 * 86400.0
+    #: The shortest period a script may ask for, in seconds.
     vacation_min_period: float = 86400.0
+    #: The longest period a script may ask for, in seconds.
     vacation_max_period: float = 90 * 86400.0
     #: Compiled scripts each worker keeps (by their text).
     cache_size: int = 1000

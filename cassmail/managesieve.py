@@ -20,6 +20,7 @@ from typing import Any
 from cassmail import auth
 from cassmail.config import ManageSieveSettings, Settings, SieveSettings, host_port
 from cassmail.logs import kv
+from cassmail.sessions import Sessions
 from cassmail.model import InvalidInput
 from cassmail.sieve.delivery import limits_of
 from cassmail.sieve.script import EXTENSIONS, Limits, check
@@ -62,7 +63,7 @@ class _TooLarge:
 Arg = str | int | _TooLarge
 
 
-class Listener:
+class Listener(Sessions):
     """Shared by every session of one listener in one worker."""
 
     def __init__(self, store: Store, settings: ManageSieveSettings, sieve: SieveSettings) -> None:
@@ -70,22 +71,19 @@ class Listener:
         self.limits: Limits = limits_of(sieve)
         self.tls = server_context(settings)
         self.logins = auth.Logins("managesieve", settings.auth_failure_delay)
-        self.sessions = 0
-        self.open: set[Session] = set()
+        Sessions.__init__(self, settings.max_connections)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(self, reader, writer)
-        if self.sessions >= self.settings.max_connections:
+        if not self.opened(session):
+            self.closed(session)
             writer.write(b'BYE (TRYLATER) "Too many connections, try again later"\r\n')
             await _close(writer)
             return
-        self.sessions += 1
-        self.open.add(session)
         try:
             await session.run()
         finally:
-            self.sessions -= 1
-            self.open.discard(session)
+            self.closed(session)
             log.info(kv("session", listener="managesieve", peer=session.peer, user=session.user, tls=session.secure,
                         commands=session.commands, ms=int((time.monotonic() - session.opened_at) * 1000)))
 

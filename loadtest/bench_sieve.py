@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from cassmail.config import ConfigError
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.sieve.delivery import SieveFilter
 from cassmail.store.base import Target
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sievelib.managesieve import Client
 
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.config import to_toml
 from cassmail.store.base import SieveScriptInfo, Store
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password
