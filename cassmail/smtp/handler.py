@@ -39,6 +39,18 @@ log = logging.getLogger("cassmail.smtp")
 
 TEMPORARY = "451 4.3.0 Mail system temporarily unavailable, try again later"
 
+#: Bytes of the store's message size limit kept for the trace headers (Return-Path, Received):
+#: every part of them is bounded (the HELO name to 128 characters, addresses to 256 octets),
+#: and together they stay well under this.
+TRACE_RESERVE = 2048
+
+
+def advertised_size(store_limit: int) -> int:
+    """The SIZE (RFC 1870) to advertise, and DATA's limit, for a store that takes messages of up
+    to `store_limit` bytes: what is left after the trace headers (half, for a limit so small
+    that the reserve would not fit twice)."""
+    return max(store_limit - TRACE_RESERVE, store_limit // 2)
+
 
 @dataclass
 class Role:
@@ -383,7 +395,9 @@ def _path(address: str, envelope: Envelope, syntax_error: str) -> Address | str:
         parsed = Address.parse(address)
     except InvalidInput as exc:
         return f"{syntax_error}: {exc}"
-    if not envelope.smtp_utf8 and not str(parsed).isascii():
+    # What the client wrote decides: an ASCII domain in A-labels (xn--...) is parsed to its
+    # Unicode form, but it was sent as plain ASCII.
+    if not envelope.smtp_utf8 and not address.isascii():
         return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
     return parsed
 

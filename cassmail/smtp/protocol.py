@@ -26,8 +26,10 @@ are not commands), and each connection one from its peer address's bucket
 421 4.7.0 and the connection closed. The count sits in the engine's stream
 reader (`_CommandReader`), the one place every command line passes, valid or not.
 
-Addresses: aiosmtpd's own parse of MAIL/RCPT (the standard library's email header
-parser), minus a class aiosmtpd defines on every call (`_getaddr`).
+Addresses: aiosmtpd's own parse of MAIL/RCPT/VRFY (the standard library's email header
+parser), minus a class aiosmtpd defines on every call (`_getaddr`), and with the parser's
+crashes on truncated input (`<`, `<@a,@b:user@`, `a@[`) taken for what they are: a malformed
+address, answered 553 5.1.3 (553 5.1.7 for MAIL's sender, 502 5.1.3 for VRFY).
 
 Everything else (the command loop, EHLO, MAIL/RCPT parameters, STARTTLS,
 PIPELINING, the limit on repetitions) is aiosmtpd's.
@@ -80,6 +82,18 @@ AIOSMTPD_CODES: tuple[tuple[str, str, str], ...] = (
     ("554", "Command refused due to lack of security", "5.7.0"),
     ("555", "", "5.5.4"),  # MAIL/RCPT parameters not recognized
 )
+
+#: What the standard library's header parser raises besides HeaderParseError on input that ends
+#: early or holds a stray bracket or quote (it indexes past the end, or reads `.value` of a
+#: defect object): each means only that the address is malformed.
+_ADDRESS_PARSER_FAILURES = (HeaderParseError, IndexError, AttributeError, TypeError, ValueError)
+
+#: A control character in a reply other than the CRLF between the lines of a multi-line one.
+_REPLY_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+
+#: aiosmtpd's reply to a MAIL or RCPT address it cannot parse; for MAIL it becomes MALFORMED_SENDER.
+MALFORMED_ADDRESS = "553 5.1.3 Error: malformed address"
+MALFORMED_SENDER = "553 5.1.7 Error: malformed sender address"
 
 #: After EHLO, MAIL may be this much longer than other commands: SIZE=n (RFC 1870, 26 octets)
 #: and SMTPUTF8 (RFC 6531, 10 octets), as aiosmtpd allows.
@@ -362,9 +376,9 @@ class _CassmailEngine:
             return "", ""
         try:
             address, rest = get_angle_addr(arg) if arg.lstrip().startswith("<") else get_addr_spec(arg)
-        except HeaderParseError:
+            addr = address.addr_spec  # computed from the parse tree, where some defects fail late
+        except _ADDRESS_PARSER_FAILURES:
             return None, None
-        addr = address.addr_spec
         local_part = addr.rpartition("@")[0]
         if self.local_part_limit and len(local_part) > self.local_part_limit:  # type: ignore[attr-defined]
             return None, None
@@ -423,9 +437,29 @@ class _CassmailEngine:
                 self.in_ehlo_reply = not status.startswith("250 ")
             else:
                 status = "\r\n".join(with_enhanced_code(line) for line in status.split("\r\n"))
+            if _REPLY_CONTROL.search(status):
+                # A reply that quotes the client (500 Error: command "X" not recognized) must not
+                # carry its control characters: a bare CR or LF would end the reply line early.
+                status = _REPLY_CONTROL.sub("?", status)
+            if not status.isascii():
+                # A reply that quotes the client (502 Could not VRFY ...) may hold the lone
+                # surrogates its non-UTF-8 bytes were decoded to, which cannot be sent as UTF-8.
+                status = status.encode("utf-8", "backslashreplace").decode("utf-8")
+            if self._in_mail and status == MALFORMED_ADDRESS:
+                status = MALFORMED_SENDER
             if status.startswith("421") or status.startswith("502 5.5.1 Too many"):
                 self.result = "limit"  # the server closes the session after these
         await super().push(status)  # type: ignore[misc]
+
+    #: Set while MAIL is handled: aiosmtpd answers a sender and a recipient it cannot parse alike.
+    _in_mail = False
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        self._in_mail = True
+        try:
+            await super().smtp_MAIL(arg)  # type: ignore[misc]
+        finally:
+            self._in_mail = False
 
     async def smtp_QUIT(self, arg: str) -> None:
         if not arg:
