@@ -60,6 +60,13 @@ def mutate(rng: random.Random, command: bytes, corpus: Sequence[bytes], specials
     return bytes(data)
 
 
+def pick(rng: random.Random, corpus: Sequence[bytes], specials: Sequence[bytes] = SPECIALS) -> bytes:
+    """The next input: a command of the corpus as it is one time in five (so that sessions get
+    somewhere: logged in, a transaction open), else a mutated one."""
+    command = rng.choice(corpus)
+    return command if rng.random() < 0.2 else mutate(rng, command, corpus, specials)
+
+
 def rss_kib(pid: int) -> int:
     """A process's resident set size in KiB (VmRSS of /proc/PID/status)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
