@@ -23,6 +23,7 @@ import aiosmtpd.smtp
 import pytest
 
 from cassmail.auth import hash_password
+from cassmail.config import ConfigError, load
 from cassmail.model import Address, InvalidAddress, normalize_domain
 from cassmail.server import make_store
 from cassmail.smtp.handler import TRACE_RESERVE, advertised_size
@@ -175,6 +176,14 @@ def test_invalid_utf8_in_an_address_is_invalid_input(text: str) -> None:
     if not domain.isascii():
         with pytest.raises(InvalidAddress, match="invalid UTF-8"):
             normalize_domain(domain)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
+    """Found by the config fuzz target: tomllib let the decoding error through as a traceback."""
+    path = tmp_path / "cassmail.toml"
+    path.write_bytes(b'[store]\nbackend = "mbox"\n# caf\xe9\n')
+    with pytest.raises(ConfigError, match="not UTF-8 at byte 30"):
+        load(path, env={})
 
 
 # ----------------------------------------------------------------------------- SIZE

@@ -18,7 +18,7 @@ from pathlib import Path
 
 #: Bytes that mean something to one of the three parsers, spliced in by `mutate`.
 SPECIALS = [b"(", b")", b"[", b"]", b"<", b">", b"{", b"}", b"{0}", b"{4294967296}", b"{5+}", b'"', b"\\", b" ", b"*",
-            b"%", b"\x00", b"\xff", b"\xed\xa0\x80", b"\xc3", b"\r", b"0", b"4294967295", b"-1", b":", b",", b".",
+            b"%", b"\x00", b"\xff", b"\n", b"\xed\xa0\x80", b"\xc3", b"\r", b"0", b"4294967295", b"-1", b":", b",", b".",
             b"NIL", b"~{3}", b"&", b"&Jjo-", b"@", b"@a,@b:", b"xn--", b"xn--exmple-cua", b"=", b"SIZE=", b"+",
             b"\t", b"BODY[", b"HEADER.FIELDS", b"NOT ", b"OR ", b"UID ", b"1:*", b"$", b"99999999999999999999"]
 
