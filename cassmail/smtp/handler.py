@@ -256,14 +256,22 @@ class DeliveryHandler:
         timer = Timer()
         queue_id = uuid.uuid4().hex[:16]
         body = envelope.original_content
-        assert isinstance(body, bytes)
+        assert isinstance(body, (bytes, bytearray))
+        size = len(body)
         targets = [Target(user) for user in _recipients(envelope)]
         if self.role.submission and session.auth_data:
             targets.append(Target(session.auth_data, "Sent", frozenset({"\\Seen"})))
         remote = list(dict.fromkeys(_remote(envelope)))
         sender = "" if envelope.mail_from == "<>" else envelope.mail_from
-        message = self.trace_headers(server, session, envelope, queue_id) + body
-        fields = self._delivery_fields(session, envelope, len(body), queue_id)
+        trace = self.trace_headers(server, session, envelope, queue_id)
+        if isinstance(body, bytearray):
+            # DATA's own buffer (read_data): the headers go in front of it in place, so a large
+            # message is not copied once more.
+            body[0:0] = trace
+            message: bytes | bytearray = body
+        else:
+            message = trace + body
+        fields = self._delivery_fields(session, envelope, size, queue_id)
         # The worker of this process takes a message queued here at once, when it has room.
         owner = self.outbound.reserve() if remote and self.outbound is not None else None
         entry_id: uuid.UUID | None = None
@@ -295,7 +303,7 @@ class DeliveryHandler:
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
         if entry_id is not None and self.outbound is not None:
             if owner is not None:
-                self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
+                self.outbound.hand_over(entry_id, sender, remote, bytes(message), envelope.smtp_utf8, queued_at)
             else:
                 self.outbound.notify()
         return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")

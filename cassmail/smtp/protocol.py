@@ -111,8 +111,12 @@ class DataTooLarge(Exception):
 
 async def read_data(
     reader: asyncio.StreamReader, limit: int, progress: Callable[[], None] | None = None
-) -> bytes:
+) -> bytearray:
     """Read a DATA payload up to CRLF . CRLF; return it with dot-stuffing undone.
+
+    The message is the buffer it was read into, cut in place: a large message costs its own
+    size once (and once more only when a line starts with a dot), not a copy per step, and the
+    caller may put the trace headers in front of it the same way.
 
     Bytes after the marker (commands a client pipelined) go back to the reader.
     Raises DataTooLarge (after draining to the marker) past `limit` bytes, and
@@ -140,8 +144,12 @@ async def read_data(
                 _unread(reader, bytes(rest))
             if too_large or end > limit + 2:
                 raise DataTooLarge(dropped + end)
+            del buf[end + 2 :]
             # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
-            return bytes(buf[: end + 2]).replace(b"\r\n.", b"\r\n")[2:]
+            if buf.find(b"\r\n.") >= 0:
+                buf = buf.replace(b"\r\n.", b"\r\n")
+            del buf[:2]
+            return buf
         if len(buf) > limit + 2 + len(END_OF_DATA):
             # Keep reading to the marker, but only its possible beginning.
             too_large = True
