@@ -107,7 +107,8 @@ async def test_mutated_pop3_commands_get_pop3_answers(hard) -> None:
 
 SENDER_SYNTAX = [
     b"MAIL FROM:<@a,@b:user@", b"MAIL FROM:<", b"MAIL FROM:<@", b"MAIL FROM:<a@", b"MAIL FROM:a@", b"MAIL FROM:<a@[",
-    b'MAIL FROM:<"', b"MAIL FROM:<@a,@", b"MAIL FROM:<a@\xed\xa0\x80.test>", b"MAIL FROM:<a@\xff.test>",
+    b'MAIL FROM:<"', b"MAIL FROM:<@a,@", b"MAIL FROM:<a@[ ", b'MAIL FROM:<"qu"h.b\\us._@[ ',
+    b"MAIL FROM:<a@\xed\xa0\x80.test>", b"MAIL FROM:<a@\xff.test>",
     b"MAIL FROM:<\xff@b.test> SMTPUTF8",
 ]
 
@@ -132,7 +133,7 @@ def test_malformed_recipients_and_vrfy_get_syntax_replies(hard) -> None:
         assert raw.cmd(line).startswith("553 5.1.3 "), line
     for line in (b"RCPT TO:<anne@\xff>", b"RCPT TO:<\xed\xa0\x80@" + domain.encode() + b">"):
         assert raw.cmd(line).startswith("501 5.1.3 "), line
-    for line in (b"VRFY <", b"VRFY a@", b"VRFY <a@[", b"VRFY <a@[\xff"):
+    for line in (b"VRFY <", b"VRFY <@a,@b:user@", b"VRFY <a@[", b"VRFY <a@[\xff"):
         reply = raw.cmd(line)
         assert reply.startswith("502 5.1.3 Could not VRFY"), (line, reply)
     assert raw.cmd(b"VRFY <a@[\xff").endswith("<a@[\\udcff")  # the client's bad byte is shown, not sent back

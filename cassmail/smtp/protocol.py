@@ -26,10 +26,13 @@ are not commands), and each connection one from its peer address's bucket
 421 4.7.0 and the connection closed. The count sits in the engine's stream
 reader (`_CommandReader`), the one place every command line passes, valid or not.
 
-Addresses: aiosmtpd's own parse of MAIL/RCPT/VRFY (the standard library's email header
-parser), minus a class aiosmtpd defines on every call (`_getaddr`), and with the parser's
-crashes on truncated input (`<`, `<@a,@b:user@`, `a@[`) taken for what they are: a malformed
-address, answered 553 5.1.3 (553 5.1.7 for MAIL's sender, 502 5.1.3 for VRFY).
+Addresses: MAIL/RCPT/VRFY paths are split from their parameters by `split_path` (RFC 5321
+4.1.2: a path in angle brackets, a source route dropped, quoted local parts kept whole), in
+place of aiosmtpd's `_getaddr`, which used the standard library's email header parser: built
+for message headers, it crashed on truncated paths (`<`, `<@a,@b:user@`, `a@[ `) with
+IndexError, AttributeError or UnboundLocalError. A path that does not split is answered
+553 5.1.3 (553 5.1.7 for MAIL's sender, 502 5.1.3 for VRFY); what is inside is checked by the
+handler (`Address.parse`).
 
 Everything else (the command loop, EHLO, MAIL/RCPT parameters, STARTTLS,
 PIPELINING, the limit on repetitions) is aiosmtpd's.
@@ -45,8 +48,6 @@ import re
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Sequence
-from email._header_value_parser import get_addr_spec, get_angle_addr
-from email.errors import HeaderParseError
 from typing import Any, AnyStr
 
 from aiosmtpd.lmtp import LMTP
@@ -82,11 +83,6 @@ AIOSMTPD_CODES: tuple[tuple[str, str, str], ...] = (
     ("554", "Command refused due to lack of security", "5.7.0"),
     ("555", "", "5.5.4"),  # MAIL/RCPT parameters not recognized
 )
-
-#: What the standard library's header parser raises besides HeaderParseError on input that ends
-#: early or holds a stray bracket or quote (it indexes past the end, or reads `.value` of a
-#: defect object): each means only that the address is malformed.
-_ADDRESS_PARSER_FAILURES = (HeaderParseError, IndexError, AttributeError, TypeError, ValueError)
 
 #: A control character in a reply other than the CRLF between the lines of a multi-line one.
 _REPLY_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
@@ -161,6 +157,44 @@ async def read_data(
 def _unread(reader: asyncio.StreamReader, data: bytes) -> None:
     """Put bytes back at the front of a StreamReader (it has no public way to)."""
     reader._buffer[0:0] = data  # type: ignore[attr-defined]
+
+
+def split_path(arg: str) -> tuple[str, str] | None:
+    """(the address, the rest: parameters) of a MAIL/RCPT/VRFY argument, or None when it is
+    malformed: an unclosed bracket or quoted string, a bracket or space outside a quoted string
+    in the path, a source route without its colon or with an empty hop. The address is
+    "<>" for the null path; a source route (RFC 5321 4.1.2, obsolete) is dropped (Appendix C).
+    A path without brackets (tolerated, as aiosmtpd does) ends at the first space."""
+    text = arg.lstrip()
+    bracketed = text.startswith("<")
+    start = i = 1 if bracketed else 0
+    quoted = False
+    while i < len(text):
+        char = text[i]
+        if quoted:
+            if char == "\\":
+                i += 1  # a quoted pair: the next character is taken as it is
+            elif char == '"':
+                quoted = False
+        elif char == '"':
+            quoted = True
+        elif char == ">" and bracketed:
+            break
+        elif char in "<>" or (bracketed and char.isspace()):
+            return None
+        elif char.isspace():
+            break
+        i += 1
+    if quoted or (bracketed and i >= len(text)):
+        return None
+    path, rest = text[start:i], text[i + 1 :] if bracketed else text[i:]
+    if bracketed and not path:
+        return "<>", rest
+    if path.startswith("@"):
+        route, colon, path = path.partition(":")
+        if not colon or any(len(hop) < 2 or hop[0] != "@" for hop in route.split(",")):
+            return None
+    return (path, rest) if path else None
 
 
 def with_enhanced_code(line: str) -> str:
@@ -378,15 +412,14 @@ class _CassmailEngine:
         self.transport.close()
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
-        """aiosmtpd's own parse of a MAIL/RCPT address, without the class it defines on every
-        call (a typing.Protocol made per command was a few percent of a relay's CPU)."""
+        """(address, parameters) of a MAIL/RCPT/VRFY argument for aiosmtpd's command methods:
+        ("", "") for none, (None, None) for one that is malformed (see `split_path`)."""
         if not arg:
             return "", ""
-        try:
-            address, rest = get_angle_addr(arg) if arg.lstrip().startswith("<") else get_addr_spec(arg)
-            addr = address.addr_spec  # computed from the parse tree, where some defects fail late
-        except _ADDRESS_PARSER_FAILURES:
+        split = split_path(arg)
+        if split is None:
             return None, None
+        addr, rest = split
         local_part = addr.rpartition("@")[0]
         if self.local_part_limit and len(local_part) > self.local_part_limit:  # type: ignore[attr-defined]
             return None, None
