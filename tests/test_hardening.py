@@ -2,7 +2,8 @@
 tests/pop3_fuzz.py; IMAP's are in test_imap_fuzz.py), each answered with the protocol's own
 reply, never an internal error or a traceback; a fresh client is served afterwards and the
 worker's memory stays flat. Also the inputs those fuzzers and others found, one by one, and
-SMTP's SIZE at its boundary. On the mbox store: what is tested here is the protocols' parsing,
+SMTP's SIZE at its boundary, ten concurrent large messages with the worker's memory
+measured, and `cassmail cluster up` refusing ports that are not its cluster's. On the mbox store: what is tested here is the protocols' parsing,
 which is the same on every backend.
 
 Short runs by default; CASSMAIL_FUZZ_COUNT and CASSMAIL_FUZZ_SECONDS make them longer (or run
@@ -14,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import os
 import poplib
 import smtplib
+import subprocess
 import threading
 import time
 import uuid
@@ -34,7 +37,7 @@ from cassmail.smtp.handler import TRACE_RESERVE, advertised_size
 from cassmail.store.base import Store, Target
 from tests import pop3_fuzz, smtp_fuzz
 from tests.conftest import FAST_HASH, backend_settings_for
-from tests.nodes import MAX_SIZE, Node, inbox, node_settings, strip_trace
+from tests.nodes import CASSMAIL, MAX_SIZE, Node, inbox, node_settings, strip_trace
 from tests.test_smtp import Raw
 from tests.wire_fuzz import Findings, rss_growth_kib, rss_kib
 
@@ -277,3 +280,20 @@ def test_large_messages_leave_the_worker_as_it_was(tmp_path_factory: pytest.Temp
         assert after - before < 16 * 1024, (before, peak, after)
     finally:
         assert node.stop() == 0
+
+
+# ----------------------------------------------------------------------------- operator paper cuts
+
+
+def test_cluster_up_refuses_ports_other_than_the_recorded_clusters(tmp_path) -> None:
+    """`cassmail cluster up --native-port P` on a base directory whose cluster was made with
+    other ports says so in one line, instead of silently keeping the old ones."""
+    (tmp_path / "cluster.json").write_text(json.dumps({"nodes": 1, "rf": 1, "native_port": 19999, "storage_port": 17999}))
+    env = {**os.environ, "CASSMAIL_CLUSTER": str(tmp_path)}
+    for flags, said in ((["--native-port", "18888"], "--native-port 19999, not 18888"),
+                        (["--storage-port", "17777"], "--storage-port 17999, not 17777")):
+        result = subprocess.run([CASSMAIL, "cluster", "up", "--nodes", "1", *flags], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode != 0
+        assert len(result.stderr.strip().splitlines()) == 1 and said in result.stderr, result.stderr
+    assert json.loads((tmp_path / "cluster.json").read_text())["native_port"] == 19999
