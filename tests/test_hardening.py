@@ -39,15 +39,12 @@ from tests import pop3_fuzz, smtp_fuzz
 from tests.conftest import FAST_HASH, backend_settings_for
 from tests.nodes import CASSMAIL, MAX_SIZE, Node, inbox, node_settings, strip_trace
 from tests.test_smtp import Raw
-from tests.wire_fuzz import Findings, rss_growth_kib, rss_kib
+from tests.wire_fuzz import RSS_SLACK_KIB, Findings, rss_growth_kib, rss_kib
 
 COUNT = int(os.environ.get("CASSMAIL_FUZZ_COUNT", "4000"))
 SECONDS = float(os.environ.get("CASSMAIL_FUZZ_SECONDS", "10"))
 #: The store's message size limit on this node: small, so the SIZE boundary is cheap to reach.
 LIMIT = 64 * 1024
-#: How much the worker may grow over the second half of a fuzz run (allocator noise, the
-#: password hash's buffers in a new thread's arena); a per-input leak would pass it.
-RSS_SLACK_KIB = 8 * 1024
 
 
 @pytest.fixture(scope="module")

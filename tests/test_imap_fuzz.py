@@ -13,9 +13,8 @@ import os
 import pytest
 
 from tests import imap_fuzz
-from tests.test_hardening import RSS_SLACK_KIB
 from tests.test_imap import plain_node  # noqa: F401 - a fixture
-from tests.wire_fuzz import rss_growth_kib
+from tests.wire_fuzz import RSS_SLACK_KIB, rss_growth_kib
 
 pytestmark = pytest.mark.cassandra
 

@@ -91,6 +91,11 @@ def run_bounded(step: Callable[[int], None], count: int, seconds: float, finding
         findings.rss_kib.append(rss_kib(pid))
 
 
+#: How much a worker may grow over the second half of a fuzz run (allocator noise, a new
+#: thread's arena); a leak per input would pass it.
+RSS_SLACK_KIB = 8 * 1024
+
+
 def rss_growth_kib(findings: Findings) -> int:
     """How much the worker grew over the second half of the run: a leak per input shows as
     steady growth there, while the first half includes one-time warm-up (caches, imports)."""
