@@ -194,21 +194,30 @@ class LocalMailCluster:
 
     # ----------------------------------------------------------------- whole cluster
 
-    def up(self, nodes: int, rf: int, settings: config.Settings, *, native_port: int = 9042,
-           storage_port: int = 7000, heap_mb: int = 768, ports: dict[str, int] | None = None, workers: int = 1,
+    def up(self, nodes: int, rf: int, settings: config.Settings, *, native_port: int | None = None,
+           storage_port: int | None = None, heap_mb: int = 768, ports: dict[str, int] | None = None, workers: int = 1,
            overrides: list[str] | None = None, timeout: float = 300) -> float:
         """Start what is not running (Cassandra nodes one by one, the schema at `rf`, then the
-        front ends); idempotent. Returns the seconds it took."""
+        front ends); idempotent. Returns the seconds it took. Cassandra's ports (None: those
+        recorded, else 9042 and 7000) are those of the nodes' data: ports given that differ
+        from a recorded cluster's are refused, never silently replaced."""
         started = time.monotonic()
         if self.state and nodes < self.nodes:
             raise ClusterError(f"{self.base} holds a {self.nodes}-node cluster; a cluster is never shrunk")
+        for flag, key, given in (("--native-port", "native_port", native_port),
+                                 ("--storage-port", "storage_port", storage_port)):
+            recorded = self.state.get(key)
+            if given is not None and recorded is not None and given != recorded:
+                raise ClusterError(f"{self.base} holds a cluster with {flag} {recorded}, not {given}: run "
+                                   f"`cassmail cluster down` and remove {self.base} to start one on {given}")
         if not 1 <= rf <= nodes:
             raise ClusterError(f"--rf must be between 1 and the number of nodes ({nodes}), got {rf}")
         cs = settings.store.cassandra
         previous = self.state
         self.state = {
-            "nodes": nodes, "rf": rf, "native_port": previous.get("native_port", native_port),
-            "storage_port": previous.get("storage_port", storage_port), "heap_mb": previous.get("heap_mb", heap_mb),
+            "nodes": nodes, "rf": rf, "native_port": previous.get("native_port", native_port or 9042),
+            "storage_port": previous.get("storage_port", storage_port or 7000),
+            "heap_mb": previous.get("heap_mb", heap_mb),
             "keyspace": cs.keyspace, "read_consistency": cs.read_consistency, "write_consistency": cs.write_consistency,
             "serial_consistency": cs.serial_consistency, "ports": ports or dict(DEFAULT_PORTS), "workers": workers,
             "overrides": list(overrides or []), "up": previous.get("up", False),
@@ -429,8 +438,10 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--nodes", type=int, default=3)
     up.add_argument("--rf", type=int, default=None, help="replication factor (default: min(3, nodes))")
     up.add_argument("--heap-mb", type=int, default=768, help="Cassandra heap per node (default 768)")
-    up.add_argument("--native-port", type=int, default=9042, help="CQL port of every node (default 9042)")
-    up.add_argument("--storage-port", type=int, default=7000, help="inter-node port (default 7000)")
+    up.add_argument("--native-port", type=int, default=None,
+                    help="CQL port of every node (default 9042, or the existing cluster's)")
+    up.add_argument("--storage-port", type=int, default=None,
+                    help="inter-node port (default 7000, or the existing cluster's)")
     for name, port in DEFAULT_PORTS.items():
         up.add_argument(f"--{name}-port", type=int, default=port, help=f"{name} port of every node (default {port})")
     up.add_argument("--workers", type=int, default=1, help="worker processes per front end (default 1)")

@@ -816,6 +816,8 @@ def load(
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets the decoding error through
+            raise ConfigError(f"{path}: invalid TOML: not UTF-8 at byte {exc.start}") from None
     settings = _build(Settings, data, "")
     for key, value in _env_overrides(env):
         _assign(settings, key, value, from_text=True)

@@ -38,6 +38,9 @@ _DOT_STRING = re.compile(rf"[{_ATEXT}]+(?:\.[{_ATEXT}]+)*\Z")
 _QUOTED = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e\u0080-\U0010ffff]|\\[\x20-\x7e])*)"\Z')
 _LABEL = re.compile(r"(?!-)[a-z0-9\-\u0080-\U0010ffff]{1,63}(?<!-)\Z")
 
+#: A lone surrogate: what surrogateescape makes of bytes that are not UTF-8. No address holds one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 MAX_LOCAL_OCTETS = 64  # RFC 5321 4.5.3.1.1
 MAX_DOMAIN_OCTETS = 255  # RFC 5321 4.5.3.1.2
 MAX_PATH_OCTETS = 254  # RFC 5321 4.5.3.1.3 path (256) less the angle brackets
@@ -50,6 +53,8 @@ def normalize_domain(text: str) -> str:
     `bücher.example` reach the same user.
     """
     domain = text.strip().rstrip(".").lower()
+    if _SURROGATE.search(domain):
+        raise InvalidAddress(f"invalid UTF-8 in domain {text!r}")
     if not domain:
         raise InvalidAddress("empty domain")
     if domain.startswith("["):
@@ -89,6 +94,8 @@ class Address:
             raw = raw[1:-1]
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in raw):
             raise InvalidAddress(f"control character in address {text!r}")
+        if _SURROGATE.search(raw):  # bytes that were not UTF-8, decoded with surrogateescape
+            raise InvalidAddress(f"invalid UTF-8 in address {text!r}")
         at = raw.rfind("@")
         if at <= 0 or at == len(raw) - 1:
             raise InvalidAddress(f"not an address (need local@domain): {text!r}")

@@ -3,17 +3,18 @@ mutated byte-wise and token-wise, sent to a logged-in session with a selected ma
 server must answer each with OK, NO or BAD (never NO [SERVERBUG]), or end the session with a
 BYE it announced; the node's log must hold no traceback (checked by the caller).
 
-`run(port, user, password, count, seed)` returns the findings; `python -m tests.imap_fuzz --help`
-runs it by hand for longer.
+`run(port, user, password, count, seed, seconds, pid)` returns the findings;
+`python -m tests.imap_fuzz --help` runs it by hand for longer. The mutation, the findings and
+the command line are shared with the SMTP and POP3 fuzzers (tests/wire_fuzz.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import socket
-from dataclasses import dataclass, field
+
+from tests.wire_fuzz import Findings, arguments, mutate, report, run_bounded
 
 CORPUS = [
     b"NOOP", b"CHECK", b"CAPABILITY", b"ID NIL", b'ID ("name" "fuzz" "version" "1")', b"NAMESPACE", b"ENABLE CONDSTORE",
@@ -32,39 +33,6 @@ CORPUS = [
     b'APPEND INBOX (\\Seen) "04-Jul-2026 10:02:01 +0000" {18+}\r\nSubject: x\r\n\r\nhi\r\n',
     b"APPEND Junk {5+}\r\nhello", b"LOGIN {3+}\r\nabc pw", b"SEARCH SUBJECT {4+}\r\nr\xc3\xa9s",
 ]
-SPECIALS = [b"(", b")", b"[", b"]", b"<", b">", b"{", b"}", b"{0}", b"{4294967296}", b"{5+}", b'"', b"\\", b" ", b"*",
-            b"%", b"\x00", b"\xff", b"\r", b"\n", b"0", b"4294967295", b"-1", b":", b",", b".", b"NIL", b"~{3}",
-            b"&", b"&Jjo-", b"BODY[", b"HEADER.FIELDS", b"NOT ", b"OR ", b"UID ", b"1:*", b"$"]
-
-
-@dataclass
-class Findings:
-    sent: int = 0
-    answers: dict[str, int] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-
-def mutate(rng: random.Random, command: bytes) -> bytes:
-    data = bytearray(command)
-    for _ in range(rng.randint(1, 4)):
-        choice = rng.random()
-        position = rng.randint(0, len(data))
-        if choice < 0.3 and data:
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        elif choice < 0.55:
-            data[position:position] = rng.choice(SPECIALS)
-        elif choice < 0.7 and data:
-            del data[position : position + rng.randint(1, 8)]
-        elif choice < 0.8:
-            data[position:position] = rng.choice(CORPUS)
-        elif choice < 0.9 and data:
-            piece = bytes(data[position : position + rng.randint(1, 20)])
-            data[position:position] = piece * rng.randint(2, 50)
-        else:
-            data = data[: rng.randint(0, len(data))]
-    return bytes(data)
-
-
 class _Session:
     def __init__(self, port: int, user: str, password: str) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=1)
@@ -105,54 +73,49 @@ class _Session:
         self.sock.close()
 
 
-def run(port: int, user: str, password: str, count: int = 2000, seed: int = 1) -> Findings:
+def run(port: int, user: str, password: str, count: int = 2000, seed: int = 1, seconds: float = 600.0,
+        pid: int | None = None) -> Findings:
     rng = random.Random(seed)
     findings = Findings()
     session = _Session(port, user, password)
+
+    def step(_: int) -> None:
+        nonlocal session
+        data = mutate(rng, rng.choice(CORPUS), CORPUS)
+        if b"LOGOUT" in data.upper():
+            return
+        findings.sent += 1
+        try:
+            how, line = session.command(data)
+        except OSError as exc:
+            how, line = "closed", repr(exc).encode()
+        key = how if how != "tagged" else line.split(b" ", 2)[1].decode("ascii", "replace")
+        findings.count(key)
+        if b"SERVERBUG" in line or b"Internal error" in line:
+            findings.problems.append(f"{data!r} -> {line!r}")
+        if b"Command not allowed now" in line:  # a mutated CLOSE or a failed SELECT: select again
+            session.command(b"SELECT INBOX")
+        if how == "timeout":
+            # an announced non-synchronising literal may wait for bytes the mutation cut off
+            session.sock.sendall(b"\r\n" * 4 + b"x" * 70_000 + b"\r\n")
+            session.close()
+            session = _Session(port, user, password)
+        elif how in ("bye", "closed"):
+            if how == "closed":
+                findings.problems.append(f"{data!r}: connection closed without BYE")
+            session.close()
+            session = _Session(port, user, password)
+
     try:
-        for _ in range(count):
-            data = mutate(rng, rng.choice(CORPUS))
-            if b"LOGOUT" in data.upper():
-                continue
-            findings.sent += 1
-            try:
-                how, line = session.command(data)
-            except OSError as exc:
-                how, line = "closed", repr(exc).encode()
-            key = how if how != "tagged" else line.split(b" ", 2)[1].decode("ascii", "replace")
-            findings.answers[key] = findings.answers.get(key, 0) + 1
-            if b"SERVERBUG" in line or b"Internal error" in line:
-                findings.problems.append(f"{data!r} -> {line!r}")
-            if b"Command not allowed now" in line:  # a mutated CLOSE or a failed SELECT: select again
-                session.command(b"SELECT INBOX")
-            if how == "timeout":
-                # an announced non-synchronising literal may wait for bytes the mutation cut off
-                session.sock.sendall(b"\r\n" * 4 + b"x" * 70_000 + b"\r\n")
-                session.close()
-                session = _Session(port, user, password)
-            elif how in ("bye", "closed"):
-                if how == "closed":
-                    findings.problems.append(f"{data!r}: connection closed without BYE")
-                session.close()
-                session = _Session(port, user, password)
+        run_bounded(step, count, seconds, findings, pid)
     finally:
         session.close()
     return findings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Mutation-fuzz a running cassmail IMAP listener.")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--user", required=True)
-    parser.add_argument("--password", required=True)
-    parser.add_argument("--count", type=int, default=20_000)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    findings = run(args.port, args.user, args.password, args.count, args.seed)
-    print(f"{findings.sent} inputs: {findings.answers}")
-    for problem in findings.problems:
-        print("PROBLEM:", problem)
-    raise SystemExit(1 if findings.problems else 0)
+    args = arguments("Mutation-fuzz a running cassmail IMAP listener.", login=True).parse_args()
+    report(run(args.port, args.user, args.password, args.count, args.seed, args.seconds, args.pid))
 
 
 if __name__ == "__main__":

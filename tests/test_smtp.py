@@ -23,6 +23,7 @@ import pytest
 
 from cassmail.config import Settings
 from cassmail.model import INBOX
+from cassmail.smtp.handler import advertised_size
 from cassmail.store.base import MessageTooLarge, Store, StoreUnavailable
 from tests.conftest import FAST_HASH, hash_password
 from tests.nodes import CASSMAIL, CLIENT_TLS, MAX_SIZE, Node, inbox, node_settings, strip_trace
@@ -132,7 +133,7 @@ def test_ehlo_advertises_what_works_and_no_auth_on_the_mx(node: Node) -> None:
         features = client.esmtp_features
         for keyword in ("pipelining", "8bitmime", "smtputf8", "enhancedstatuscodes", "starttls"):
             assert keyword in features, keyword
-        assert features["size"] == str(MAX_SIZE)
+        assert features["size"] == str(advertised_size(MAX_SIZE))
         assert "auth" not in features
 
 
@@ -218,10 +219,10 @@ def test_refusals_have_precise_codes_and_the_session_goes_on(node: Node, users) 
     assert raw.cmd("NOOP " + "x" * 2000).startswith("500 5.5.2 ")  # command line too long
     assert raw.cmd("RSET now").startswith("501 5.5.4 ")
     assert raw.cmd("RSET").startswith("250 2.0.0")
-    assert raw.cmd(f"MAIL FROM:<a@b.test> SIZE={MAX_SIZE + 1}") == (
+    assert raw.cmd(f"MAIL FROM:<a@b.test> SIZE={advertised_size(MAX_SIZE) + 1}") == (
         "552 5.3.4 Error: message size exceeds fixed maximum message size"
     )
-    assert raw.cmd(f"MAIL FROM:<a@b.test> SIZE={MAX_SIZE}").startswith("250 2.1.0")
+    assert raw.cmd(f"MAIL FROM:<a@b.test> SIZE={advertised_size(MAX_SIZE)}").startswith("250 2.1.0")
     assert raw.cmd("NOOP").startswith("250 2.0.0")
     assert raw.cmd("QUIT now").startswith("501 5.5.4 ")
     assert raw.cmd("HELO").startswith("501 5.5.4 ")

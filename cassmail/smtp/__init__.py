@@ -13,7 +13,9 @@ from collections.abc import Callable
 from cassmail.config import Settings, SmtpSettings, host_port
 from cassmail.inbound import Inbound
 from cassmail.sieve.delivery import SieveFilter
-from cassmail.smtp.handler import LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role
+from cassmail.smtp.handler import (
+    LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role, advertised_size,
+)
 from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP, RateLimits
 from cassmail.store.base import Store
 from cassmail.tls import server_context
@@ -29,7 +31,9 @@ def _factory(
     tls = server_context(listener)
     engine = CassmailLMTP if role.lmtp else CassmailSMTP
     starttls = tls if (tls is not None and not listener.implicit_tls) else None
-    limit = settings.store.max_message_size
+    # The SIZE advertised (and DATA's limit) leaves room for the trace headers added before the
+    # store checks its own limit, so a message within SIZE is never refused after DATA.
+    limit = advertised_size(settings.store.max_message_size)
     # One table of peer addresses per listener and worker, shared by its sessions.
     rates = RateLimits(listener.max_command_rate, listener.max_connection_rate, listener.rate_limit_exempt)
 

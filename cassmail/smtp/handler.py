@@ -42,6 +42,18 @@ log = logging.getLogger("cassmail.smtp")
 
 TEMPORARY = "451 4.3.0 Mail system temporarily unavailable, try again later"
 
+#: Bytes of the store's message size limit kept for the trace headers (Return-Path, Received):
+#: every part of them is bounded (the HELO name to 128 characters, addresses to 256 octets),
+#: and together they stay well under this.
+TRACE_RESERVE = 2048
+
+
+def advertised_size(store_limit: int) -> int:
+    """The SIZE (RFC 1870) to advertise, and DATA's limit, for a store that takes messages of up
+    to `store_limit` bytes: what is left after the trace headers (half, for a limit so small
+    that the reserve would not fit twice)."""
+    return max(store_limit - TRACE_RESERVE, store_limit // 2)
+
 
 @dataclass
 class Role:
@@ -239,7 +251,8 @@ class DeliveryHandler(Sessions):
         timer = Timer()
         queue_id = uuid.uuid4().hex[:16]
         body = envelope.original_content
-        assert isinstance(body, bytes)
+        assert isinstance(body, (bytes, bytearray))
+        size = len(body)
         targets = [Target(user) for user in _recipients(envelope)]
         sent_copy = None
         if self.role.submission and session.auth_data:
@@ -247,10 +260,10 @@ class DeliveryHandler(Sessions):
             targets.append(sent_copy)
         remote = list(dict.fromkeys(_remote(envelope)))
         sender = "" if envelope.mail_from == "<>" else envelope.mail_from
-        fields = self._delivery_fields(session, envelope, len(body), queue_id)
+        fields = self._delivery_fields(session, envelope, size, queue_id)
         added = b""
         if self.inbound is not None:
-            verdict = await self.inbound.check(body, _peer(session), session.host_name or "", sender,
+            verdict = await self.inbound.check(bytes(body), _peer(session), session.host_name or "", sender,
                                                _recipients(envelope), queue_id)
             if verdict.reply:
                 result = "tempfail" if verdict.reply.startswith("4") else "rejected"
@@ -258,7 +271,14 @@ class DeliveryHandler(Sessions):
                 return self.per_recipient(envelope, verdict.reply)
             body, added = verdict.message, verdict.headers
             targets = verdict.file(targets, self.inbound.settings.junk_mailbox)
-        message = self.trace_headers(server, session, envelope, queue_id) + added + body
+        trace = self.trace_headers(server, session, envelope, queue_id) + added
+        if isinstance(body, bytearray):
+            # DATA's own buffer (read_data): the headers go in front of it in place, so a large
+            # message is not copied once more.
+            body[0:0] = trace
+            message: bytes | bytearray = body
+        else:
+            message = trace + body
         # The worker of this process takes a message queued here at once, when it has room.
         owner = self.outbound.reserve() if remote and self.outbound is not None else None
         entry_id: uuid.UUID | None = None
@@ -302,7 +322,7 @@ class DeliveryHandler(Sessions):
         log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
         if entry_id is not None and self.outbound is not None:
             if owner is not None:
-                self.outbound.hand_over(entry_id, sender, remote, message, envelope.smtp_utf8, queued_at)
+                self.outbound.hand_over(entry_id, sender, remote, bytes(message), envelope.smtp_utf8, queued_at)
             else:
                 self.outbound.notify()
         if plan is not None and self.sieve is not None:  # vacation answers, notices of rejection
@@ -415,7 +435,9 @@ def _path(address: str, envelope: Envelope, syntax_error: str) -> Address | str:
         parsed = Address.parse(address)
     except InvalidInput as exc:
         return f"{syntax_error}: {exc}"
-    if not envelope.smtp_utf8 and not str(parsed).isascii():
+    # What the client wrote decides: an ASCII domain in A-labels (xn--...) is parsed to its
+    # Unicode form, but it was sent as plain ASCII.
+    if not envelope.smtp_utf8 and not address.isascii():
         return "553 5.6.7 Non-ASCII address needs the SMTPUTF8 parameter"
     return parsed
 

@@ -26,8 +26,13 @@ are not commands), and each connection one from its peer address's bucket
 421 4.7.0 and the connection closed. The count sits in the engine's stream
 reader (`_CommandReader`), the one place every command line passes, valid or not.
 
-Addresses: aiosmtpd's own parse of MAIL/RCPT (the standard library's email header
-parser), minus a class aiosmtpd defines on every call (`_getaddr`).
+Addresses: MAIL/RCPT/VRFY paths are split from their parameters by `split_path` (RFC 5321
+4.1.2: a path in angle brackets, a source route dropped, quoted local parts kept whole), in
+place of aiosmtpd's `_getaddr`, which used the standard library's email header parser: built
+for message headers, it crashed on truncated paths (`<`, `<@a,@b:user@`, `a@[ `) with
+IndexError, AttributeError or UnboundLocalError. A path that does not split is answered
+553 5.1.3 (553 5.1.7 for MAIL's sender, 502 5.1.3 for VRFY); what is inside is checked by the
+handler (`Address.parse`).
 
 Everything else (the command loop, EHLO, MAIL/RCPT parameters, STARTTLS,
 PIPELINING, the limit on repetitions) is aiosmtpd's.
@@ -43,8 +48,6 @@ import re
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Sequence
-from email._header_value_parser import get_addr_spec, get_angle_addr
-from email.errors import HeaderParseError
 from typing import Any, AnyStr
 
 from aiosmtpd.lmtp import LMTP
@@ -81,6 +84,13 @@ AIOSMTPD_CODES: tuple[tuple[str, str, str], ...] = (
     ("555", "", "5.5.4"),  # MAIL/RCPT parameters not recognized
 )
 
+#: A control character in a reply other than the CRLF between the lines of a multi-line one.
+_REPLY_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+
+#: aiosmtpd's reply to a MAIL or RCPT address it cannot parse; for MAIL it becomes MALFORMED_SENDER.
+MALFORMED_ADDRESS = "553 5.1.3 Error: malformed address"
+MALFORMED_SENDER = "553 5.1.7 Error: malformed sender address"
+
 #: After EHLO, MAIL may be this much longer than other commands: SIZE=n (RFC 1870, 26 octets)
 #: and SMTPUTF8 (RFC 6531, 10 octets), as aiosmtpd allows.
 MAIL_EXTENSIONS_ALLOWANCE = 26 + 10
@@ -97,8 +107,12 @@ class DataTooLarge(Exception):
 
 async def read_data(
     reader: asyncio.StreamReader, limit: int, progress: Callable[[], None] | None = None
-) -> bytes:
+) -> bytearray:
     """Read a DATA payload up to CRLF . CRLF; return it with dot-stuffing undone.
+
+    The message is the buffer it was read into, cut in place: a large message costs its own
+    size once (and once more only when a line starts with a dot), not a copy per step, and the
+    caller may put the trace headers in front of it the same way.
 
     Bytes after the marker (commands a client pipelined) go back to the reader.
     Raises DataTooLarge (after draining to the marker) past `limit` bytes, and
@@ -126,8 +140,12 @@ async def read_data(
                 _unread(reader, bytes(rest))
             if too_large or end > limit + 2:
                 raise DataTooLarge(dropped + end)
+            del buf[end + 2 :]
             # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
-            return bytes(buf[: end + 2]).replace(b"\r\n.", b"\r\n")[2:]
+            if buf.find(b"\r\n.") >= 0:
+                buf = buf.replace(b"\r\n.", b"\r\n")
+            del buf[:2]
+            return buf
         if len(buf) > limit + 2 + len(END_OF_DATA):
             # Keep reading to the marker, but only its possible beginning.
             too_large = True
@@ -139,6 +157,44 @@ async def read_data(
 def _unread(reader: asyncio.StreamReader, data: bytes) -> None:
     """Put bytes back at the front of a StreamReader (it has no public way to)."""
     reader._buffer[0:0] = data  # type: ignore[attr-defined]
+
+
+def split_path(arg: str) -> tuple[str, str] | None:
+    """(the address, the rest: parameters) of a MAIL/RCPT/VRFY argument, or None when it is
+    malformed: an unclosed bracket or quoted string, a bracket or space outside a quoted string
+    in the path, a source route without its colon or with an empty hop. The address is
+    "<>" for the null path; a source route (RFC 5321 4.1.2, obsolete) is dropped (Appendix C).
+    A path without brackets (tolerated, as aiosmtpd does) ends at the first space."""
+    text = arg.lstrip()
+    bracketed = text.startswith("<")
+    start = i = 1 if bracketed else 0
+    quoted = False
+    while i < len(text):
+        char = text[i]
+        if quoted:
+            if char == "\\":
+                i += 1  # a quoted pair: the next character is taken as it is
+            elif char == '"':
+                quoted = False
+        elif char == '"':
+            quoted = True
+        elif char == ">" and bracketed:
+            break
+        elif char in "<>" or (bracketed and char.isspace()):
+            return None
+        elif char.isspace():
+            break
+        i += 1
+    if quoted or (bracketed and i >= len(text)):
+        return None
+    path, rest = text[start:i], text[i + 1 :] if bracketed else text[i:]
+    if bracketed and not path:
+        return "<>", rest
+    if path.startswith("@"):
+        route, colon, path = path.partition(":")
+        if not colon or any(len(hop) < 2 or hop[0] != "@" for hop in route.split(",")):
+            return None
+    return (path, rest) if path else None
 
 
 def with_enhanced_code(line: str) -> str:
@@ -355,15 +411,14 @@ class _CassmailEngine:
         self.transport.close()
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
-        """aiosmtpd's own parse of a MAIL/RCPT address, without the class it defines on every
-        call (a typing.Protocol made per command was a few percent of a relay's CPU)."""
+        """(address, parameters) of a MAIL/RCPT/VRFY argument for aiosmtpd's command methods:
+        ("", "") for none, (None, None) for one that is malformed (see `split_path`)."""
         if not arg:
             return "", ""
-        try:
-            address, rest = get_angle_addr(arg) if arg.lstrip().startswith("<") else get_addr_spec(arg)
-        except HeaderParseError:
+        split = split_path(arg)
+        if split is None:
             return None, None
-        addr = address.addr_spec
+        addr, rest = split
         local_part = addr.rpartition("@")[0]
         if self.local_part_limit and len(local_part) > self.local_part_limit:  # type: ignore[attr-defined]
             return None, None
@@ -421,9 +476,29 @@ class _CassmailEngine:
                 self.in_ehlo_reply = not status.startswith("250 ")
             else:
                 status = "\r\n".join(with_enhanced_code(line) for line in status.split("\r\n"))
+            if _REPLY_CONTROL.search(status):
+                # A reply that quotes the client (500 Error: command "X" not recognized) must not
+                # carry its control characters: a bare CR or LF would end the reply line early.
+                status = _REPLY_CONTROL.sub("?", status)
+            if not status.isascii():
+                # A reply that quotes the client (502 Could not VRFY ...) may hold the lone
+                # surrogates its non-UTF-8 bytes were decoded to, which cannot be sent as UTF-8.
+                status = status.encode("utf-8", "backslashreplace").decode("utf-8")
+            if self._in_mail and status == MALFORMED_ADDRESS:
+                status = MALFORMED_SENDER
             if status.startswith("421") or status.startswith("502 5.5.1 Too many"):
                 self.result = "limit"  # the server closes the session after these
         await super().push(status)  # type: ignore[misc]
+
+    #: Set while MAIL is handled: aiosmtpd answers a sender and a recipient it cannot parse alike.
+    _in_mail = False
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        self._in_mail = True
+        try:
+            await super().smtp_MAIL(arg)  # type: ignore[misc]
+        finally:
+            self._in_mail = False
 
     async def smtp_QUIT(self, arg: str) -> None:
         if not arg:
