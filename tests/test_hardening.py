@@ -32,7 +32,7 @@ import pytest
 from cassmail.auth import hash_password
 from cassmail.config import ConfigError, load
 from cassmail.model import Address, InvalidAddress, normalize_domain
-from cassmail.server import make_store
+from cassmail.store import make_store
 from cassmail.smtp.handler import TRACE_RESERVE, advertised_size
 from cassmail.store.base import Store, Target
 from tests import pop3_fuzz, smtp_fuzz
