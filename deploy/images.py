@@ -164,8 +164,18 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def _pip_trust(engine: list[str]) -> list[str]:
+    """The host's CA bundle for pip inside the build, where the host's pip is told to use one
+    (PIP_CERT): PyPI behind a TLS-inspecting proxy. Podman mounts it for the build only."""
+    bundle = os.environ.get("PIP_CERT") or ""
+    if not bundle or not Path(bundle).is_file() or Path(engine[0]).name != "podman":
+        return []
+    inside = "/run/host-ca-bundle.crt"
+    return ["-v", f"{bundle}:{inside}:ro", "--build-arg", f"HOST_CA_BUNDLE={inside}"]
+
+
 def build_cassmail(engine: list[str]) -> None:
-    run([*engine, "build", *_format(engine), *BUILD_ULIMITS, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+    run([*engine, "build", *_format(engine), *BUILD_ULIMITS, *_pip_trust(engine), "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
          "-f", str(HERE / "Dockerfile"), *_tags(CASSMAIL_TAGS), str(REPO)])
 
 
