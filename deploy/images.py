@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the container images docker-compose.yml runs, without any image registry.
 
-    python deploy/images.py [all|base|cassandra|cassmail] [--engine podman|docker]
+    python deploy/images.py [all|base|cassandra|cassmail|compose] [--engine podman|docker]
 
 Operators who can pull images need none of this: docker-compose.yml names the official
 ``cassandra:5.0`` image and builds ``cassmail:latest`` from deploy/Dockerfile on the
@@ -12,7 +12,9 @@ official ``debian:bookworm-slim``. Where no registry is reachable, this script m
 ``cassandra``  Apache Cassandra 5.0 on Debian's Java 17, from the jars the launcher fetches
                from Maven Central into ``~/.cache/cassmail`` (reused when present), tagged
                ``cassandra:5.0`` so that the compose file's ``image:`` lines resolve to it;
-``cassmail``   deploy/Dockerfile on that base, tagged ``cassmail:latest``.
+``cassmail``   deploy/Dockerfile on that base, tagged ``cassmail:latest``;
+``compose``    (not part of ``all``) Docker Compose v2, the docker CLI's plugin, built from its
+               Go module where the docker CLI has none.
 
 Re-runs are fast: the base is made once (``--rebuild-base`` makes it again), and the other
 two are ordinary builds whose layers the engine caches. Standard library only.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -39,6 +42,8 @@ DEBIAN_MIRROR = os.environ.get("CASSMAIL_DEBIAN_MIRROR", "http://deb.debian.org/
 #: The names compose resolves: a Docker engine calls `cassandra:5.0` docker.io/library/cassandra:5.0.
 CASSANDRA_TAGS = ("docker.io/library/cassandra:5.0", "localhost/cassmail-cassandra:5.0")
 CASSMAIL_TAGS = ("localhost/cassmail:latest", "docker.io/library/cassmail:latest")
+COMPOSE_MODULE = "github.com/docker/compose/v2"
+COMPOSE_VERSION = "v2.40.3"
 #: What a sandboxed build step may ask of the kernel (podman's defaults exceed some sandboxes).
 BUILD_ULIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000")
 #: Podman writes OCI images by default, which have no HEALTHCHECK; the Docker format keeps it.
@@ -179,14 +184,57 @@ def build_cassmail(engine: list[str]) -> None:
          "-f", str(HERE / "Dockerfile"), *_tags(CASSMAIL_TAGS), str(REPO)])
 
 
+def build_compose() -> None:
+    """Docker Compose v2 as the docker CLI's plugin, built from its Go module (once, cached).
+
+    The module's go.mod has exclude directives, so `go install module@version` refuses it;
+    its source comes from the Go module proxy (`go mod download`) and is built in place.
+    """
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        print("docker compose: present")
+        return
+    go = shutil.which("go")
+    if go is None:
+        raise ImageError("go not found: Docker Compose v2 is built from its Go module (or install podman-compose)")
+    cache = _launcher_cache() / "compose"
+    binary = cache / f"docker-compose-{COMPOSE_VERSION}"
+    if not binary.is_file():
+        found = subprocess.run([go, "mod", "download", "-json", f"{COMPOSE_MODULE}@{COMPOSE_VERSION}"],
+                               capture_output=True, text=True, cwd=tempfile.gettempdir())
+        if found.returncode != 0:
+            raise ImageError(f"go mod download {COMPOSE_MODULE}@{COMPOSE_VERSION} failed: {found.stderr.strip()[-300:]}")
+        source = Path(json.loads(found.stdout)["Dir"])
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="compose-src-", dir=cache) as tmp:
+            work = Path(tmp) / "src"
+            shutil.copytree(source, work)
+            for path in [work, *work.rglob("*")]:
+                path.chmod(path.stat().st_mode | 0o200)  # the module cache is read-only
+            run([go, "build", "-trimpath", "-ldflags",
+                 f"-s -w -X {COMPOSE_MODULE}/internal.Version={COMPOSE_VERSION}",
+                 "-o", str(binary), "./cmd"], cwd=work)
+    plugins = Path.home() / ".docker" / "cli-plugins"
+    plugins.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(binary, plugins / "docker-compose")
+    print(f"docker compose: {plugins / 'docker-compose'} ({COMPOSE_VERSION})")
+
+
+def _launcher_cache() -> Path:
+    return Path(_load_launcher().default_cache_dir())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", default="all", choices=("all", "base", "cassandra", "cassmail"))
+    parser.add_argument("what", nargs="?", default="all", choices=("all", "base", "cassandra", "cassmail", "compose"))
     parser.add_argument("--engine", help="podman or docker (default: podman if installed, else docker)")
     parser.add_argument("--rebuild-base", action="store_true", help="debootstrap the base image again")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
+        if args.what == "compose":
+            build_compose()
+            return 0
         engine = find_engine(args.engine)
         build_base(engine, rebuild=args.rebuild_base)
         if args.what in ("all", "cassandra"):
