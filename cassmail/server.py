@@ -30,7 +30,7 @@ from typing import Any
 from cassmail import logs
 from cassmail.config import LISTENER_PROTOCOLS, ConfigError, Settings, host_port
 from cassmail.logs import kv
-from cassmail.store.base import Store, StoreError
+from cassmail.store.base import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("cassmail.server")
 
@@ -237,6 +237,41 @@ def _supervise(settings: Settings, workers: int, exporter: _Exporter | None = No
     return exit_code
 
 
+#: Longest pause between two tries to open a store that is not ready.
+OPEN_RETRY_PAUSE = 5.0
+
+
+async def open_store(store: Store, wait: float, stop: asyncio.Event) -> bool:
+    """Open the store, retrying for up to `wait` seconds while it is unavailable.
+
+    A node started beside its Cassandra (a compose cluster after a host reboot, where nothing
+    orders the containers) would otherwise exit and be restarted in a loop; waiting with one log
+    line per try says what it waits for. Returns False when `stop` is set while waiting; raises
+    the last StoreUnavailable once `wait` is spent.
+    """
+    deadline = time.monotonic() + wait
+    tries = 0
+    while True:
+        try:
+            await store.open()
+        except StoreUnavailable as exc:
+            tries += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            pause = min(OPEN_RETRY_PAUSE, left)
+            log.warning(kv("store-open", result="retry", tries=tries, retry_in=f"{pause:.0f}s",
+                           waited=f"{wait - left:.0f}s", error=exc))
+            try:
+                await asyncio.wait_for(stop.wait(), pause)
+                return False
+            except asyncio.TimeoutError:
+                continue
+        if tries:
+            log.info(kv("store-open", result="ok", tries=tries + 1))
+        return True
+
+
 async def run_worker(settings: Settings) -> int:
     """One worker: a store connection and every listener on one event loop, until SIGTERM."""
     from cassmail import smtp, twisted_asyncio
@@ -255,7 +290,8 @@ async def run_worker(settings: Settings) -> int:
 
         store = metrics.TimedStore(store, metrics.installed())
     try:
-        await store.open()
+        if not await open_store(store, settings.store.open_wait, stop):
+            return 0  # asked to stop while waiting
     except StoreError as exc:
         log.error(kv("store-open", result="fail", error=exc))
         print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)

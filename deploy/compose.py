@@ -93,6 +93,9 @@ def cassmail_service(i: int, nodes: int) -> dict[str, Any]:
     environment = _cassmail_environment(nodes)
     environment["CASSMAIL_NODE_NAME"] = f"mail{i}"
     environment["CASSMAIL_NODE_WORKERS"] = "${CASSMAIL_WORKERS:-2}"
+    # A node whose Cassandra is not ready (after a host restart nothing orders the containers)
+    # waits and logs each retry instead of exiting and being restarted in a loop.
+    environment["CASSMAIL_STORE_OPEN_WAIT"] = "${CASSMAIL_STORE_OPEN_WAIT:-600}"
     for listener, port in PORTS.items():
         key = listener.upper()
         environment[f"CASSMAIL_{key}_LISTEN"] = f"0.0.0.0:{port}"

@@ -17,6 +17,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -170,11 +172,13 @@ def test_dockerfile_builds_a_slim_non_root_image_with_a_protocol_healthcheck() -
 
 
 @pytest.mark.cassandra
-def test_compose_environment_gives_the_schema_job_and_a_node_that_the_healthcheck_accepts(
+def test_compose_node_started_before_its_keyspace_waits_then_serves_once_the_schema_job_ran(
     tmp_path: Path, cassandra_endpoint: tuple[str, int]
 ) -> None:
-    """The compose file's schema job and mail node commands with their environment, outside a
-    container, against a real Cassandra; then the image's HEALTHCHECK command judges the node."""
+    """The compose file's mail node and schema job commands with their environment, outside a
+    container, against a real Cassandra: the node starts first, finds no keyspace and says it
+    retries (no exit, no restart loop); the schema job runs; the image's HEALTHCHECK command then
+    accepts the node, and SIGTERM stops it cleanly."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_")}
     venv = Path(sys.executable).parent.parent  # this test run's virtualenv, where cassmail is installed
     cassmail = str(venv / "bin" / "cassmail")
@@ -183,31 +187,57 @@ def test_compose_environment_gives_the_schema_job_and_a_node_that_the_healthchec
     keyspace = f"cmcompose_{uuid.uuid4().hex[:10]}"
     cluster_env = {"CASSMAIL_STORE_CASSANDRA_CONTACT_POINTS": host, "CASSMAIL_STORE_CASSANDRA_PORT": str(port),
                    "CASSMAIL_STORE_CASSANDRA_KEYSPACE": keyspace}
-    schema_env = {**env, **{k: substitute(v) for k, v in services["schema"]["environment"].items()}, **cluster_env}
-    done = subprocess.run([cassmail, "schema", "apply"], env=schema_env, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
-    assert done.returncode == 0 and f"created keyspace {keyspace}" in done.stdout, done.stderr
+    node_env = {**env, **{k: substitute(v) for k, v in services["mail1"]["environment"].items()}, **cluster_env}
+    assert node_env["CASSMAIL_STORE_OPEN_WAIT"] == "600"
+    node_env.update({f"CASSMAIL_{name.upper()}_LISTEN": f"127.0.0.1:{free_port()}" for name in compose.PORTS})
+    node_env["CASSMAIL_NODE_WORKERS"] = "1"
+    check = [str(venv / "bin" / "python"), "-m", "cassmail.healthcheck"]
+    assert subprocess.run(check, env=node_env, cwd=tmp_path, capture_output=True).returncode == 1  # nothing serves yet
+    serve = subprocess.Popen([cassmail, "serve"], env=node_env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(serve.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
     try:
-        node_env = {**env, **{k: substitute(v) for k, v in services["mail1"]["environment"].items()}, **cluster_env}
-        node_env.update({f"CASSMAIL_{name.upper()}_LISTEN": f"127.0.0.1:{free_port()}" for name in compose.PORTS})
-        node_env["CASSMAIL_NODE_WORKERS"] = "1"
-        check = [str(venv / "bin" / "python"), "-m", "cassmail.healthcheck"]
-        assert subprocess.run(check, env=node_env, cwd=tmp_path, capture_output=True).returncode == 1  # nothing serves yet
-        serve = subprocess.Popen([cassmail, "serve"], env=node_env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT)
-        try:
-            healthy = None
-            for _ in range(150):
-                healthy = subprocess.run(check, env=node_env, cwd=tmp_path, capture_output=True, text=True)
-                if healthy.returncode == 0:
-                    break
-                assert serve.poll() is None, serve.stdout.read() if serve.stdout else ""
-            assert healthy is not None and healthy.returncode == 0, healthy.stderr if healthy else ""
-        finally:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(60)
+        for _ in range(300):
+            if any("event=store-open result=retry" in line for line in lines):
+                break
+            assert serve.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        retry = [line for line in lines if "event=store-open result=retry" in line]
+        assert retry and f"keyspace {keyspace} does not exist" in retry[0], "".join(lines)
+        schema_env = {**env, **{k: substitute(v) for k, v in services["schema"]["environment"].items()}, **cluster_env}
+        done = subprocess.run([cassmail, "schema", "apply"], env=schema_env, capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300)
+        assert done.returncode == 0 and f"created keyspace {keyspace}" in done.stdout, done.stderr
+        healthy = None
+        for _ in range(150):
+            healthy = subprocess.run(check, env=node_env, cwd=tmp_path, capture_output=True, text=True)
+            if healthy.returncode == 0:
+                break
+            assert serve.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        assert healthy is not None and healthy.returncode == 0, healthy.stderr if healthy else ""
+        assert any("event=store-open result=ok" in line for line in lines), "".join(lines)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0, "".join(lines)
     finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
         cassandra_schema.drop(CassandraSettings(contact_points=[host], port=port, keyspace=keyspace))
+
+
+def test_compose_run_without_any_container_engine_fails_with_one_line(tmp_path: Path) -> None:
+    """No podman, no docker on PATH: one line saying what is missing, exit status 1, no traceback."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)
+    for script in ("compose_run.py", "images.py"):
+        done = subprocess.run([sys.executable, str(REPO / "deploy" / script), *(["--nodes", "1", "up"] if script == "compose_run.py" else [])],
+                              env={"PATH": str(bare), "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done
+        assert done.stderr.count("\n") == 1 and "no container engine: install podman" in done.stderr, done.stderr
 
 
 # ----------------------------------------------------------------------------- the healthcheck probe
