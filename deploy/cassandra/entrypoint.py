@@ -75,10 +75,11 @@ class ContainerNode(launcher.LocalCluster):
         self.listen = env.get("CASSANDRA_LISTEN_ADDRESS") or own_address()
         seeds = [s.strip() for s in env.get("CASSANDRA_SEEDS", "").split(",") if s.strip()]
         self.seeds = seeds or [env.get("CASSANDRA_BROADCAST_ADDRESS") or self.listen]
-        # A lone node need not wait for gossip to settle; one of several must.
-        alone = all(s in (self.listen, socket.gethostname(), "127.0.0.1", "localhost") for s in self.seeds)
+        # Laid out as one node of several: the launcher lets a lone node skip the wait for gossip
+        # to settle, but a container cannot tell a lone node from the seed of a cluster being
+        # restarted, which must hear its peers (and their hints) before it serves.
         super().__init__(
-            DATA, 1 if alone else 2,
+            DATA, 2,
             cluster_name=env.get("CASSANDRA_CLUSTER_NAME", "Test Cluster"),
             heap_mb=heap_mb(env.get("MAX_HEAP_SIZE", "1024M")),
         )
