@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench docs clean
+.PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench docs clean compose-tools images compose-test
 
 # Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
 TEST_TOOLS := swaks openssl getmail mbsync rspamd
@@ -45,6 +45,24 @@ test-tools:
 test: install test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The compose cluster in containers: podman (with runc) and debootstrap from Debian, Docker Compose v2
+# built from its Go module unless the docker CLI has it; images built locally (deploy/images.py).
+COMPOSE_TOOLS := podman runc debootstrap
+compose-tools:
+	@missing=""; for t in $(COMPOSE_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ] && ! docker version >/dev/null 2>&1; then echo "installing$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; fi
+	$(PYTHON) deploy/images.py compose
+
+images: compose-tools
+	$(PYTHON) deploy/images.py all
+
+# Build the images, run `docker compose up` (COMPOSE_NODES=1 by default; 3 adds a Cassandra container
+# stopped under load), mail in and out through the published ports, then `down -v`. Minutes: not in `test`.
+COMPOSE_NODES ?= 1
+compose-test: install images
+	CASSMAIL_COMPOSE_TEST=1 CASSMAIL_COMPOSE_NODES=$(COMPOSE_NODES) $(BIN)/python -m pytest -s -p no:cacheprovider tests/test_compose_run.py
 
 # Store benchmark against the local node started by `make cassandra`.
 bench: install

@@ -269,6 +269,9 @@ class StoreSettings:
     backend: str = "mbox"
     #: Largest message accepted, in bytes (SMTP SIZE, IMAP APPEND limit).
     max_message_size: int = 64 * 1024 * 1024
+    #: Seconds `serve` keeps trying to open a store that is not ready (Cassandra still starting,
+    #: keyspace not made yet), logging each retry; 0 gives up at once (exit status 3).
+    open_wait: float = 0.0
     cassandra: CassandraSettings = field(default_factory=CassandraSettings)
     mbox: MboxSettings = field(default_factory=MboxSettings)
     wheelfs: WheelFSSettings = field(default_factory=WheelFSSettings)
@@ -280,6 +283,7 @@ class StoreSettings:
             f"must be cassandra, mbox or wheelfs, got {self.backend!r}",
         )
         _check(self.max_message_size >= 1024, f"{prefix}.max_message_size", "must be at least 1024 bytes")
+        _check(self.open_wait >= 0, f"{prefix}.open_wait", "must be >= 0 seconds")
 
 
 @dataclass

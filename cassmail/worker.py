@@ -11,12 +11,13 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from cassmail import store as stores
 from cassmail.config import Settings
 from cassmail.logs import kv
-from cassmail.store.base import StoreError
+from cassmail.store.base import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("cassmail.server")
 
@@ -24,6 +25,39 @@ log = logging.getLogger("cassmail.server")
 STOP_GRACE = 10.0
 #: Seconds the sessions still open after it have to unwind once their connections are cut.
 CUT_GRACE = 3.0
+#: Longest pause between two tries to open a store that is not ready.
+OPEN_RETRY_PAUSE = 5.0
+
+
+async def open_store(store: Store, wait: float, stop: asyncio.Event) -> bool:
+    """Open the store, retrying for up to `wait` seconds while it is unavailable.
+
+    A node started beside its Cassandra (a compose cluster after a host reboot, where nothing
+    orders the containers) would otherwise exit and be restarted in a loop; waiting with one log
+    line per try says what it waits for. Returns False when `stop` is set while waiting; raises
+    the last StoreUnavailable once `wait` is spent.
+    """
+    deadline = time.monotonic() + wait
+    tries = 0
+    while True:
+        try:
+            await store.open()
+        except StoreUnavailable as exc:
+            tries += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            pause = min(OPEN_RETRY_PAUSE, left)
+            log.warning(kv("store-open", result="retry", tries=tries, retry_in=f"{pause:.0f}s",
+                           waited=f"{wait - left:.0f}s", error=exc))
+            try:
+                await asyncio.wait_for(stop.wait(), pause)
+                return False
+            except asyncio.TimeoutError:
+                continue
+        if tries:
+            log.info(kv("store-open", result="ok", tries=tries + 1))
+        return True
 
 
 async def run_worker(settings: Settings) -> int:
@@ -44,7 +78,8 @@ async def run_worker(settings: Settings) -> int:
 
         store = metrics.TimedStore(store, metrics.installed())
     try:
-        await store.open()
+        if not await open_store(store, settings.store.open_wait, stop):
+            return 0  # asked to stop while waiting
     except StoreError as exc:
         log.error(kv("store-open", result="fail", error=exc))
         print(f"cassmail: error: {exc}", file=sys.stderr, flush=True)

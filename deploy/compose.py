@@ -51,7 +51,9 @@ def cassandra_service(i: int) -> dict[str, Any]:
         },
         "volumes": [f"cassandra{i}-data:/var/lib/cassandra"],
         "healthcheck": {
-            "test": ["CMD-SHELL", "cqlsh -e 'SELECT release_version FROM system.local' >/dev/null 2>&1"],
+            # cqlsh in the official image; cql-ready (a native-protocol OPTIONS probe) in the one
+            # deploy/images.py builds where no registry is reachable.
+            "test": ["CMD-SHELL", "cqlsh -e 'SELECT release_version FROM system.local' >/dev/null 2>&1 || cql-ready"],
             "interval": "10s",
             "timeout": "10s",
             "retries": 30,
@@ -91,6 +93,9 @@ def cassmail_service(i: int, nodes: int) -> dict[str, Any]:
     environment = _cassmail_environment(nodes)
     environment["CASSMAIL_NODE_NAME"] = f"mail{i}"
     environment["CASSMAIL_NODE_WORKERS"] = "${CASSMAIL_WORKERS:-2}"
+    # A node whose Cassandra is not ready (after a host restart nothing orders the containers)
+    # waits and logs each retry instead of exiting and being restarted in a loop.
+    environment["CASSMAIL_STORE_OPEN_WAIT"] = "${CASSMAIL_STORE_OPEN_WAIT:-600}"
     for listener, port in PORTS.items():
         key = listener.upper()
         environment[f"CASSMAIL_{key}_LISTEN"] = f"0.0.0.0:{port}"
@@ -109,6 +114,8 @@ def cassmail_service(i: int, nodes: int) -> dict[str, Any]:
             f"cassandra{i}": {"condition": "service_healthy"},
         },
         "restart": "unless-stopped",
+        # SIGTERM lets sessions in progress finish for up to 10 s (cassmail.server.STOP_GRACE).
+        "stop_grace_period": "20s",
     }
 
 
