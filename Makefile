@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: install test-tools run cassandra cassandra-down cassandra-status test bench docs clean compose-tools images compose-test
 
 # Real mail clients the tests drive (Debian packages; installed when missing, needs root or sudo).
-TEST_TOOLS := swaks openssl getmail mbsync rspamd
+TEST_TOOLS := swaks openssl getmail mbsync rspamd redis-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # A virtualenv with cassmail (editable) and its test tools; redone when pyproject.toml changes.

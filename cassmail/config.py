@@ -699,6 +699,13 @@ class InboundSettings:
     #: Largest message given to rspamd, in bytes; larger ones are accepted unfiltered (as rspamd's
     #: own milter does).
     rspamd_max_size: int = 20 * 1024 * 1024
+    #: Teach rspamd what users decide over IMAP: a message flagged \Junk or $Junk, or copied or
+    #: moved into the Junk mailbox, is learned as spam; one flagged $NotJunk, or moved out of Junk
+    #: (not to Trash), as ham. Sent in the background to rspamd's controller.
+    rspamd_learn: bool = False
+    #: rspamd's controller worker, where learning goes ("http://127.0.0.1:11334"); "" = the host of
+    #: rspamd_url on port 11334. Sent rspamd_password as its Password header.
+    rspamd_controller_url: str = ""
 
     def validate(self, prefix: str) -> None:
         _check(0.5 <= self.timeout <= 600, f"{prefix}.timeout", "must be 0.5..600 seconds")
@@ -707,6 +714,10 @@ class InboundSettings:
                f"must be accept or tempfail, got {self.rspamd_failure!r}")
         _check(not self.rspamd_url or self.rspamd_url.startswith("http://"), f"{prefix}.rspamd_url",
                f'must be "" or an http:// URL, got {self.rspamd_url!r}')
+        _check(not self.rspamd_controller_url or self.rspamd_controller_url.startswith("http://"),
+               f"{prefix}.rspamd_controller_url", f'must be "" or an http:// URL, got {self.rspamd_controller_url!r}')
+        _check(not self.rspamd_learn or bool(self.rspamd_url or self.rspamd_controller_url), f"{prefix}.rspamd_learn",
+               "needs rspamd_url or rspamd_controller_url")
         _check(bool(self.junk_mailbox.strip()), f"{prefix}.junk_mailbox", "must not be empty")
         _check(self.rspamd_max_size > 0, f"{prefix}.rspamd_max_size", "must be > 0 bytes")
         _check(all(c.isprintable() and c not in " ;()" for c in self.authserv_id), f"{prefix}.authserv_id",

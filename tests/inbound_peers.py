@@ -8,17 +8,20 @@ phishing feeds, ...) are off, so a verdict takes milliseconds and depends on not
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 from tests.outbound_peers import free_port_on
 
 RSPAMD = "/usr/bin/rspamd"
+REDIS = "/usr/bin/redis-server"
 HS_CACHE = Path(os.environ.get("CASSMAIL_CACHE", Path.home() / ".cache" / "cassmail")) / "rspamd-hs"
 PACKAGED = Path("/etc/rspamd/rspamd.conf")
 #: Modules whose checks go out to the internet or need Redis.
@@ -43,8 +46,11 @@ class RspamdServer:
     under `directory`; with `milter`, also its proxy worker as a milter on `milter_port` (for
     Postfix's smtpd_milters)."""
 
-    def __init__(self, directory: Path, dns: str, milter: bool = False, workers: int = 1) -> None:
+    def __init__(self, directory: Path, dns: str, milter: bool = False, workers: int = 1,
+                 redis: str | None = None) -> None:
         self.dir = directory
+        #: A Redis ("host:port") for the Bayes classifier's statistics: with it rspamd can learn.
+        self.redis = redis
         self.workers = workers
         ports: set[int] = set()
         while len(ports) < 3:
@@ -57,6 +63,16 @@ class RspamdServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def controller_url(self) -> str:
+        return f"http://127.0.0.1:{self.controller}"
+
+    def learned(self) -> int:
+        """How many messages the Bayes classifier has learned, from the controller's /stat (with
+        the Redis backend it does not say how many of each class)."""
+        with urllib.request.urlopen(f"{self.controller_url}/stat", timeout=10) as answer:
+            return int(json.loads(answer.read()).get("learned", 0))
 
     def configure(self) -> None:
         for sub in ("local.d", "override.d", "run", "db", "log"):
@@ -83,6 +99,10 @@ class RspamdServer:
         HS_CACHE.mkdir(parents=True, exist_ok=True)
         for module in NETWORK_MODULES:
             (self.dir / "local.d" / f"{module}.conf").write_text("enabled = false;\n")
+        if self.redis is not None:
+            (self.dir / "local.d" / "redis.conf").write_text(f'servers = "{self.redis}";\n')
+            (self.dir / "local.d" / "classifier-bayes.conf").write_text(
+                f'backend = "redis";\nservers = "{self.redis}";\nautolearn = false;\nmin_learns = 1;\n')
 
     def start_process(self) -> RspamdServer:
         """Start rspamd without waiting for it (its rules take seconds to load): `wait` does."""
@@ -144,3 +164,40 @@ def _ping(port: int) -> bool:
             return b"pong" in sock.recv(4096)
     except OSError:
         return False
+
+
+class RedisServer:
+    """Debian's redis-server on 127.0.0.1, in memory only, for rspamd's statistics."""
+
+    def __init__(self) -> None:
+        self.port = free_port_on("127.0.0.1")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20) -> RedisServer:
+        if not Path(REDIS).exists():
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=True, env=env,
+                           capture_output=True, timeout=600)
+        self.process = subprocess.Popen(
+            [REDIS, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)

@@ -10,6 +10,7 @@ import imaplib
 import poplib
 import re
 import smtplib
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -23,9 +24,9 @@ from cassmail.config import Settings
 from cassmail.delivery.dkim import generate
 from cassmail.inbound import authcheck
 from cassmail.store import make_store
-from cassmail.store.base import Store
+from cassmail.store.base import Store, Target
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password
-from tests.inbound_peers import RspamdServer
+from tests.inbound_peers import RedisServer, RspamdServer
 from tests.nodes import Node, node_settings
 from tests.outbound_peers import Dns, free_port_on
 
@@ -50,7 +51,8 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     dns = Dns().start()
-    rspamd = RspamdServer(tmp_path_factory.mktemp("rspamd"), dns.address)
+    redis = RedisServer().start()
+    rspamd = RspamdServer(tmp_path_factory.mktemp("rspamd"), dns.address, redis=redis.address)
     zone = dns.zone
     keys: dict[str, bytes] = {}
     for domain in ("good.test", "reject.test", "lists.test", "brand.co.uk"):
@@ -76,6 +78,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield World(dns, keys, rspamd_started)
     finally:
         rspamd.stop()
+        redis.stop()
         dns.stop()
 
 
@@ -106,7 +109,8 @@ def _node(settings: Settings, world: World, directory: Path, **inbound: object) 
 @pytest.fixture(scope="module")
 def mx(in_settings: Settings, world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """Sender authentication with the default policies, and rspamd."""
-    node = _node(in_settings, world, tmp_path_factory.mktemp("mx"), rspamd_url=world.rspamd.url).start()
+    node = _node(in_settings, world, tmp_path_factory.mktemp("mx"), rspamd_url=world.rspamd.url, rspamd_learn=True,
+                 rspamd_controller_url=world.rspamd.controller_url).start()
     world.rspamd.wait()
     yield node
     assert node.stop() == 0
@@ -354,6 +358,54 @@ async def test_rspamd_rejects_gtube_and_adds_headers_to_clean_mail(mx: Node, wor
     assert re.search(rb"^X-Spam-Status: No, score=-?\d+\.\d\d required=\d+\.\d\d\r$", head, re.M)
     assert b"X-Spam-Action: no action" in head and b"X-Spam-Flag: NO" not in head
     assert head.count(b"X-Spam-Status:") == 1
+
+
+async def test_what_users_call_junk_and_not_junk_over_imap_is_taught_to_rspamd(mx: Node, world: World, rcpt: str,
+                                                                               in_store: Store) -> None:
+    # Text of its own each run: rspamd does not learn what it has learned already (208).
+    words = " ".join(f"word{n} offer{n % 7} limited{n % 5} {uuid.uuid4().hex[:8]}" for n in range(60))
+    bodies = [message("anna@good.test", f"deal {n}", body=f"{words} {n}\r\n".encode()) for n in range(3)]
+    for body in bodies:
+        await in_store.deliver(body, [Target(rcpt)])
+    before = world.rspamd.learned()
+
+    def learned(more: int, spam: int, ham: int) -> bool:
+        """rspamd counts `more` learns, and the node logged that many of each kind for rita."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            log = mx.log_text()
+            kinds = [line for line in log.splitlines() if "event=rspamd-learn" in line and f"user={rcpt}" in line]
+            done = (sum("kind=spam result=ok" in line for line in kinds), sum("kind=ham result=ok" in line for line in kinds))
+            if world.rspamd.learned() >= before + more and done == (spam, ham):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def session(commands: list[str]) -> list[bytes]:
+        with imaplib.IMAP4("127.0.0.1", mx.port("imap")) as client:
+            client.login(rcpt, "rita")
+            client.select("INBOX")
+            answers = []
+            for command in commands:
+                verb, _, rest = command.partition(" ")
+                typ, data = client.uid(verb, *rest.split(" ", 1)) if verb != "NOOP" else client.noop()
+                assert typ == "OK", (command, data)
+                answers.append(data)
+            return answers
+
+    [[uids]] = await asyncio.to_thread(session, ["SEARCH ALL"])
+    first, second, third = uids.split()
+    # Flagged junk (Thunderbird's $Junk): learned as spam; moved into Junk (Apple Mail): spam too.
+    await asyncio.to_thread(session, [f"STORE {first.decode()} +FLAGS ($Junk)", f"MOVE {second.decode()} Junk"])
+    assert await asyncio.to_thread(learned, 2, 2, 0), world.rspamd.log()
+    # Taken back out of Junk: learned as ham; a flag that says nothing about junk teaches nothing.
+    with imaplib.IMAP4("127.0.0.1", mx.port("imap")) as client:
+        client.login(rcpt, "rita")
+        client.select("Junk")
+        assert client.uid("MOVE", "1:*", "INBOX")[0] == "OK"
+    await asyncio.to_thread(session, [f"STORE {third.decode()} +FLAGS (\\Flagged)"])
+    assert await asyncio.to_thread(learned, 3, 2, 1), world.rspamd.log()
+    assert "event=rspamd-learn" in mx.log_text() and "result=fail" not in mx.log_text()
 
 
 async def test_an_unreachable_rspamd_is_a_tempfail_when_set_so(strict: Node, world: World, rcpt: str) -> None:

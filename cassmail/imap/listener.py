@@ -16,6 +16,7 @@ from cassmail.imap.connection import Connection
 from cassmail.imap.cache import Lru
 from cassmail.imap.mime import Entity
 from cassmail.imap.session import Session, load_commands
+from cassmail.inbound.learn import Learner
 from cassmail.logs import kv
 from cassmail.sessions import Sessions
 from cassmail.store.base import Store
@@ -30,9 +31,11 @@ STATUSES_KEPT = 10_000
 class Listener(Sessions):
     """Shared by every session of one listener in one worker."""
 
-    def __init__(self, store: Store, settings: ImapSettings) -> None:
+    def __init__(self, store: Store, settings: ImapSettings, learner: Learner | None = None) -> None:
         load_commands()
         self.store, self.settings = store, settings
+        #: What users flag as junk or not, taught to rspamd (inbound.rspamd_learn); None: not.
+        self.learner = learner
         #: The context STARTTLS uses (None: not offered); implicit TLS is the server's own.
         self.tls = server_context(settings) if not settings.implicit_tls else None
         self.logins = auth.Logins("imap", settings.auth_failure_delay)
@@ -84,10 +87,11 @@ async def start(settings: Settings, store: Store) -> list[tuple[asyncio.Abstract
     """(server, listener) of each enabled IMAP listener: `[imap]` (STARTTLS) and `[imaps]` (TLS
     from the first byte)."""
     started = []
+    learner = Learner(settings.inbound) if settings.inbound.rspamd_learn else None
     for listening in (settings.imap, settings.imaps):
         if not listening.enabled:
             continue
-        listener = Listener(store, listening)
+        listener = Listener(store, listening, learner)
         host, port = host_port(listening.listen)
         ssl = server_context(listening) if listening.implicit_tls else None
         server = await asyncio.get_running_loop().create_server(

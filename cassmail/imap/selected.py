@@ -5,11 +5,13 @@ modules of their own."""
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import TYPE_CHECKING
 
 from cassmail.imap import commands as c
 from cassmail.imap import wire
 from cassmail.imap.errors import No
+from cassmail.inbound.learn import JUNK_FLAGS, NOT_JUNK_FLAGS
 from cassmail.logs import kv
 from cassmail.model import flag_set
 from cassmail.store.base import NoSuchMailbox, NoSuchMessage, StoreUnavailable
@@ -74,6 +76,7 @@ async def store(session: Session, args: c.Store) -> str:
         old = view.messages[u].flags
         new = flags if args.mode == "set" else (old | flags if args.mode == "add" else old - flags)
         view.set_flags(u, frozenset(new))
+    _learn_from_flags(session, uids, flags, args.mode)
     if not args.silent:
         session.announce_flags(uids)
         for u in uids:
@@ -102,6 +105,7 @@ async def copy(session: Session, args: c.Copy) -> str:
         new_ids = await store.copy_messages(view.user, view.name, ids, dest)
     except NoSuchMessage:
         raise No("Some messages were expunged meanwhile", "EXPUNGEISSUED") from None
+    await _learn_from_copy(session, dest, info.special_use, new_ids)
     # The copies are stored: from here on the answer is OK, with COPYUID when the UIDs can be
     # had now (RFC 4315 lets a server leave it out; it is logged when it is).
     code = ""
@@ -120,3 +124,39 @@ async def copy(session: Session, args: c.Copy) -> str:
     if dest == view.name:
         await session.refresh(expunge=False)
     return f"{code} {verb} completed".strip()
+
+
+def _learn_from_flags(session: Session, uids: list[int], flags: frozenset[str], mode: str) -> None:
+    """\\Junk or $Junk set: spam; $NotJunk set, or a junk flag taken off: ham (inbound.rspamd_learn)."""
+    learner = session.listener.learner
+    if learner is None or not uids:
+        return
+    named = {f.lower() for f in flags}
+    if mode != "remove" and named & JUNK_FLAGS:
+        spam = True
+    elif (mode != "remove" and named & NOT_JUNK_FLAGS) or (mode == "remove" and named & JUNK_FLAGS):
+        spam = False
+    else:
+        return
+    view = session.selected()
+    learner.judged(session.store, view.user, view.name, [view.messages[u].id for u in uids], spam)
+
+
+async def _learn_from_copy(session: Session, dest: str, dest_use: str | None, copies: list[uuid.UUID]) -> None:
+    """Copied or moved into Junk: spam; out of Junk, not to Trash: ham (inbound.rspamd_learn)."""
+    learner = session.listener.learner
+    if learner is None or not copies:
+        return
+    view = session.selected()
+    if learner.is_junk(dest, dest_use):
+        if not learner.is_junk(view.name, None):
+            learner.judged(session.store, view.user, dest, copies, True)
+        return
+    if dest_use == "\\Trash":
+        return
+    try:
+        source = await session.store.mailbox_info(view.user, view.name)
+    except (NoSuchMailbox, StoreUnavailable):
+        return
+    if learner.is_junk(view.name, source.special_use):
+        learner.judged(session.store, view.user, dest, copies, False)

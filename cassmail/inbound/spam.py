@@ -87,26 +87,32 @@ class Rspamd:
         fields.extend(("Rcpt", rcpt) for rcpt in recipients)
         if self.password:
             fields.append(("Password", self.password))
-        head = f"POST {self.path} HTTP/1.1\r\n" + "".join(f"{k}: {_clean(v)}\r\n" for k, v in fields) + "\r\n"
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        return _parse(await post(self.host, self.port, self.path, fields, message))
+
+
+async def post(host: str, port: int, path: str, fields: list[tuple[str, str]], body: bytes | bytearray) -> bytes:
+    """One HTTP/1.1 POST to rspamd (`fields` are the request's headers) and its whole answer,
+    status line and headers included. Raises SpamFilterUnavailable and OSError."""
+    head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {_clean(v)}\r\n" for k, v in fields) + "\r\n"
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(head.encode("utf-8"))
+        writer.write(body)
+        await writer.drain()
         try:
-            writer.write(head.encode("utf-8"))
-            writer.write(message)
-            await writer.drain()
-            try:
-                reply_head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-                raise SpamFilterUnavailable(f"rspamd's answer has no header end: {exc}") from None
-            length = _content_length(reply_head)
-            if length is not None and length <= MAX_REPLY:
-                body = await reader.readexactly(length)
-            else:
-                body = await reader.read(MAX_REPLY)
-        except asyncio.IncompleteReadError as exc:
-            raise SpamFilterUnavailable(f"rspamd's answer was cut short: {exc}") from None
-        finally:
-            writer.close()
-        return _parse(reply_head + body)
+            reply_head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            raise SpamFilterUnavailable(f"rspamd's answer has no header end: {exc}") from None
+        length = _content_length(reply_head)
+        if length is not None and length <= MAX_REPLY:
+            reply_body = await reader.readexactly(length)
+        else:
+            reply_body = await reader.read(MAX_REPLY)
+    except asyncio.IncompleteReadError as exc:
+        raise SpamFilterUnavailable(f"rspamd's answer was cut short: {exc}") from None
+    finally:
+        writer.close()
+    return reply_head + reply_body
 
 
 def _content_length(head: bytes) -> int | None:
