@@ -294,3 +294,24 @@ def test_cluster_up_refuses_ports_other_than_the_recorded_clusters(tmp_path) -> 
         assert result.returncode != 0
         assert len(result.stderr.strip().splitlines()) == 1 and said in result.stderr, result.stderr
     assert json.loads((tmp_path / "cluster.json").read_text())["native_port"] == 19999
+
+
+def test_every_private_name_of_aiosmtpd_the_engine_uses_is_in_the_pinned_version() -> None:
+    """cassmail/smtp/protocol.py subclasses aiosmtpd's SMTP and, where aiosmtpd has no public
+    hook, uses its private names (`_handler_coroutine`, `_set_post_data_state`, ...). Each such
+    name it reads or calls and does not itself assign must be one aiosmtpd's own source uses; a
+    release that renames one fails here, not in production (the range is pinned in pyproject)."""
+    import re
+    from pathlib import Path
+
+    import cassmail.smtp.protocol as protocol
+
+    ours = Path(protocol.__file__).read_text()
+    used = set(re.findall(r"\bself\._([a-z][a-z0-9_]*)\b", ours))
+    assigned = set(re.findall(r"\bself\._([a-z][a-z0-9_]*)\s*(?::[^=\n]+)?=(?!=)", ours))
+    defined = set(re.findall(r"\bdef _([a-z][a-z0-9_]*)\(", ours))
+    borrowed = used - assigned - defined
+    theirs = inspect.getsource(aiosmtpd.smtp)
+    missing = sorted(name for name in borrowed if not re.search(rf"\bself\._{name}\b", theirs))
+    assert borrowed, "the engine no longer uses aiosmtpd's private names: this test can go"
+    assert missing == [], f"aiosmtpd no longer has: {missing}"
