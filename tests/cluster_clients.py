@@ -93,9 +93,14 @@ def imap_read(host: str, port: int, user: str, password: str, timeout: float = 6
         kind, data = client.uid("FETCH", "1:*", items)
         if kind != "OK":
             return Outcome("temp", f"FETCH {kind} {data!r}")
-        parts = [item for item in data if isinstance(item, tuple)]
-        messages = [item[1] for item in parts]
-        uids = [int(m.group(1)) if (m := re.search(rb"UID (\d+)", item[0])) else 0 for item in parts]
+        messages, uids = [], []
+        for k, item in enumerate(data):
+            if isinstance(item, tuple):
+                # The UID may come before the literal or after it (in the next, plain element).
+                after = data[k + 1] if k + 1 < len(data) and isinstance(data[k + 1], bytes) else b""
+                found = re.search(rb"UID (\d+)", item[0]) or re.search(rb"UID (\d+)", after)
+                messages.append(item[1])
+                uids.append(int(found.group(1)) if found else 0)
         client.logout()
         return Outcome("ok", f"{len(messages)} message(s)", messages=messages, uids=uids)
     except imaplib.IMAP4.abort as exc:
