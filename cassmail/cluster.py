@@ -18,6 +18,11 @@ Everything lives under one base directory (`$CASSMAIL_CLUSTER`, default
 
 Front ends run detached in their own process group, so a `kill --frontend`
 takes the supervisor and its workers at once, like a machine losing power.
+
+With `up --netns` each node (its Cassandra and its front end) runs in a network
+namespace of its own at 10.77.0.(10+i) instead (see cassmail.netns), so that
+`cassmail cluster partition|delay|heal` can cut or slow the network between
+nodes, as an operator rehearsing failures would.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cassmail import config, healthcheck
+from cassmail import config, healthcheck, netns
 from cassmail.checkout import REPO_ROOT, CommandError, load_launcher
 
 ENV_BASE = "CASSMAIL_CLUSTER"
@@ -133,8 +138,12 @@ class LocalMailCluster:
         if not 1 <= i <= self.nodes:
             raise ClusterError(f"no node {i}: this cluster has nodes 1..{self.nodes}")
 
+    @property
+    def in_netns(self) -> bool:
+        return bool(self.state.get("netns"))
+
     def address(self, i: int) -> str:
-        return f"127.0.0.{i}"
+        return netns.address(i) if self.in_netns else f"127.0.0.{i}"
 
     def cassandra(self) -> Any:
         """The launcher's cluster, with the token allocator balancing for this cluster's RF.
@@ -144,10 +153,20 @@ class LocalMailCluster:
         """
         s = self.state
         rf = s["rf"]
+        isolated = self.in_netns
 
         class Balanced(self.launcher.LocalCluster):  # type: ignore[name-defined,misc]
             def node_config(self, i: int) -> dict[str, Any]:
                 return {**super().node_config(i), "allocate_tokens_for_local_replication_factor": rf}
+
+            def address(self, i: int) -> str:
+                return netns.address(i) if isolated else super().address(i)
+
+            def command_prefix(self, i: int) -> list[str]:
+                return netns.exec_prefix(i) if isolated else []
+
+            def port_free(self, i: int, port: int) -> bool:
+                return netns.port_free(i, port) if isolated else super().port_free(i, port)
 
         return Balanced(
             self.base / "cassandra", s["nodes"], cluster_name="cassmail-cluster",
@@ -196,11 +215,11 @@ class LocalMailCluster:
 
     def up(self, nodes: int, rf: int, settings: config.Settings, *, native_port: int | None = None,
            storage_port: int | None = None, heap_mb: int = 768, ports: dict[str, int] | None = None, workers: int = 1,
-           overrides: list[str] | None = None, timeout: float = 300) -> float:
-        """Start what is not running (Cassandra nodes one by one, the schema at `rf`, then the
-        front ends); idempotent. Returns the seconds it took. Cassandra's ports (None: those
-        recorded, else 9042 and 7000) are those of the nodes' data: ports given that differ
-        from a recorded cluster's are refused, never silently replaced."""
+           overrides: list[str] | None = None, timeout: float = 300, use_netns: bool = False) -> float:
+        """Start what is not running (with use_netns, the namespaces first; Cassandra nodes one by
+        one, the schema at `rf`, then the front ends); idempotent. Returns the seconds it took.
+        Cassandra's ports (None: those recorded, else 9042 and 7000) are those of the nodes' data:
+        ports given that differ from a recorded cluster's are refused, never silently replaced."""
         started = time.monotonic()
         if self.state and nodes < self.nodes:
             raise ClusterError(f"{self.base} holds a {self.nodes}-node cluster; a cluster is never shrunk")
@@ -210,6 +229,11 @@ class LocalMailCluster:
             if given is not None and recorded is not None and given != recorded:
                 raise ClusterError(f"{self.base} holds a cluster with {flag} {recorded}, not {given}: run "
                                    f"`cassmail cluster down` and remove {self.base} to start one on {given}")
+        if self.state.get("rf") and bool(self.state.get("netns")) != use_netns:
+            # Cassandra's data on disk names its peers by address: the layout cannot change under it.
+            was = "in network namespaces (--netns)" if self.state.get("netns") else "on loopback (no --netns)"
+            raise ClusterError(f"{self.base} holds a cluster that ran {was}: give the same choice, or use "
+                               f"another {ENV_BASE}")
         if not 1 <= rf <= nodes:
             raise ClusterError(f"--rf must be between 1 and the number of nodes ({nodes}), got {rf}")
         cs = settings.store.cassandra
@@ -221,14 +245,16 @@ class LocalMailCluster:
             "keyspace": cs.keyspace, "read_consistency": cs.read_consistency, "write_consistency": cs.write_consistency,
             "serial_consistency": cs.serial_consistency, "ports": ports or dict(DEFAULT_PORTS), "workers": workers,
             "overrides": list(overrides or []), "up": previous.get("up", False),
-            "frontends": previous.get("frontends", []),
+            "frontends": previous.get("frontends", []), "netns": use_netns,
         }
         while len(self.state["frontends"]) < nodes:
             self.state["frontends"].append({"index": len(self.state["frontends"]) + 1, "pid": None, "start": None})
         self._save()
         try:
+            if use_netns:
+                netns.create(nodes)
             self.cassandra().up(timeout=timeout)
-        except self.launcher.LauncherError as exc:
+        except (self.launcher.LauncherError, netns.NetnsError) as exc:
             raise ClusterError(str(exc)) from None
         from cassmail.store import cassandra_schema
 
@@ -244,16 +270,76 @@ class LocalMailCluster:
         return time.monotonic() - started
 
     def down(self) -> None:
-        """Stop exactly what `up` started: every front end, then every Cassandra node."""
+        """Stop exactly what `up` started: every front end, then every Cassandra node, then (netns)
+        the namespaces and the bridge, even when a stop failed."""
         self._require()
-        for i in range(1, self.nodes + 1):
-            self.stop_frontend(i)
         try:
-            self.cassandra().down()
-        except self.launcher.LauncherError as exc:
+            for i in range(1, self.nodes + 1):
+                self.stop_frontend(i)
+            try:
+                self.cassandra().down()
+            except self.launcher.LauncherError as exc:
+                raise ClusterError(str(exc)) from None
+        finally:
+            self.state["up"] = False
+            self._save()
+            if self.in_netns:
+                failed = netns.destroy(self.nodes)
+                if failed:
+                    raise ClusterError("could not remove: " + "; ".join(failed))
+
+    # ----------------------------------------------------------------- network faults (netns only)
+
+    def _require_netns(self) -> None:
+        self._require()
+        if not self.in_netns:
+            raise ClusterError("network faults need a cluster started with `cassmail cluster up --netns`")
+
+    def _peers(self, i: int, peer: int | None) -> list[int]:
+        self._check(i)
+        if peer is not None:
+            self._check(peer)
+            if peer == i:
+                raise ClusterError(f"node {i} cannot be partitioned from itself")
+            return [peer]
+        return [n for n in range(1, self.nodes + 1) if n != i]
+
+    def partition(self, i: int, peer: int | None = None, one_way: bool = False) -> list[int]:
+        """Cut node i off from the other nodes (or from `peer` only); one_way drops only what i sends.
+
+        Clients still reach node i's front end, the way clients on its side of a split would.
+        """
+        self._require_netns()
+        peers = self._peers(i, peer)
+        try:
+            netns.partition(i, peers, one_way)
+        except netns.NetnsError as exc:
             raise ClusterError(str(exc)) from None
-        self.state["up"] = False
-        self._save()
+        return peers
+
+    def delay(self, i: int, ms: int, loss: float = 0.0, peer: int | None = None) -> list[int]:
+        """Delay by `ms` (and lose `loss` percent of) what node i sends to the other nodes (or `peer`)."""
+        self._require_netns()
+        if ms < 0 or not 0 <= loss <= 100:
+            raise ClusterError(f"--ms must be 0 or more and --loss between 0 and 100, got {ms} and {loss}")
+        peers = self._peers(i, peer)
+        try:
+            netns.delay(i, peers, ms, loss)
+        except netns.NetnsError as exc:
+            raise ClusterError(str(exc)) from None
+        return peers
+
+    def heal(self, i: int | None = None) -> list[int]:
+        """Remove every fault of node i (or of every node)."""
+        self._require_netns()
+        which = [i] if i is not None else list(range(1, self.nodes + 1))
+        for n in which:
+            self._check(n)
+            try:
+                netns.heal(n)
+            except netns.NetnsError as exc:
+                raise ClusterError(str(exc)) from None
+        return which
 
     # ----------------------------------------------------------------- front ends
 
@@ -273,7 +359,8 @@ class LocalMailCluster:
         """Start node i's front end unless it runs, and wait until every listener greets."""
         if self.frontend_pid(i) is None:
             env = {k: v for k, v in os.environ.items() if not k.startswith("CASSMAIL_") or k == "CASSMAIL_CACHE"}
-            cmd = [sys.executable, "-m", "cassmail.cli", "--config", str(self.frontend_config(i))]
+            prefix = netns.exec_prefix(i) if self.in_netns else []
+            cmd = [*prefix, sys.executable, "-m", "cassmail.cli", "--config", str(self.frontend_config(i))]
             for item in self.state.get("overrides", []):
                 cmd += ["--set", item]
             with self.frontend_log(i).open("ab") as log:
@@ -415,13 +502,17 @@ class LocalMailCluster:
         for i in range(1, self.nodes + 1):
             address = self.address(i)
             pid = self.frontend_pid(i)
+            try:
+                faults = netns.faults(i) if self.in_netns else []
+            except netns.NetnsError as exc:
+                faults = [str(exc)]
             failures = healthcheck.check(self.frontend_settings(i), timeout=1) if pid else ["not running"]
             out.append({
                 "node": i, "address": address,
                 "cassandra": "up" if rows[i]["cql"] else ("starting" if rows[i]["running"] else "down"),
                 "cassandra_pid": rows[i]["pid"], "frontend": "up" if not failures else ("failing" if pid else "down"),
                 "frontend_pid": pid, "tokens": len(tokens.get(address, [])),
-                "owns": owned.get(address), "effective": effective.get(address),
+                "owns": owned.get(address), "effective": effective.get(address), "faults": faults,
             })
         return out
 
@@ -431,7 +522,7 @@ class LocalMailCluster:
 
 def add_commands(sub: Any) -> None:
     """`cassmail cluster up|down|status|start|stop|kill`, added to the cli's parser."""
-    cl = sub.add_parser("cluster", help="a local N-node cluster: Cassandra and a front end on 127.0.0.1..N").add_subparsers(
+    cl = sub.add_parser("cluster", help="a local N-node cluster: Cassandra and a front end on 127.0.0.1..N (or in network namespaces)").add_subparsers(
         metavar="ACTION"
     )
     up = cl.add_parser("up", help="start N Cassandra nodes, apply the schema at RF, start N front ends")
@@ -445,6 +536,8 @@ def add_commands(sub: Any) -> None:
     for name, port in DEFAULT_PORTS.items():
         up.add_argument(f"--{name}-port", type=int, default=port, help=f"{name} port of every node (default {port})")
     up.add_argument("--workers", type=int, default=1, help="worker processes per front end (default 1)")
+    up.add_argument("--netns", action="store_true",
+                    help="each node in a network namespace of its own at 10.77.0.(10+N) (root; for partition/delay)")
     up.set_defaults(run=cmd_up)
     cl.add_parser("down", help="stop every front end and Cassandra node `up` started").set_defaults(run=cmd_down)
     st = cl.add_parser("status", help="each node's Cassandra, front end and share of the ring")
@@ -459,6 +552,20 @@ def add_commands(sub: Any) -> None:
                            help="its cassmail front end instead")
         which.add_argument("--all", action="store_const", dest="parts", const=PARTS, help="both")
         p.set_defaults(run=cmd_node, action=action, parts=("cassandra",))
+    part = cl.add_parser("partition", help="cut node N off from the other nodes (--netns clusters)")
+    part.add_argument("node", type=int, metavar="N")
+    part.add_argument("--from", type=int, dest="peer", metavar="M", help="from node M only")
+    part.add_argument("--one-way", action="store_true", help="drop only what N sends; N still hears the others")
+    part.set_defaults(run=cmd_partition)
+    dl = cl.add_parser("delay", help="delay and lose what node N sends to the other nodes (--netns clusters)")
+    dl.add_argument("node", type=int, metavar="N")
+    dl.add_argument("--ms", type=int, required=True, help="added latency in milliseconds")
+    dl.add_argument("--loss", type=float, default=0.0, help="percent of packets lost (default 0)")
+    dl.add_argument("--to", type=int, dest="peer", metavar="M", help="to node M only")
+    dl.set_defaults(run=cmd_delay)
+    hl = cl.add_parser("heal", help="remove the network faults of node N, or of every node")
+    hl.add_argument("node", type=int, metavar="N", nargs="?")
+    hl.set_defaults(run=cmd_heal)
 
 
 def cmd_up(settings: config.Settings, args: Any) -> int:
@@ -466,7 +573,8 @@ def cmd_up(settings: config.Settings, args: Any) -> int:
     rf = args.rf if args.rf is not None else min(3, args.nodes)
     ports = {name: getattr(args, f"{name}_port") for name in DEFAULT_PORTS}
     seconds = cluster.up(args.nodes, rf, settings, native_port=args.native_port, storage_port=args.storage_port,
-                         heap_mb=args.heap_mb, ports=ports, workers=args.workers, overrides=args.set)
+                         heap_mb=args.heap_mb, ports=ports, workers=args.workers, overrides=args.set,
+                         use_netns=args.netns)
     print(f"cluster of {args.nodes} node(s) up in {seconds:.0f} s (RF={rf}, reads {cluster.state['read_consistency']}, "
           f"writes {cluster.state['write_consistency']}); state in {cluster.base}")
     _print_status(cluster.status())
@@ -489,6 +597,9 @@ def _print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['node']:>4}  {r['address']:<11}  {r['cassandra']:<9}  {r['frontend']:<8}  {r['tokens']:>6}  "
               f"{pct(r['owns']):>6}  {pct(r['effective']):>9}")
+    for r in rows:
+        for fault in r.get("faults", []):
+            print(f"node {r['node']} fault: {fault}")
     for key, what in (("owns", "token ownership"), ("effective", "effective ownership")):
         shares = [r[key] for r in rows if r[key]]
         if len(shares) > 1:
@@ -503,6 +614,26 @@ def cmd_status(settings: config.Settings, args: Any) -> int:
         print(json.dumps(rows, indent=2))
     else:
         _print_status(rows)
+    return 0
+
+
+def cmd_partition(settings: config.Settings, args: Any) -> int:
+    peers = LocalMailCluster().partition(args.node, args.peer, args.one_way)
+    how = "drops what it sends to" if args.one_way else "is cut off from"
+    print(f"node {args.node} {how} node(s) {', '.join(map(str, peers))}; `cassmail cluster heal {args.node}` undoes it")
+    return 0
+
+
+def cmd_delay(settings: config.Settings, args: Any) -> int:
+    peers = LocalMailCluster().delay(args.node, args.ms, args.loss, args.peer)
+    print(f"node {args.node}: {args.ms} ms added, {args.loss:g}% lost on what it sends to node(s) "
+          f"{', '.join(map(str, peers))}")
+    return 0
+
+
+def cmd_heal(settings: config.Settings, args: Any) -> int:
+    healed = LocalMailCluster().heal(args.node)
+    print(f"network faults removed from node(s) {', '.join(map(str, healed))}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import imaplib
 import poplib
+import re
 import smtplib
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ class Outcome:
     text: str = ""
     code: int = 0
     messages: list[bytes] = field(default_factory=list)
+    #: With imap_uids: the UID of each of `messages`, in the same order.
+    uids: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -75,8 +78,9 @@ def pop3_read(host: str, port: int, user: str, password: str, timeout: float = 6
         client.close()
 
 
-def imap_read(host: str, port: int, user: str, password: str, timeout: float = 60) -> Outcome:
-    """LOGIN, SELECT INBOX, UID FETCH every message's body, LOGOUT."""
+def imap_read(host: str, port: int, user: str, password: str, timeout: float = 60,
+              items: str = "(BODY.PEEK[])") -> Outcome:
+    """LOGIN, SELECT INBOX, UID FETCH `items` (the whole body) of every message, LOGOUT."""
     try:
         client = imaplib.IMAP4(host, port, timeout=timeout)
     except OSError as exc:
@@ -86,12 +90,19 @@ def imap_read(host: str, port: int, user: str, password: str, timeout: float = 6
         kind, data = client.select("INBOX")
         if kind != "OK":
             return Outcome("temp", f"SELECT {kind} {data!r}")
-        kind, data = client.uid("FETCH", "1:*", "(BODY.PEEK[])")
+        kind, data = client.uid("FETCH", "1:*", items)
         if kind != "OK":
             return Outcome("temp", f"FETCH {kind} {data!r}")
-        messages = [item[1] for item in data if isinstance(item, tuple)]
+        messages, uids = [], []
+        for k, item in enumerate(data):
+            if isinstance(item, tuple):
+                # The UID may come before the literal or after it (in the next, plain element).
+                after = data[k + 1] if k + 1 < len(data) and isinstance(data[k + 1], bytes) else b""
+                found = re.search(rb"UID (\d+)", item[0]) or re.search(rb"UID (\d+)", after)
+                messages.append(item[1])
+                uids.append(int(found.group(1)) if found else 0)
         client.logout()
-        return Outcome("ok", f"{len(messages)} message(s)", messages=messages)
+        return Outcome("ok", f"{len(messages)} message(s)", messages=messages, uids=uids)
     except imaplib.IMAP4.abort as exc:
         return Outcome("dropped", str(exc))
     except imaplib.IMAP4.error as exc:
@@ -103,6 +114,11 @@ def imap_read(host: str, port: int, user: str, password: str, timeout: float = 6
             client.shutdown()
         except OSError:
             pass
+
+
+def imap_uids(host: str, port: int, user: str, password: str, timeout: float = 60) -> Outcome:
+    """Each message's UID and Subject header only: what every UID names, cheaply."""
+    return imap_read(host, port, user, password, timeout, items="(BODY.PEEK[HEADER.FIELDS (SUBJECT)])")
 
 
 def subject_of(message: bytes) -> str:

@@ -612,6 +612,16 @@ class LocalCluster:
         """Node i listens on 127.0.0.i: distinct addresses, identical ports."""
         return f"127.0.0.{i}"
 
+    def command_prefix(self, i: int) -> list[str]:
+        """What node i's java command runs under (none here); a subclass that puts each node in
+        a network namespace of its own returns ``ip netns exec NAME``, which execs in place, so
+        the pid started is still the JVM's."""
+        return []
+
+    def port_free(self, i: int, port: int) -> bool:
+        """Can node i bind its address and ``port`` now (where node i runs)?"""
+        return _port_free(self.address(i), port)
+
     def node_dir(self, i: int) -> Path:
         return self.base_dir / f"node{i}"
 
@@ -820,9 +830,9 @@ class LocalCluster:
         # of grace: a node killed a moment ago may still be releasing its sockets.
         for port in (self.native_port, self.storage_port):
             deadline = time.monotonic() + 5
-            while not _port_free(addr, port) and time.monotonic() < deadline:
+            while not self.port_free(i, port) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if not _port_free(addr, port):
+            if not self.port_free(i, port):
                 raise LauncherError(
                     f"{addr}:{port} is already in use (another Cassandra? see "
                     f"`ss -ltnp 'sport = :{port}'`): stop it or choose other ports"
@@ -830,7 +840,7 @@ class LocalCluster:
         lib = ensure_jars(self.cache_dir, self.version)
         self.write_node_files(i)
         d = self.node_dir(i)
-        cmd = [java, *self.jvm_args(i, lib)]
+        cmd = [*self.command_prefix(i), java, *self.jvm_args(i, lib)]
         stdout_log = d / "logs" / "stdout.log"
         with stdout_log.open("ab") as out:
             out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher: "
