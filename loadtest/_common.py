@@ -32,7 +32,7 @@ from typing import Any
 from cassmail import config
 from cassmail.auth import HashParams, hash_password
 from cassmail.config import Settings, to_toml
-from cassmail.store.base import Store
+from cassmail.store.base import NoSuchDomain, Store
 
 HOST = "127.0.0.1"
 #: The load-test users' password, hashed cheaply: logging in is not what is measured.
@@ -381,6 +381,14 @@ async def make_users(store: Store, domain: str, n: int, concurrency: int = 32, p
 
     async def one(user: str) -> None:
         async with limit:
+            # The domain was added a moment ago: at a weak read level (RF=2, ONE) the replica that
+            # answers may not have it yet. Set-up waits for it (10 s at most).
+            for _ in range(100):
+                try:
+                    await store.create_user(user, hashed)
+                    return
+                except NoSuchDomain:
+                    await asyncio.sleep(0.1)
             await store.create_user(user, hashed)
 
     await asyncio.gather(*(one(u) for u in users))
