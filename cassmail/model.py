@@ -189,6 +189,11 @@ _id_lock = threading.Lock()
 _last_timestamp = 0
 
 
+def timeuuid_seconds(value: uuid.UUID) -> float:
+    """The time of a version-1 UUID (new_message_id's), in seconds since 1970."""
+    return (value.time - _EPOCH_OFFSET_100NS) / 10_000_000
+
+
 def new_message_id(at: float | None = None) -> uuid.UUID:
     """A fresh version-1 (time-based) UUID, Cassandra's `timeuuid`.
 

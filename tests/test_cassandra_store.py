@@ -511,3 +511,26 @@ async def test_taking_from_a_queue_that_delivered_many_walks_no_tombstones(make_
     with sweeping.tracing() as sweep:
         assert await sweeping.take_due("w2", 100, lease=60.0) == []
     assert sweep.tombstones >= 300
+
+
+async def test_a_changes_token_is_none_while_an_older_write_could_still_land(make_store) -> None:
+    """Writes carry their client's timestamp: one sent before the write that set `changed` can
+    land after a listing without changing the column. So a token younger than the request
+    timeout (plus CHANGES_SETTLE) is None, and the IMAP view lists the mailbox again."""
+    from cassmail.store import cassandra
+
+    store = await make_store()
+    domain = f"c{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    user = f"tok@{domain}"
+    await store.create_user(user, "$scrypt$x")
+    [message_id] = await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user)])
+    await store.assign_uids(user, "INBOX", [message_id])
+    assert await store.changes_token(user, "INBOX") is None  # the last change is a moment old
+    settled = cassandra.CHANGES_SETTLE
+    try:
+        cassandra.CHANGES_SETTLE = -store.settings.request_timeout  # as if the window had passed
+        token = await store.changes_token(user, "INBOX")
+        assert token is not None and await store.changes_token(user, "INBOX") == token
+    finally:
+        cassandra.CHANGES_SETTLE = settled

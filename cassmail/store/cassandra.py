@@ -54,6 +54,7 @@ from cassmail.model import (
     mailbox_name,
     new_message_id,
     normalize_domain,
+    timeuuid_seconds,
 )
 from cassmail.store.base import (
     Alias,
@@ -87,6 +88,8 @@ from cassmail.store.cassandra_sieve import SIEVE_STATEMENTS, CassandraSieve
 
 log = logging.getLogger(__name__)
 
+#: Seconds beyond the request timeout a write may take to land (see changes_token).
+CHANGES_SETTLE = 2.0
 #: Rows per conditional batch when assigning UIDs (keeps batches far below batch_size_fail_threshold).
 UID_BATCH = 256
 #: Ids per `IN (...)` read or delete.
@@ -992,10 +995,21 @@ class CassandraStore(CassandraSieve, CassandraQueue):
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         """The `changed` column (schema 005), read through the anchor row; None before the mailbox
-        was first numbered (no anchor yet: the listing is read)."""
+        was first numbered (no anchor yet: the listing is read).
+
+        Also None while the last change is younger than a write may stay in flight: writes carry
+        the timestamp their client gave them, so a write sent before the one that set `changed`
+        can land after it (and after a listing) without changing the column, last-write-wins by
+        timestamp keeping the newer value. Once no write that old can still arrive, an unchanged
+        column means an unchanged mailbox."""
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
         rows = await self._run("msg_changes_token", mailbox_id, ANCHOR)
-        return (mailbox_id, rows[0].changed) if rows else None
+        if not rows or rows[0].changed is None:
+            return None
+        changed = rows[0].changed
+        if time.time() - timeuuid_seconds(changed) < self.settings.request_timeout + CHANGES_SETTLE:
+            return None
+        return (mailbox_id, changed)
 
     async def assign_uids(
         self,
