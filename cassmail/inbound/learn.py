@@ -60,11 +60,6 @@ class Learner:
     def is_junk(self, name: str, special_use: str | None) -> bool:
         return special_use == "\\Junk" or name == self.junk_mailbox
 
-    async def close(self) -> None:
-        for task in self._workers:
-            task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-
     async def _work(self) -> None:
         while True:
             store, user, mailbox, message_id, spam = await self._queue.get()
@@ -89,7 +84,7 @@ class Learner:
             reply = await asyncio.wait_for(post(self.host, self.port, f"{self.base}/learn{kind}", fields, message),
                                            self.timeout)
         except (TimeoutError, OSError, SpamFilterUnavailable) as exc:
-            log.warning(kv("rspamd-learn", user=user, kind=kind, result="fail", error=exc or "timeout"))
+            log.warning(kv("rspamd-learn", user=user, kind=kind, result="fail", error=str(exc) or "no answer in time"))
             return
         status = reply.split(b"\r\n", 1)[0].split()
         code = status[1].decode("ascii", "replace") if len(status) > 1 else "?"
