@@ -305,6 +305,44 @@ async def test_a_body_deleted_between_two_chunks_is_no_such_message_a_lost_chunk
         await store.read_message(user, INBOX, kept)
 
 
+async def test_a_chunk_missing_at_the_read_level_is_asked_of_every_replica_before_giving_up(make_store, monkeypatch) -> None:
+    """At ONE with RF >= 2 the replica that answers may not have applied a chunk another one has."""
+    store = await make_store()
+    user = await new_user(store)
+    body = os.urandom(store.settings.chunk_size * 2 + 10)
+    [kept] = await store.deliver(body, [Target(user)])
+    real, levels = store._exec, []
+
+    async def first_chunk_read_misses(statement):
+        prepared = getattr(statement, "prepared_statement", None)
+        if prepared is not None and prepared.query_string.startswith("SELECT data FROM"):
+            levels.append(statement.consistency_level)
+            if len(levels) == 1:
+                return []  # the lagging replica answered
+        return await real(statement)
+
+    monkeypatch.setattr(store, "_exec", first_chunk_read_misses)
+    assert await store.read_message(user, INBOX, kept) == body
+    assert levels[0] != ConsistencyLevel.ALL and levels.count(ConsistencyLevel.ALL) == 1  # the missed chunk only
+
+
+async def test_a_deletion_whose_tidying_up_fails_is_still_done_and_says_so(make_store, monkeypatch) -> None:
+    """The rows are gone once the delete batch is stored: freeing bodies and moving the low-water mark
+    (a conditional write, contended by other sessions) must not turn that into an error."""
+    store = await make_store()
+    user = await new_user(store)
+    ids = [(await store.deliver(b"Subject: x\r\n\r\n" + b"y" * 100_000, [Target(user)]))[0] for _ in range(3)]
+
+    async def contended(*args, **kw):
+        raise StoreUnavailable("Cassandra: CAS operation timed out (contention)")
+
+    monkeypatch.setattr(store, "_conditional", contended)
+    monkeypatch.setattr(store, "_release_bodies", contended)
+    await store.delete_messages(user, INBOX, ids[:2])
+    monkeypatch.undo()
+    assert set(await store.get_summaries(user, INBOX, ids)) == {ids[2]}
+
+
 async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
     store = await make_store()
     user = await new_user(store)

@@ -843,6 +843,8 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                         pending[ahead] = asyncio.ensure_future(self._chunk(info.body_id, ahead))
                 data = await pending.pop(idx)
                 if data is None:
+                    data = await self._chunk(info.body_id, idx, every_replica=True)
+                if data is None:
                     raise await self._missing_chunk(mailbox_id, mailbox, message_id, info.body_id, idx)
                 lo = start - idx * chunk if idx == first else 0
                 hi = end - idx * chunk if idx == last else len(data)
@@ -853,10 +855,15 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                 if task.done() and not task.cancelled():
                     task.exception()  # read ahead and failed: nobody else will look at it
 
-    async def _chunk(self, body_id: uuid.UUID, idx: int) -> bytes | None:
-        """A chunk of a body; None when it is not there."""
+    async def _chunk(self, body_id: uuid.UUID, idx: int, every_replica: bool = False) -> bytes | None:
+        """A chunk of a body; None when it is not there. `every_replica` asks all replicas (ALL):
+        under a message row that is there, a chunk missing at a weaker level is one replica that
+        has not applied the write yet while another has (RF=2 or more at ONE)."""
+        statement = self._ps["chunk_get"].bind((body_id, idx))
+        if every_replica:
+            statement.consistency_level = ConsistencyLevel.ALL
         async with self._chunk_slots:
-            rows = await self._run("chunk_get", body_id, idx)
+            rows = await self._exec(statement)
         return rows[0].data if rows else None
 
     async def _missing_chunk(
@@ -906,8 +913,16 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             await self._exec(batch)
             for r in rows:
                 newest = _later(newest, r.id)
-            await self._release_bodies(mailbox_id, rows)
-        await self._advance_low_water(key, name, row, newest)
+            # The messages are gone from here on: what follows only tidies up, and a failure of it
+            # must not turn a done deletion into an error the client would retry or report.
+            try:
+                await self._release_bodies(mailbox_id, rows)
+            except StoreUnavailable as exc:
+                log.info("bodies of %d deleted messages in %s %r not released: %s", len(rows), key, name, exc)
+        try:
+            await self._advance_low_water(key, name, row, newest)
+        except StoreUnavailable as exc:  # contention on the mailbox row; the next delete or listing moves it
+            log.info("low-water mark of %s %r not moved: %s", key, name, exc)
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""
