@@ -20,19 +20,33 @@ import dns.message
 import dns.query
 import dnslib
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine's loopback takes IPv6 (::1): a container may have it off."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def free_port_on(*hosts: str) -> int:
-    """A TCP port free on every one of `hosts`."""
+    """A TCP port free on every one of `hosts` (IPv4 or IPv6 addresses)."""
     while True:
-        with socket.socket() as probe:
+        with socket.socket(_family(hosts[0])) as probe:
             probe.bind((hosts[0], 0))
             port = probe.getsockname()[1]
         free = True
         for host in hosts[1:]:
-            with socket.socket() as other:
+            with socket.socket(_family(host)) as other:
                 try:
                     other.bind((host, port))
                 except OSError:
@@ -124,6 +138,8 @@ class Received:
     options: list[str]
     tls: bool
     peer: str
+    #: Who authenticated (AUTH) in the session that sent it; "" when nobody did.
+    login: str = ""
     at: float = field(default_factory=time.monotonic)
 
 
@@ -184,10 +200,11 @@ class MxHandler:
             self.data_started.append(time.monotonic())
         if any(r.rpartition("@")[0].lower().startswith("slow") for r in envelope.rcpt_tos):
             await asyncio.sleep(self.slow_seconds)
+        login = session.auth_data.login.decode() if session.authenticated and session.auth_data else ""
         with self.lock:
             self.messages.append(Received(
                 envelope.mail_from, list(envelope.rcpt_tos), bytes(envelope.original_content or b""),
-                list(envelope.mail_options), session.ssl is not None, str(session.peer[0]),
+                list(envelope.mail_options), session.ssl is not None, str(session.peer[0]), login,
             ))
         return "250 2.0.0 Message accepted"
 
@@ -197,20 +214,37 @@ class MxHandler:
 
 
 class RemoteMx(Controller):
-    """aiosmtpd on host:port with STARTTLS (unless `starttls` is False) and SMTPUTF8."""
+    """aiosmtpd on host:port (IPv4 or IPv6) with SMTPUTF8, and STARTTLS when given `tls_files`.
+    With `login` (user, password) it is a provider's smarthost: AUTH is offered only after
+    STARTTLS, and no MAIL is taken before a successful AUTH."""
 
-    def __init__(self, host: str, port: int, tls_files: dict[str, str] | None, handler: MxHandler | None = None) -> None:
+    def __init__(self, host: str, port: int, tls_files: dict[str, str] | None, handler: MxHandler | None = None,
+                 login: tuple[str, str] | None = None) -> None:
         self.mx = handler or MxHandler()
         context = None
         if tls_files:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(tls_files["tls_cert"], tls_files["tls_key"])
+        auth: dict[str, Any] = {}
+        if login is not None:
+            auth = {"auth_required": True, "auth_require_tls": True, "authenticator": _Password(*login)}
         super().__init__(self.mx, hostname=host, port=port, tls_context=context, enable_SMTPUTF8=True,
                          decode_data=False, data_size_limit=64 * 1024 * 1024, ready_timeout=10,
-                         server_hostname=f"mx.{host}")
+                         server_hostname=f"mx.{host}", **auth)
 
     def factory(self) -> SMTP:
         return _CountingSMTP(self.handler, **self.SMTP_kwargs)
+
+
+class _Password:
+    """aiosmtpd's authenticator for PLAIN and LOGIN: one user and password."""
+
+    def __init__(self, user: str, password: str) -> None:
+        self.user, self.password = user.encode(), password.encode()
+
+    def __call__(self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, data: Any) -> AuthResult:
+        good = isinstance(data, LoginPassword) and (data.login, data.password) == (self.user, self.password)
+        return AuthResult(success=True, auth_data=data) if good else AuthResult(success=False, handled=False)  # 535
 
 
 # ----------------------------------------------------------------------------- remotes that misbehave

@@ -1,7 +1,12 @@
 """Outbound mail end to end: a real `cassmail serve` with its queue workers, on each store,
 sending to remote MXs of the test's own (aiosmtpd with STARTTLS on 127.0.0.2 and .3) found
 through a DNS server of the test's own (dnslib on loopback, `relay.nameservers`), and to
-remotes that misbehave. Users submit with smtplib and read their DSNs with poplib.
+remotes that misbehave. Users submit with smtplib and read their DSNs with poplib. A second
+node, on the mbox store only, sends through a smarthost (`relay.relayhost`, AUTH over
+STARTTLS) and checks certificates (`relay.tls = "verify"`).
+
+What no store changes (routing, the SMTP client, loops) runs on one store, mbox, to keep the
+suite short; what the queue does runs on every store.
 
 Every remote host listens on the same port (`relay.port`), as MXs on many machines listen
 on 25. Retries, lifetime and leases are made short by settings, so a day's schedule plays
@@ -11,6 +16,7 @@ in seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email
 import email.policy
 import json
@@ -30,8 +36,8 @@ import pytest
 from cassmail.config import Settings
 from cassmail.store.base import Store
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password, opened_store
-from tests.nodes import CASSMAIL, CLIENT_TLS, Node, node_settings
-from tests.outbound_peers import BadRemote, Dns, RemoteMx, free_port_on
+from tests.nodes import CASSMAIL, CLIENT_TLS, Node, inbox, node_settings
+from tests.outbound_peers import BadRemote, Dns, RemoteMx, free_port_on, ipv6_loopback
 
 pytestmark = pytest.mark.cassandra
 
@@ -40,6 +46,10 @@ OUTBOUND_BACKENDS = ["cassandra", "mbox", "wheelfs"]
 GOOD, IMPLICIT, PLAIN, DOWN = "127.0.0.2", "127.0.0.3", "127.0.0.9", "127.0.0.10"
 BAD = {"garbage": "127.0.0.4", "silent": "127.0.0.5", "huge": "127.0.0.6", "close-mid-data": "127.0.0.7"}
 TRUSTED = "127.0.0.11"  # a client the submission listener trusts without AUTH (Postfix's mynetworks)
+RELAY, REUSE, CHECKED = "127.0.0.12", "127.0.0.13", "127.0.0.14"
+SIX = "::1"  # the AAAA of six.test, when this machine's loopback has IPv6
+#: The smarthost's account (AUTH PLAIN/LOGIN, offered only after STARTTLS).
+RELAY_LOGIN = ("cassmail-node", "relay-secret")
 LIFETIME = 8.0
 DELAY_WARNING = 3.0
 
@@ -52,11 +62,18 @@ class World:
     implicit: RemoteMx
     plain: BadRemote
     bad: dict[str, BadRemote]
+    #: A provider's smarthost (AUTH required, only over STARTTLS); a plain MX for counting
+    #: sessions; an MX with a self-signed certificate for `tls = "verify"`; one on ::1 (or None).
+    relay: RemoteMx
+    reuse: RemoteMx
+    checked: RemoteMx
+    six: RemoteMx | None
 
 
 @pytest.fixture(scope="module")
 def world(tls_files: dict[str, str]) -> Iterator[World]:
-    port = free_port_on(GOOD, IMPLICIT, PLAIN, DOWN, *BAD.values())
+    six_hosts = [SIX] if ipv6_loopback() else []
+    port = free_port_on(GOOD, IMPLICIT, PLAIN, DOWN, RELAY, REUSE, CHECKED, *BAD.values(), *six_hosts)
     dns = Dns().start()
     zone = dns.zone
     zone.add("remote.test", "MX", "10 mx1.remote.test.")
@@ -70,19 +87,32 @@ def world(tls_files: dict[str, str]) -> Iterator[World]:
     for mode, host in BAD.items():
         zone.add(f"{mode}.test", "MX", f"10 mx.{mode}.test.")
         zone.add(f"mx.{mode}.test", "A", host)
+    zone.add("servfail.test", "MX", "10 mx1.remote.test.")  # a test makes it SERVFAIL for a while
+    zone.add("six.test", "A", DOWN)  # no MX; its A refuses connections, its AAAA is ::1
+    if six_hosts:
+        zone.add("six.test", "AAAA", SIX)
+    zone.add("reuse.test", "MX", "10 mx.reuse.test.")
+    zone.add("mx.reuse.test", "A", REUSE)
+    zone.add("smarthost.test", "A", RELAY)
+    zone.add("mx.checked.test", "A", CHECKED)
     good = RemoteMx(GOOD, port, tls_files)
     implicit = RemoteMx(IMPLICIT, port, None)
-    good.start()
-    implicit.start()
+    relay = RemoteMx(RELAY, port, tls_files, login=RELAY_LOGIN)
+    reuse = RemoteMx(REUSE, port, None)
+    checked = RemoteMx(CHECKED, port, tls_files)
+    six = RemoteMx(SIX, port, None) if six_hosts else None
+    controllers = [c for c in (good, implicit, relay, reuse, checked, six) if c is not None]
+    for controller in controllers:
+        controller.start()
     plain = BadRemote(PLAIN, port, "plain").start()
     bad = {mode: BadRemote(host, port, mode).start() for mode, host in BAD.items()}
     try:
-        yield World(dns, port, good, implicit, plain, bad)
+        yield World(dns, port, good, implicit, plain, bad, relay, reuse, checked, six)
     finally:
         for remote in (plain, *bad.values()):
             remote.stop()
-        good.stop()
-        implicit.stop()
+        for controller in controllers:
+            controller.stop()
         dns.stop()
 
 
@@ -104,6 +134,7 @@ class Outbound:
     world: World
     #: Sent as the node started, to a domain whose MX never answers: it bounces at LIFETIME.
     doomed: dict[str, Any]
+    backend: str
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([CASSMAIL, "--config", str(self.node.config), *args], capture_output=True, text=True,
@@ -139,6 +170,12 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 30.0)
             return value
         assert time.monotonic() < deadline, f"not true within {timeout} s"
         await asyncio.sleep(0.1)
+
+
+def on_one_store(outbound: Outbound) -> None:
+    """Routing, the SMTP client and loop detection do not depend on the store: run on mbox only."""
+    if outbound.backend != "mbox":
+        pytest.skip("store-independent: runs on the mbox store only")
 
 
 def pop_all(node: Node, user: str) -> list[bytes]:
@@ -185,7 +222,7 @@ async def outbound(out_settings: Settings, out_store: Store, world: World, tls_f
         nulls = [await out_store.enqueue(b"Subject: a bounce\r\n\r\nx\r\n", "", [rcpt])
                  for rcpt in ("reject-null@remote.test", "nobody@down.test")]
         doomed = {"sender": people["dora"], "since": time.monotonic(), "nulls": nulls}
-        yield Outbound(node, out_store, world, doomed)
+        yield Outbound(node, out_store, world, doomed, out_settings.store.backend)
     finally:
         assert node.stop() == 0
         assert "Traceback" not in node.log_text(), node.log_text()[-5000:]
@@ -369,6 +406,98 @@ async def test_misbehaving_remotes_each_defer_with_a_logged_reason_and_nothing_i
             records[(f"mx.{mode}.test", "A")] = [host]
 
 
+# ----------------------------------------------------------------------------- routing, loops, connections (one store)
+
+
+async def test_a_dns_servfail_defers_with_a_logged_reason_and_the_mail_goes_once_dns_answers(
+    outbound: Outbound,
+) -> None:
+    on_one_store(outbound)
+    people = await make_users(outbound.store, "lena")
+    rcpt = f"x-{uuid.uuid4().hex[:6]}@servfail.test"
+    zone = outbound.world.dns.zone
+    zone.failing.add("servfail.test")
+    try:
+        assert await asyncio.to_thread(submit, outbound.node, people["lena"], [rcpt], b"Subject: dns\r\n\r\nx\r\n") == {}
+        [line] = await eventually(lambda: asyncio.sleep(0, outbound.log_lines(
+            rf"event=outbound .*rcpt={rcpt} remote=servfail\.test route=mx result=deferred "
+            r'reply="451 4\.4\.3 MX lookup for servfail\.test failed: .*SERVFAIL.*" attempt=1 ms=\d+$')))
+        entry_id = re.search(r" id=(\w+) ", line).group(1)  # type: ignore[union-attr]
+        [entry] = [e for e in await outbound.store.list_queue("servfail.test") if e.id.hex == entry_id]
+        assert [(r.address, r.state) for r in entry.recipients] == [(rcpt, "pending")]
+        assert outbound.world.good.mx.for_recipient(rcpt) == []
+    finally:
+        zone.failing.discard("servfail.test")
+    # The next attempt (min_backoff 1 s) finds the MX and delivers it, once.
+    await eventually(lambda: asyncio.sleep(0, outbound.world.good.mx.for_recipient(rcpt)))
+    assert outbound.log_lines(rf"event=outbound id={entry_id} rcpt={rcpt} remote=mx1\.remote\.test\[{GOOD}\] "
+                              r"route=mx result=sent .* attempt=[2-9]")
+    assert len(outbound.world.good.mx.for_recipient(rcpt)) == 1
+
+
+async def test_a_domain_without_mx_is_reached_on_its_aaaa_address_when_its_a_address_refuses(
+    outbound: Outbound,
+) -> None:
+    on_one_store(outbound)
+    if outbound.world.six is None:
+        pytest.skip("this machine's loopback has no IPv6 (::1)")
+    people = await make_users(outbound.store, "mona")
+    rcpt = f"v6-{uuid.uuid4().hex[:6]}@six.test"
+    assert await asyncio.to_thread(submit, outbound.node, people["mona"], [rcpt], b"Subject: six\r\n\r\nx\r\n") == {}
+    [got] = await eventually(lambda: asyncio.sleep(0, outbound.world.six.mx.for_recipient(rcpt)))  # type: ignore[union-attr]
+    assert got.peer == SIX and got.sender == people["mona"]
+    [line] = await eventually(lambda: asyncio.sleep(0, outbound.log_lines(rf"event=outbound .*rcpt={rcpt} ")))
+    assert re.search(r"remote=six\.test\[::1\] route=mx result=sent .* attempt=1 ", line), line
+
+
+async def test_a_loop_bounces_at_once_with_one_dsn_per_message_and_the_other_recipients_are_sent(
+    outbound: Outbound,
+) -> None:
+    on_one_store(outbound)
+    people = await make_users(outbound.store, "nora")
+    nora, tag = people["nora"], uuid.uuid4().hex[:6]
+    hops, named, other = f"hops-{tag}@remote.test", f"named-{tag}@remote.test", f"other-{tag}@remote.test"
+    # 50 Received: fields, and submission adds the 51st: more than delivery.max_hops (50).
+    many = b"".join(b"Received: from relay%d.example by relay%d.example; Thu, 1 Jan 2026 00:00:00 +0000\r\n"
+                    % (k, k + 1) for k in range(50))
+    assert await asyncio.to_thread(submit, outbound.node, nora, [hops], many + b"Subject: round\r\n\r\nx\r\n") == {}
+    looped = f"Delivered-To: {named}\r\nSubject: again\r\n\r\nx\r\n".encode()
+    assert await asyncio.to_thread(submit, outbound.node, nora, [named, other], looped) == {}
+    await eventually(lambda: asyncio.sleep(0, len(outbound.log_lines(rf"event=outbound-done .*rcpt=(?:{hops}|{named}) "
+                                                                     r".*result=bounced")) == 2))
+    # Each bounced recipient's DSN went out before its failure was recorded: nothing more is coming.
+    dsns = await asyncio.to_thread(pop_all, outbound.node, nora)
+    assert len(dsns) == 2, [report(m)[1] for m in dsns]
+    failed = {r["Final-Recipient"]: r for m in dsns for r in report(m)[1]}
+    assert set(failed) == {f"rfc822; {hops}", f"rfc822; {named}"}
+    assert all(r["Status"] == "5.4.6" and r["Action"] == "failed" for r in failed.values())
+    assert "Too many hops (51 Received: fields)" in failed[f"rfc822; {hops}"]["Diagnostic-Code"]
+    assert "Delivered-To names this recipient" in failed[f"rfc822; {named}"]["Diagnostic-Code"]
+    for rcpt in (hops, named):
+        [line] = outbound.log_lines(rf"event=outbound id=\w+ rcpt={rcpt} ")
+        assert re.search(r' result=bounced reply="554 5\.4\.6 .*mail loop" attempt=1 ms=\d+$', line), line
+        assert outbound.world.good.mx.for_recipient(rcpt) == []
+    [sent] = await eventually(lambda: asyncio.sleep(0, outbound.world.good.mx.for_recipient(other)))
+    assert sent.recipients == [other]
+
+
+async def test_one_connection_carries_several_messages_to_one_destination(outbound: Outbound) -> None:
+    on_one_store(outbound)
+    mx = outbound.world.reuse.mx
+    before = mx.sessions
+    tag = uuid.uuid4().hex[:6]
+    rcpts = [f"r{k}-{tag}@reuse.test" for k in range(6)]
+    due = time.time() + 1.0  # all due at once: six deliveries to one destination side by side
+    for rcpt in rcpts:
+        await outbound.store.enqueue(f"Subject: {rcpt}\r\n\r\nx\r\n".encode(), "op@sender.example", [rcpt], due=due)
+    await eventually(lambda: asyncio.sleep(0, all(mx.for_recipient(r) for r in rcpts)))
+    assert all(len(mx.for_recipient(r)) == 1 for r in rcpts)
+    # destination_concurrency = 2: six messages over at most two connections, so the
+    # connections carried several each (the remote counts the sessions it was opened).
+    sessions = mx.sessions - before
+    assert 1 <= sessions <= 2, sessions
+
+
 # ----------------------------------------------------------------------------- the queue seen by an operator
 
 
@@ -444,3 +573,150 @@ def test_the_counters_say_what_was_queued_sent_deferred_and_bounced(outbound: Ou
     assert value("cassmail_outbound_queued_recipients_total") >= value("cassmail_outbound_queued_total")
     assert value("cassmail_outbound_queue_age_seconds_count") == sent + bounced
     assert value("cassmail_store_seconds_count", op="enqueue") >= value("cassmail_outbound_queued_total")
+
+
+# ----------------------------------------------------------------------------- a smarthost, verified TLS (mbox)
+
+
+@dataclass
+class Smarthost:
+    """A node that sends everything through `relay.relayhost` (smarthost.test, AUTH over
+    STARTTLS), but for the transport map's checked.test (verify: the default `relay.tls`) and
+    loose.test (may, by `relay.tls_policy`), both to an MX with a self-signed certificate."""
+
+    node: Node
+    store: Store
+    settings: Settings
+    world: World
+
+    def log_lines(self, pattern: str) -> list[str]:
+        return re.findall(rf"^.*{pattern}.*$", self.node.log_text(), re.M)
+
+
+@pytest.fixture(scope="module")
+async def smarthost(world: World, tls_files: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+                    request: pytest.FixtureRequest) -> AsyncIterator[Smarthost]:
+    settings = node_settings(backend_settings_for("mbox", request))
+    checked = f"[mx.checked.test]:{world.port}"
+    node = Node(
+        settings, tmp_path_factory.mktemp("smarthost"), submission={**tls_files}, imap={"enabled": False},
+        pop3={"enabled": False}, lmtp={"enabled": False},
+        delivery={"enabled": True, "min_backoff": 1.0, "max_backoff": 2.0, "lease": 10.0, "poll_interval": 0.2},
+        relay={"nameservers": [world.dns.address], "port": world.port, "connect_timeout": 2.0, "timeout": 3.0,
+               "dns_timeout": 3.0, "connection_reuse_time": 0.0, "relayhost": f"[smarthost.test]:{world.port}",
+               "relayhost_username": RELAY_LOGIN[0], "relayhost_password": RELAY_LOGIN[1], "tls": "verify",
+               "tls_policy": {"loose.test": "may"}, "transport": {"checked.test": checked, "loose.test": checked}},
+    )
+    async with opened_store(settings) as store:
+        node.start()
+        try:
+            yield Smarthost(node, store, settings, world)
+        finally:
+            assert node.stop() == 0
+            assert "Traceback" not in node.log_text(), node.log_text()[-5000:]
+
+
+async def test_a_relayhost_takes_mail_for_any_domain_over_starttls_after_auth(smarthost: Smarthost) -> None:
+    people = await make_users(smarthost.store, "olga")
+    rcpt = f"friend-{uuid.uuid4().hex[:6]}@anywhere.example"  # no DNS record: the relayhost routes it
+    assert await asyncio.to_thread(submit, smarthost.node, people["olga"], [rcpt], b"Subject: via\r\n\r\nx\r\n") == {}
+    [got] = await eventually(lambda: asyncio.sleep(0, smarthost.world.relay.mx.for_recipient(rcpt)))
+    assert got.tls and got.login == RELAY_LOGIN[0] and got.sender == people["olga"]
+    await eventually(lambda: asyncio.sleep(0, smarthost.log_lines(
+        rf"event=outbound .*rcpt={rcpt} remote=smarthost\.test\[{RELAY}\] route=relayhost result=sent")))
+
+
+async def test_a_relayhost_without_starttls_defers_and_nothing_is_sent_in_clear(smarthost: Smarthost) -> None:
+    people = await make_users(smarthost.store, "pia")
+    rcpt = f"friend-{uuid.uuid4().hex[:6]}@anywhere.example"
+    records = smarthost.world.dns.zone.records
+    records[("smarthost.test", "A")] = [IMPLICIT]  # an MX that offers no STARTTLS (and takes mail without AUTH)
+    try:
+        assert await asyncio.to_thread(submit, smarthost.node, people["pia"], [rcpt], b"Subject: clear?\r\n\r\nx\r\n") == {}
+        await eventually(lambda: asyncio.sleep(0, smarthost.log_lines(
+            rf"event=outbound .*rcpt={rcpt} remote=smarthost\.test\[{IMPLICIT}\] route=relayhost result=deferred "
+            rf'reply="451 4\.4\.2 smarthost\.test\[{IMPLICIT}\]: TLS is required \(encrypt\) but the remote does not '
+            r'offer STARTTLS"')))
+        assert smarthost.world.implicit.mx.for_recipient(rcpt) == []
+        assert [r.state for e in await smarthost.store.list_queue("anywhere.example") for r in e.recipients
+                if r.address == rcpt] == ["pending"]
+    finally:
+        records[("smarthost.test", "A")] = [RELAY]
+    # The relayhost offers TLS again: the next attempt sends it there, after AUTH.
+    [got] = await eventually(lambda: asyncio.sleep(0, smarthost.world.relay.mx.for_recipient(rcpt)))
+    assert got.tls and got.login == RELAY_LOGIN[0]
+    assert smarthost.world.implicit.mx.for_recipient(rcpt) == []
+
+
+async def test_tls_verify_refuses_an_unverifiable_certificate_and_defers(smarthost: Smarthost) -> None:
+    people = await make_users(smarthost.store, "rita")
+    tag = uuid.uuid4().hex[:6]
+    strict, loose = f"s-{tag}@checked.test", f"l-{tag}@loose.test"
+    mx = smarthost.world.checked.mx
+    assert await asyncio.to_thread(submit, smarthost.node, people["rita"], [loose, strict],
+                                   b"Subject: tls\r\n\r\nx\r\n") == {}
+    # One next hop, one self-signed certificate: "may" sends over it, "verify" will not (and
+    # the connection made for "may" does not carry what must be verified).
+    [got] = await eventually(lambda: asyncio.sleep(0, mx.for_recipient(loose)))
+    assert got.tls and got.recipients == [loose]
+    [line] = await eventually(lambda: asyncio.sleep(0, smarthost.log_lines(rf"event=outbound .*rcpt={strict} ")))
+    assert re.search(rf"remote=mx\.checked\.test\[{CHECKED}\] route=transport result=deferred "
+                     rf'reply="451 4\.4\.2 mx\.checked\.test\[{CHECKED}\]: TLS handshake failed: .*certificate verify failed',
+                     line), line
+    assert mx.for_recipient(strict) == []
+    [entry] = [e for e in await smarthost.store.list_queue("checked.test") if any(r.address == strict for r in e.recipients)]
+    assert {r.address: r.state for r in entry.recipients} == {strict: "pending", loose: "sent"}
+    await smarthost.store.delete_queued(entry.id)  # it would be retried until the lifetime ends
+
+
+async def test_a_submission_whose_queue_write_fails_is_451_and_leaves_no_local_copy(
+    smarthost: Smarthost, tls_files: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cassmail import smtp as smtp_front
+    from cassmail.delivery import DeliveryWorker
+    from cassmail.store.base import StoreUnavailable
+
+    store = smarthost.store
+    people = await make_users(store, "sara", "tom")
+    sara, tom = people["sara"], people["tom"]
+    remote = f"far-{uuid.uuid4().hex[:6]}@anywhere.example"
+    # This process's own submission listener over the node's store, with a delivery worker of
+    # one slot: the message is handed over to it, and a failed queue write gives the slot back.
+    settings = dataclasses.replace(smarthost.settings)
+    settings.delivery = dataclasses.replace(settings.delivery, concurrency=1)
+    settings.relay = dataclasses.replace(smarthost.node.settings.relay)
+    settings.submission = dataclasses.replace(settings.submission, enabled=True, listen="127.0.0.1:0", **tls_files)
+    for name in ("smtp", "submissions", "lmtp"):
+        setattr(settings, name, dataclasses.replace(getattr(settings, name), enabled=False))
+    worker = DeliveryWorker(settings, store)
+    servers = [server for server, _ in await smtp_front.start(settings, store, outbound=worker)]
+    port = servers[0].sockets[0].getsockname()[1]
+
+    def send() -> dict:
+        with smtplib.SMTP("127.0.0.1", port, timeout=30) as client:
+            client.starttls(context=CLIENT_TLS)
+            client.login(sara, "sara")
+            return client.sendmail(sara, [tom, remote], b"Subject: both\r\n\r\nx\r\n")
+
+    async def refused(*args: Any, **kwargs: Any) -> uuid.UUID:
+        raise StoreUnavailable("injected: the queue write timed out")
+
+    try:
+        monkeypatch.setattr(store, "enqueue", refused)
+        with pytest.raises(smtplib.SMTPDataError) as failed:
+            await asyncio.to_thread(send)
+        assert failed.value.smtp_code == 451 and b"4.3.0" in failed.value.smtp_error
+        assert b"injected" not in failed.value.smtp_error
+        assert await inbox(store, tom) == [] and await inbox(store, sara, "Sent") == []
+        assert worker.reserve() is not None  # the one slot was given back
+        worker.unreserve()
+        monkeypatch.undo()
+        assert await asyncio.to_thread(send) == {}  # the sender's retry: one copy of everything
+        assert len(await inbox(store, tom)) == 1 and len(await inbox(store, sara, "Sent")) == 1
+        # Handed over to this process's worker, which sends it through the relayhost at once.
+        await eventually(lambda: asyncio.sleep(0, smarthost.world.relay.mx.for_recipient(remote)))
+    finally:
+        for server in servers:
+            server.close()
+        await worker.stop()
+    assert len(smarthost.world.relay.mx.for_recipient(remote)) == 1

@@ -1,4 +1,4 @@
-"""The parts of outbound delivery that are pure functions over bytes, and the two aiosmtplib
+"""The parts of outbound delivery that are pure functions (over bytes, over limits), and the two aiosmtplib
 internals the SMTP client replaces (a change in aiosmtplib must fail here, loudly)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cassmail.delivery import client, dsn, message
 from cassmail.delivery.routing import split_hop
+from cassmail.delivery.worker import share
 
 #: Lines made of the bytes that matter to line ends and dot-stuffing.
 LINES = st.binary(max_size=300).map(lambda b: bytes(random.Random(b).choice(b".\r\nab \x00\xff") for _ in b))
@@ -61,3 +62,14 @@ def test_status_codes_and_next_hops_are_read_as_mtas_write_them() -> None:
     assert split_hop("[mx.example]", 25) == ("mx.example", 25, False)
     assert split_hop("relay.example:587", 25) == ("relay.example", 587, True)
     assert split_hop("relay.example", 25) == ("relay.example", 25, True)
+
+
+@given(st.integers(1, 10_000), st.integers(1, 256))
+def test_a_node_limit_is_shared_out_so_that_its_processes_stay_within_it(limit: int, processes: int) -> None:
+    part = share(limit, processes)
+    assert part >= 1
+    if limit >= processes:
+        assert processes * part <= limit < processes * (part + 1)
+    else:
+        assert part == 1  # every process can still deliver
+    assert (share(20, 1), share(20, 2), share(20, 3), share(2, 4)) == (20, 10, 6, 1)

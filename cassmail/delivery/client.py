@@ -207,6 +207,7 @@ async def connect(route: Route, settings: RelaySettings, helo: str) -> Connectio
     """The first host of the route (in order, each of its addresses) that greets, says EHLO
     and does what the route's TLS level asks; Trouble with every host's reason otherwise."""
     reasons: list[str] = []
+    remote = ""  # the last one tried: who the log line and the DSN name
     for hop in route.hops:
         for address in hop.addresses:
             remote = f"{hop.name}[{address}]"
@@ -216,7 +217,7 @@ async def connect(route: Route, settings: RelaySettings, helo: str) -> Connectio
                 reasons.append(f"{remote}: {exc.reason}")
                 if exc.permanent:
                     raise Trouble("; ".join(reasons), remote, permanent=True, status=exc.status) from None
-    raise Trouble("; ".join(reasons) or "no host to try", reasons and route.hops[-1].name or "")
+    raise Trouble("; ".join(reasons) or "no host to try", remote)
 
 
 async def _open(route: Route, settings: RelaySettings, helo: str, name: str, address: str, port: int,

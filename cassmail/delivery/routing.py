@@ -24,11 +24,13 @@ from cassmail.config import RelaySettings
 
 
 class RouteError(Exception):
-    """No route now. `permanent` ones bounce (with `status`, an enhanced code), others wait."""
+    """No route now. `permanent` ones bounce (with `status`, an enhanced code), others wait.
+    `destination` and `kind` say where the mail was headed, as a Route's `key` and `kind` would."""
 
     def __init__(self, text: str, permanent: bool, status: str) -> None:
         super().__init__(text)
         self.permanent, self.status = permanent, status
+        self.destination, self.kind = "", ""
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class Hop:
 
 @dataclass(frozen=True)
 class Route:
-    """How to reach a destination. `key` names the destination for connection reuse and the
-    per-destination limit: the next hop for a transport entry or the relayhost, else the domain."""
+    """How to reach a destination. `key` names the destination (in logs, and with the TLS level
+    in `channel`, for connection reuse and the per-destination limit): the next hop for a
+    transport entry or the relayhost, else the domain."""
 
     key: str
     hops: tuple[Hop, ...]
@@ -52,6 +55,13 @@ class Route:
     username: str = ""
     password: str = field(default="", repr=False)
     kind: str = "mx"
+
+    @property
+    def channel(self) -> str:
+        """What a transaction and a pooled connection are shared by: the destination at one TLS
+        level. Two domains sent to one next hop under different TLS policies share neither, so
+        a connection opened for "may" never carries mail that must go over "verify"."""
+        return f"{self.key} tls={self.tls}"
 
 
 def split_hop(text: str, default_port: int) -> tuple[str, int, bool]:
@@ -98,18 +108,21 @@ class Router:
 
     async def route(self, domain: str) -> Route:
         """The route for a recipient domain, or RouteError."""
+        s = self.settings
         hop = self.transport(domain)
-        if hop is not None:
-            host, port, lookup = split_hop(hop, self.settings.port)
+        key, kind = (hop, "transport") if hop is not None else (s.relayhost, "relayhost") if s.relayhost else (domain, "mx")
+        try:
+            if kind == "mx":
+                return Route(domain, await self._mx(domain, s.port), self.tls_level(domain))
+            host, port, lookup = split_hop(key, s.port if kind == "transport" else 25)
             hops = await (self._mx(host, port) if lookup else self._host(host, port))
-            return Route(hop, hops, self.tls_level(domain), kind="transport")
-        if self.settings.relayhost:
-            s = self.settings
-            host, port, lookup = split_hop(s.relayhost, 25)
-            hops = await (self._mx(host, port) if lookup else self._host(host, port))
-            return Route(s.relayhost, hops, s.relayhost_tls, s.relayhost_implicit_tls, s.relayhost_username,
-                         s.relayhost_password, kind="relayhost")
-        return Route(domain, await self._mx(domain, self.settings.port), self.tls_level(domain))
+        except RouteError as exc:
+            exc.destination, exc.kind = key, kind
+            raise
+        if kind == "transport":
+            return Route(key, hops, self.tls_level(domain), kind=kind)
+        return Route(key, hops, s.relayhost_tls, s.relayhost_implicit_tls, s.relayhost_username, s.relayhost_password,
+                     kind=kind)
 
     async def _mx(self, domain: str, port: int) -> tuple[Hop, ...]:
         name = ascii_domain(domain)

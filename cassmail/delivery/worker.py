@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cassmail.config import Settings
 from cassmail.delivery import dkim, dsn
@@ -65,6 +64,11 @@ class Outcome:
     reply: str
     remote: str
     status: str
+    #: Where the attempt was headed (a Route's key and kind; empty when no route was looked
+    #: for, as for a loop) and how long it took: what its log line says.
+    destination: str = ""
+    route: str = ""
+    ms: int = 0
 
     def recipient(self) -> QueuedRecipient:
         return QueuedRecipient(self.address, self.state, self.reply, self.remote)  # type: ignore[arg-type]
@@ -81,17 +85,26 @@ def domain_of(address: str) -> str:
     return address.rpartition("@")[2].lower()
 
 
+def share(limit: int, processes: int) -> int:
+    """One worker process's part of a node-wide limit: the node's processes together never go
+    over it, except that each has at least one (a limit below the number of processes)."""
+    return max(1, limit // max(processes, 1))
+
+
+#: An attempt's outcome as its log line and the counters name it.
+RESULTS = {"sent": "sent", "failed": "bounced", "pending": "deferred"}
+
+
 class DeliveryWorker:
     def __init__(self, settings: Settings, store: Store, processes: int = 1) -> None:
         self.settings, self.store = settings, store
         self.delivery, self.relay = settings.delivery, settings.relay
         self.owner = f"{settings.node.name}/{os.getpid()}"
         self.helo = settings.relay.helo_name or settings.node.name
-        processes = max(processes, 1)
-        self.limit = max(1, math.ceil(self.delivery.concurrency / processes))
+        self.limit = share(self.delivery.concurrency, processes)
         self.router = Router(settings.relay)
-        self.pool = Pool(max(1, math.ceil(self.delivery.destination_concurrency / processes)),
-                         settings.relay.connection_reuse_time, settings.relay.connection_reuse_count)
+        self.pool = Pool(share(self.delivery.destination_concurrency, processes), settings.relay.connection_reuse_time,
+                         settings.relay.connection_reuse_count)
         self.keys = dkim.Keys(store)
         self._wake = asyncio.Event()
         self._stopping = False
@@ -231,31 +244,34 @@ class DeliveryWorker:
 
     async def _deliver(self, entry: QueueEntry, body: bytes | None) -> None:
         started = time.time()
+        timer = Timer()
         if body is None:
             body = await self.store.read_queued(entry.id)
         headers = header_section(body)
         pending = [r.address for r in entry.pending]
-        outcomes: list[Outcome] = []
-        if hop_count(headers) > self.delivery.max_hops:
-            reason = f"554 5.4.6 Too many hops ({hop_count(headers)} Received: fields): mail loop"
-            outcomes += [Outcome(a, "failed", reason, "", "5.4.6") for a in pending]
+        decided: list[Outcome] = []  # before any connection: loops, routing failures
+        hops = hop_count(headers)
+        if hops > self.delivery.max_hops:
+            reason = f"554 5.4.6 Too many hops ({hops} Received: fields): mail loop"
+            decided += [Outcome(a, "failed", reason, "", "5.4.6", ms=timer.ms) for a in pending]
             pending = []
         looped = delivered_to(headers)
         for address in [a for a in pending if a.lower() in looped]:
-            outcomes.append(Outcome(address, "failed", "554 5.4.6 Delivered-To names this recipient: mail loop", "",
-                                    "5.4.6"))
+            decided.append(Outcome(address, "failed", "554 5.4.6 Delivered-To names this recipient: mail loop", "",
+                                   "5.4.6", ms=timer.ms))
             pending.remove(address)
         groups: dict[str, tuple[Route, list[str]]] = {}
         for domain in dict.fromkeys(domain_of(a) for a in pending):
             wanted = [a for a in pending if domain_of(a) == domain]
+            lookup = Timer()
             try:
                 route = await self.router.route(domain)
             except RouteError as exc:
-                state = "failed" if exc.permanent else "pending"
-                code = "550" if exc.permanent else "451"
-                outcomes += [Outcome(a, state, f"{code} {exc.status} {exc}", "", exc.status) for a in wanted]
+                decided += self._every(wanted, str(exc), exc.permanent, exc.status, "", exc.destination, exc.kind,
+                                       lookup.ms)
                 continue
-            groups.setdefault(route.key, (route, []))[1].extend(wanted)
+            groups.setdefault(route.channel, (route, []))[1].extend(wanted)
+        outcomes = await self._attempted(entry, decided, record=False)
         several = len(groups) > 1
         results = await asyncio.gather(*(self._send_group(entry, body, route, rcpts, several)
                                          for route, rcpts in groups.values()))
@@ -270,9 +286,9 @@ class DeliveryWorker:
         timer = Timer()
         for attempt in (1, 2):
             try:
-                conn = await self.pool.acquire(route.key, lambda: connect(route, self.relay, self.helo))
+                conn = await self.pool.acquire(route.channel, lambda: connect(route, self.relay, self.helo))
             except Trouble as exc:
-                outcomes = self._all(rcpts, exc)
+                outcomes = self._trouble(rcpts, exc)
                 break
             reused = conn.messages > 0
             reusable = False
@@ -282,20 +298,27 @@ class DeliveryWorker:
             except Trouble as exc:
                 if reused and attempt == 1 and not exc.permanent and not conn.alive:
                     continue  # the remote closed an idle connection: try once on a new one
-                outcomes = self._all(rcpts, exc)
+                outcomes = self._trouble(rcpts, exc)
                 break
             finally:
-                self.pool.release(route.key, conn, reusable)
+                self.pool.release(route.channel, conn, reusable)
             outcomes = [self._judge(r) for r in replies]
             break
+        ms = timer.ms
+        return await self._attempted(entry, [replace(o, destination=route.key, route=route.kind, ms=ms)
+                                             for o in outcomes], record)
+
+    async def _attempted(self, entry: QueueEntry, outcomes: list[Outcome], record: bool) -> list[Outcome]:
+        """What this attempt decided for some recipients, whatever decided it (a loop, routing,
+        a remote): one log line each (the deferrals among them are counted from it), and with
+        `record` (several destinations) what was sent is stored at once, so a crash while
+        another destination is slow cannot send it twice."""
         for o in outcomes:
-            log.info(kv("outbound", id=entry.id.hex, rcpt=o.address, remote=o.remote or route.key, route=route.kind,
-                        result={"sent": "sent", "failed": "bounced", "pending": "deferred"}[o.state], reply=o.reply,
-                        attempt=entry.attempts + 1, ms=timer.ms))
+            log.info(kv("outbound", id=entry.id.hex, rcpt=o.address, remote=o.remote or o.destination or None,
+                        route=o.route or None, result=RESULTS[o.state], reply=o.reply, attempt=entry.attempts + 1,
+                        ms=o.ms))
         sent = [o.recipient() for o in outcomes if o.state == "sent"]
         if record and sent:
-            # Several destinations: what one of them took is recorded at once, so a crash while
-            # another is slow cannot send it twice.
             await self.store.record_results(entry.id, self.owner, sent)
         return outcomes
 
@@ -328,11 +351,15 @@ class DeliveryWorker:
             return body
 
     @staticmethod
-    def _all(rcpts: Sequence[str], trouble: Trouble) -> list[Outcome]:
-        code = "550" if trouble.permanent else "451"
-        state = "failed" if trouble.permanent else "pending"
-        return [Outcome(a, state, f"{code} {trouble.status} {trouble.reason}", trouble.remote, trouble.status)
-                for a in rcpts]
+    def _every(rcpts: Sequence[str], reason: str, permanent: bool, status: str, remote: str, destination: str = "",
+               route: str = "", ms: int = 0) -> list[Outcome]:
+        """The same failure for every recipient: bounced when permanent, else deferred."""
+        code, state = ("550", "failed") if permanent else ("451", "pending")
+        return [Outcome(a, state, f"{code} {status} {reason}", remote, status, destination, route, ms) for a in rcpts]
+
+    @classmethod
+    def _trouble(cls, rcpts: Sequence[str], trouble: Trouble) -> list[Outcome]:
+        return cls._every(rcpts, trouble.reason, trouble.permanent, trouble.status, trouble.remote)
 
     @staticmethod
     def _judge(reply: Reply) -> Outcome:
