@@ -696,6 +696,10 @@ class InboundSettings:
     #: rspamd unreachable or too slow: "accept" the message unfiltered (logged and counted) or
     #: "tempfail" (451, the sender retries).
     rspamd_failure: str = "accept"
+    #: File what rspamd marks as spam (its "add header" and "rewrite subject" actions) into
+    #: `junk_mailbox`; false only marks it (X-Spam-Flag: YES, rspamd's rewritten Subject) and
+    #: leaves it in INBOX for the users' Sieve scripts or mail clients to file.
+    rspamd_file_junk: bool = True
     #: Largest message given to rspamd, in bytes; larger ones are accepted unfiltered (as rspamd's
     #: own milter does).
     rspamd_max_size: int = 20 * 1024 * 1024

@@ -4,6 +4,13 @@ files, database and log (no system service), listening on loopback only.
 
 Its DNS is the test's own server, and the modules that ask the internet (RBLs, fuzzy hashes,
 phishing feeds, ...) are off, so a verdict takes milliseconds and depends on nothing outside.
+With `test_rules`, rspamd's every action can be had on demand: its own GTUBE variants (turned on
+by `enable_test_patterns`) for "reject", "add header" and "rewrite subject", and a prefilter of
+ours (`rspamd.local.lua`) that gives a message whose Subject holds `[rspamd-action: NAME]` the
+action NAME ("greylist", "soft reject", ...).
+
+`Breaker` sits between a client and rspamd and, when told, refuses connections or closes them
+unanswered: the faults rspamd_failure is about.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -32,6 +40,29 @@ NETWORK_MODULES = (
     "metric_exporter",
 )
 
+#: rspamd's own test strings (enable_test_patterns): the standard GTUBE gets "reject", these
+#: "add header" and "rewrite subject" (rspamd >= 3.0).
+GTUBE_TAIL = b"JS*C4JDBQADN1.NSBN3*2IDNEN*GTUBE-STANDARD-ANTI-UBE-TEST-EMAIL*C.34X"
+GTUBE = b"X" + GTUBE_TAIL
+GTUBE_ADD_HEADER = b"Y" + GTUBE_TAIL
+GTUBE_REWRITE_SUBJECT = b"Z" + GTUBE_TAIL
+
+#: The prefilter behind `[rspamd-action: NAME]` in a Subject.
+TEST_ACTION_RULE = """\
+rspamd_config:register_symbol({
+  name = 'CASSMAIL_TEST_ACTION',
+  type = 'prefilter',
+  priority = 10,
+  callback = function(task)
+    local subject = task:get_subject()
+    local action = subject and subject:match('%[rspamd%-action: ([%a ]+)%]')
+    if action then
+      task:set_pre_result(action, 'cassmail test rule: ' .. action, 'cassmail_test')
+    end
+  end,
+})
+"""
+
 
 def ensure_rspamd() -> None:
     """Debian's rspamd, installed when missing (the tests run as root, as CI does)."""
@@ -47,8 +78,9 @@ class RspamdServer:
     Postfix's smtpd_milters)."""
 
     def __init__(self, directory: Path, dns: str, milter: bool = False, workers: int = 1,
-                 redis: str | None = None) -> None:
+                 redis: str | None = None, test_rules: bool = False) -> None:
         self.dir = directory
+        self.test_rules = test_rules
         #: A Redis ("host:port") for the Bayes classifier's statistics: with it rspamd can learn.
         self.redis = redis
         self.workers = workers
@@ -95,7 +127,13 @@ class RspamdServer:
             # Compiled hyperscan databases (named by their content's hash) kept between runs:
             # compiling them takes rspamd's start from seconds to tens of seconds.
             f'hs_cache_dir = "{HS_CACHE}";\n'
+            + ("enable_test_patterns = true;\n" if self.test_rules else "")
         )
+        rule = self.dir / "rspamd.local.lua"
+        if self.test_rules:
+            rule.write_text(TEST_ACTION_RULE)
+        else:
+            rule.unlink(missing_ok=True)
         HS_CACHE.mkdir(parents=True, exist_ok=True)
         for module in NETWORK_MODULES:
             (self.dir / "local.d" / f"{module}.conf").write_text("enabled = false;\n")
@@ -201,3 +239,93 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
+
+
+class Breaker:
+    """A TCP relay on 127.0.0.1 to `upstream` (host, port), run in threads. `mode` says what a new
+    connection gets: "pass" (relayed both ways), "close" (closed at once, unanswered) or
+    "refuse" (the port stops listening: connection refused)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.port = free_port_on("127.0.0.1")
+        self.mode = "pass"
+        self._listener: socket.socket | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Breaker:
+        self._listen()
+        return self
+
+    def set(self, mode: str) -> None:
+        assert mode in ("pass", "close", "refuse"), mode
+        with self._lock:
+            self.mode = mode
+            if mode == "refuse" and self._listener is not None:
+                _unlisten(self._listener)
+                self._listener = None
+        if mode != "refuse" and self._listener is None:
+            self._listen()
+
+    def stop(self) -> None:
+        self._stopped = True
+        with self._lock:
+            if self._listener is not None:
+                _unlisten(self._listener)
+                self._listener = None
+
+    def _listen(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        with self._lock:
+            self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while not self._stopped:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed: refuse or stop
+            if self.mode != "pass":
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
+
+
+def _unlisten(listener: socket.socket) -> None:
+    """Stop listening now: shutdown wakes the thread blocked in accept (close alone would leave
+    the socket listening until that accept returned)."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()

@@ -33,7 +33,7 @@ from cassmail.auth import hash_password
 from cassmail.config import ConfigError, load
 from cassmail.model import Address, InvalidAddress, normalize_domain
 from cassmail.store import make_store
-from cassmail.smtp.handler import TRACE_RESERVE, advertised_size
+from cassmail.smtp.handler import HEADER_RESERVE, TRACE_RESERVE, advertised_size
 from cassmail.store.base import Store, Target
 from tests import pop3_fuzz, smtp_fuzz
 from tests.conftest import FAST_HASH, backend_settings_for
@@ -196,12 +196,13 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
 
 async def test_a_message_of_the_advertised_size_is_accepted_whatever_the_trace(hard) -> None:
     """The trace headers are added before the store checks its limit: the SIZE advertised leaves
-    room for the longest of them, so DATA of exactly SIZE octets is stored, one more is not."""
+    room for the longest of them, so DATA of exactly SIZE octets is stored, one more is not.
+    (With the MX's checks on as well: test_inbound.py's SIZE test.)"""
     node, store, user = hard
     with smtplib.SMTP("127.0.0.1", node.port("smtp"), timeout=30) as client:
         client.ehlo("h" * 300)  # cut to 128 characters in the Received header
         size = int(client.esmtp_features["size"])
-        assert size == advertised_size(LIMIT) == LIMIT - TRACE_RESERVE
+        assert size == advertised_size(LIMIT) == LIMIT - HEADER_RESERVE
     sender = "s" * 64 + "@" + ".".join(["d" * 60] * 3) + ".test"
     raw = Raw(node.port("smtp"))
     raw.cmd("EHLO " + "h" * 300)

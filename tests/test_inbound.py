@@ -1,11 +1,15 @@
 """The MX's checks between DATA and the store, end to end: a real `cassmail serve`, a DNS server of
 the test's own on loopback holding SPF, DKIM and DMARC records, messages signed by dkimpy with the
-test's keys (and forged or altered ones), a real rspamd; results read back over IMAP and POP3.
-On the Cassandra and mbox stores."""
+test's keys (and forged or altered ones), a real rspamd (every one of its actions driven by its own
+GTUBE test strings or a rule of the test's own rspamd configuration), with a relay in front of it
+that breaks connections on demand; results read back over IMAP and POP3. On the Cassandra and
+mbox stores."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import email.header
 import imaplib
 import poplib
 import re
@@ -23,17 +27,21 @@ import spf
 from cassmail.config import Settings
 from cassmail.delivery.dkim import generate
 from cassmail.inbound import authcheck
+from cassmail.inbound.authcheck import RESULTS_MAX
+from cassmail.smtp.handler import HEADER_RESERVE, TRACE_RESERVE, advertised_size
 from cassmail.store import make_store
 from cassmail.store.base import Store, Target
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password
-from tests.inbound_peers import RedisServer, RspamdServer
+from tests.inbound_peers import GTUBE, GTUBE_ADD_HEADER, GTUBE_REWRITE_SUBJECT, Breaker, RedisServer, RspamdServer
 from tests.nodes import Node, node_settings
 from tests.outbound_peers import Dns, free_port_on
+from tests.test_smtp import Raw
 
 pytestmark = pytest.mark.cassandra
 
-GTUBE = b"XJS*C4JDBQADN1.NSBN3*2IDNEN*GTUBE-STANDARD-ANTI-UBE-TEST-EMAIL*C.34X"
 AUTHSERV = "mx.test"
+#: The store's message size limit of the `marking` node: small, so the SIZE boundary is cheap.
+LIMIT = 64 * 1024
 
 
 def txt(text: str) -> str:
@@ -46,13 +54,14 @@ class World:
     dns: Dns
     keys: dict[str, bytes]  # domain -> private key PEM (selector "sel")
     rspamd: RspamdServer
+    breaker: Breaker  # in front of rspamd, for the `marking` node
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     dns = Dns().start()
     redis = RedisServer().start()
-    rspamd = RspamdServer(tmp_path_factory.mktemp("rspamd"), dns.address, redis=redis.address)
+    rspamd = RspamdServer(tmp_path_factory.mktemp("rspamd"), dns.address, redis=redis.address, test_rules=True)
     zone = dns.zone
     keys: dict[str, bytes] = {}
     for domain in ("good.test", "reject.test", "lists.test", "brand.co.uk"):
@@ -74,9 +83,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     zone.add("broken.test", "TXT", txt("v=spf1 ip4:127.0.0.1 -all"))
     zone.failing.add("_dmarc.broken.test")
     rspamd_started = rspamd.start_process()
+    breaker = Breaker(("127.0.0.1", rspamd.port)).start()
     try:
-        yield World(dns, keys, rspamd_started)
+        yield World(dns, keys, rspamd_started, breaker)
     finally:
+        breaker.stop()
         rspamd.stop()
         redis.stop()
         dns.stop()
@@ -95,9 +106,12 @@ async def in_store(in_settings: Settings) -> AsyncIterator[Store]:
     await opened.close()
 
 
-def _node(settings: Settings, world: World, directory: Path, **inbound: object) -> Node:
+def _node(settings: Settings, world: World, directory: Path, limit: int | None = None, **inbound: object) -> Node:
+    settings = node_settings(settings)
+    if limit is not None:
+        settings.store = dataclasses.replace(settings.store, max_message_size=limit)
     return Node(
-        node_settings(settings), directory,
+        settings, directory,
         submission={"allow_plaintext_auth": True}, lmtp={"enabled": False},
         pop3={"allow_plaintext_auth": True}, imap={"allow_plaintext_auth": True},
         relay={"nameservers": [world.dns.address], "dns_timeout": 3.0},
@@ -123,6 +137,18 @@ def strict(in_settings: Settings, world: World, tmp_path_factory: pytest.TempPat
     closed = free_port_on("127.0.0.1")
     node = _node(in_settings, world, tmp_path_factory.mktemp("strict"), spf_reject_fail=True,
                  rspamd_url=f"http://127.0.0.1:{closed}", rspamd_failure="tempfail", rspamd_timeout=2.0).start()
+    yield node
+    assert node.stop() == 0
+    assert "Traceback" not in node.log_text(), node.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def marking(in_settings: Settings, world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """rspamd through the breaker, spam only marked (rspamd_file_junk = false), rspamd_failure at
+    its default (accept), and a small message size limit."""
+    node = _node(in_settings, world, tmp_path_factory.mktemp("marking"), limit=LIMIT, rspamd_url=world.breaker.url,
+                 rspamd_file_junk=False, rspamd_timeout=5.0).start()
+    world.rspamd.wait()
     yield node
     assert node.stop() == 0
     assert "Traceback" not in node.log_text(), node.log_text()[-3000:]
@@ -185,6 +211,24 @@ def results(stored: bytes) -> list[str]:
     """The Authentication-Results fields of a stored message, unfolded."""
     head = stored.split(b"\r\n\r\n", 1)[0].decode("utf-8", "replace")
     return [re.sub(r"\r\n[ \t]+", " ", m) for m in re.findall(r"^Authentication-Results:[^\r\n]*(?:\r\n[ \t][^\r\n]*)*", head, re.M)]
+
+
+def head_of(stored: bytes) -> bytes:
+    return stored.split(b"\r\n\r\n", 1)[0] + b"\r\n"
+
+
+def inbound_lines(node: Node) -> list[str]:
+    """The node's `event=inbound` log lines, one per checked message, oldest first."""
+    return [line for line in node.log_text().splitlines() if "event=inbound " in line]
+
+
+def inbound_counts(node: Node) -> dict[str, float]:
+    """cassmail_inbound_checks_total by its labels, from the node's Prometheus endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.port('metrics')}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r"^cassmail_inbound_checks_total\{(.*?)\} (\S+)$", text, re.M)}
 
 
 # ----------------------------------------------------------------------------- sender authentication
@@ -415,19 +459,203 @@ async def test_an_unreachable_rspamd_is_a_tempfail_when_set_so(strict: Node, wor
     assert re.search(r"event=inbound .*verdict=tempfail .*spam=unavailable", strict.log_text())
 
 
+async def test_rspamd_add_header_and_rewrite_subject_file_the_message_into_junk(mx: Node, world: World,
+                                                                              rcpt: str) -> None:
+    """rspamd's own GTUBE variants: "add header" and "rewrite subject" are spam kept for the user
+    to see, in Junk, flagged; the second with the Subject rspamd wrote."""
+    marked = sign(world, "good.test", message("anna@good.test", "cheap pills", body=GTUBE_ADD_HEADER + b"\r\n"))
+    assert await asyncio.to_thread(send, mx, "anna@good.test", rcpt, marked) == (250, "")
+    renamed = sign(world, "good.test", message("anna@good.test", "quarterly report",
+                                                body=GTUBE_REWRITE_SUBJECT + b"\r\n"))
+    assert await asyncio.to_thread(send, mx, "anna@good.test", rcpt, renamed) == (250, "")
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+    first, second = map(head_of, await asyncio.to_thread(imap_messages, mx, rcpt, "Junk"))
+    assert b"X-Spam-Action: add header\r\n" in first and b"\r\nSubject: cheap pills\r\n" in first
+    assert b"X-Spam-Action: rewrite subject\r\n" in second
+    assert b"\r\nSubject: *** SPAM *** quarterly report\r\n" in second and b"Subject: quarterly report" not in second
+    for head in (first, second):
+        assert b"X-Spam-Flag: YES\r\n" in head and b"X-Spam-Status: Yes, score=" in head
+        assert "dkim=pass header.d=good.test" in results(head)[0]  # as the message came, before the rewrite
+    assert re.search(r"verdict=junk .*spam=junk spam_action=rewrite-subject", inbound_lines(mx)[-1])
+
+
+async def test_rspamd_greylist_and_soft_reject_defer_the_message_with_451(mx: Node, world: World, rcpt: str) -> None:
+    """The test rspamd's own rule gives these two actions on demand (a Subject naming them)."""
+    for action in ("greylist", "soft reject"):
+        msg = sign(world, "good.test", message("anna@good.test", f"news [rspamd-action: {action}]"))
+        code, text = await asyncio.to_thread(send, mx, "anna@good.test", rcpt, msg)
+        assert code == 451 and text.startswith("4.7.1") and "spam filter" in text, (action, code, text)
+        line = inbound_lines(mx)[-1]
+        assert re.search(rf"verdict=tempfail .*spam=tempfail spam_action={action.replace(' ', '-')} ", line), line
+    assert await asyncio.to_thread(imap_messages, mx, rcpt) == []
+    assert await asyncio.to_thread(imap_messages, mx, rcpt, "Junk") == []
+
+
+async def test_with_rspamd_file_junk_off_spam_is_only_marked_and_stays_in_inbox(marking: Node, world: World,
+                                                                              rcpt: str) -> None:
+    marked = sign(world, "good.test", message("anna@good.test", "cheap pills", body=GTUBE_ADD_HEADER + b"\r\n"))
+    # An encoded Subject: rspamd decodes it, adds its prefix and encodes the result again.
+    renamed = sign(world, "good.test", message("anna@good.test", "=?utf-8?q?r=C3=A9sum=C3=A9?=",
+                                                body=GTUBE_REWRITE_SUBJECT + b"\r\n"))
+    # A Subject so long that rspamd's would pass RFC 5322's line limit: it is kept.
+    long_subject = "long " * 197
+    kept = sign(world, "good.test", message("anna@good.test", long_subject, body=GTUBE_REWRITE_SUBJECT + b"\r\n"))
+    for msg in (marked, renamed, kept):
+        assert await asyncio.to_thread(send, marking, "anna@good.test", rcpt, msg) == (250, "")
+        assert "verdict=accept " in inbound_lines(marking)[-1] and " spam=junk " in inbound_lines(marking)[-1]
+    assert "subject=kept" in inbound_lines(marking)[-1]
+    assert await asyncio.to_thread(imap_messages, marking, rcpt, "Junk") == []
+    first, second, third = map(head_of, await asyncio.to_thread(imap_messages, marking, rcpt))
+    assert all(b"X-Spam-Flag: YES\r\n" in head for head in (first, second, third))
+    assert b"X-Spam-Action: add header\r\n" in first and b"\r\nSubject: cheap pills\r\n" in first
+    [subject] = re.findall(rb"^Subject: ([^\r]*)\r$", second, re.M)
+    assert str(email.header.make_header(email.header.decode_header(subject.decode()))) == "*** SPAM *** r\u00e9sum\u00e9"
+    assert f"\r\nSubject: {long_subject}\r\n".encode() in third
+
+
+async def test_an_unreachable_rspamd_is_by_default_accepted_unfiltered_logged_and_counted(marking: Node, world: World,
+                                                                                        rcpt: str) -> None:
+    """rspamd_failure = accept: rspamd down (connection refused) or failing (the connection closed
+    unanswered) lets the message in without X-Spam-* fields, with a log line and a counter that
+    say so; the sender authentication still ran."""
+    before, lines = await asyncio.to_thread(inbound_counts, marking), len(inbound_lines(marking))
+    try:
+        for fault in ("refuse", "close"):
+            world.breaker.set(fault)
+            msg = sign(world, "good.test", message("anna@good.test", f"agenda ({fault})"))
+            assert await asyncio.to_thread(send, marking, "anna@good.test", rcpt, msg) == (250, "")
+    finally:
+        world.breaker.set("pass")
+    refused, closed = inbound_lines(marking)[lines:]
+    for line in (refused, closed):
+        assert re.search(r"verdict=accept .*dmarc=pass .*spam=unavailable spam_error=", line), line
+    assert "Errno 111" in refused  # ECONNREFUSED
+    stored = await asyncio.to_thread(imap_messages, marking, rcpt)
+    assert len(stored) == 2 and all(b"X-Spam-" not in m and len(results(m)) == 1 for m in stored)
+    after = await asyncio.to_thread(inbound_counts, marking)
+    key = 'result="unavailable",step="spam"'
+    assert after.get(key, 0) == before.get(key, 0) + 2, (before, after)
+    # Back: filtered again.
+    msg = sign(world, "good.test", message("anna@good.test", "agenda (back)"))
+    assert await asyncio.to_thread(send, marking, "anna@good.test", rcpt, msg) == (250, "")
+    assert b"X-Spam-Action: no action" in (await asyncio.to_thread(imap_messages, marking, rcpt))[-1]
+
+
+# ----------------------------------------------------------------------------- SIZE
+
+
+def filler(n: int) -> bytes:
+    """`n` (>= 2) bytes of text lines, each at most 998 characters and CRLF."""
+    lines = []
+    while n > 1002:
+        lines.append(b"x" * 998 + b"\r\n")
+        n -= 1000
+    if n > 1000:
+        lines.append(b"x" * (n // 2 - 2) + b"\r\n")
+        n -= n // 2
+    return b"".join(lines) + b"x" * (n - 2) + b"\r\n"
+
+
+def forged_signature(n: int) -> bytes:
+    """A DKIM-Signature of a long made-up domain and selector (its key is not found)."""
+    domain = ".".join([f"{n:02d}" + "d" * 58] * 3) + ".test"
+    return (f"DKIM-Signature: v=1; a=rsa-sha256; c=relaxed/relaxed; d={domain};\r\n"
+            f"\ts={'s' * 50}; h=from:subject; bh=AAAA; b=AAAA\r\n").encode()
+
+
+def message_of_size(world: World, size: int) -> bytes:
+    """A message of exactly `size` bytes that makes the checks add all they can: three valid DKIM
+    signatures and sixteen that fail with long domains (a long Authentication-Results), rspamd's
+    "rewrite subject" test string (X-Spam-* fields and a longer Subject)."""
+    forged = b"".join(forged_signature(n) for n in range(16))
+    pad = 2
+    for _ in range(4):
+        body = (b"--b\r\nContent-Type: text/plain\r\n\r\n" + GTUBE_REWRITE_SUBJECT + b"\r\n"
+                b"--b\r\nContent-Type: text/plain\r\n\r\n" + filler(pad) + b"--b--\r\n")
+        msg = message("anna@good.test", "big one", body=body,
+                      extra=b"").replace(b"text/plain; charset=utf-8", b"multipart/mixed; boundary=b")
+        for domain in ("lists.test", "brand.co.uk", "good.test"):
+            msg = sign(world, domain, msg)
+        msg = forged + msg
+        if len(msg) == size:
+            return msg
+        pad += size - len(msg)
+    raise AssertionError(f"no message of {size} bytes")
+
+
+async def test_a_message_of_the_advertised_size_is_stored_whatever_the_checks_add(marking: Node, world: World,
+                                                                                rcpt: str) -> None:
+    """SIZE leaves room for the trace and for every header the checks may add (the
+    Authentication-Results field is bounded however many signatures come): DATA of exactly
+    SIZE octets is stored; one more is refused while DATA is read, before any check runs."""
+    raw = Raw(marking.port("smtp"))
+    ehlo = raw.cmd("EHLO mail.good.test")
+    size = int(re.search(r"^250[- ]SIZE (\d+)$", ehlo, re.M).group(1))
+    assert size == advertised_size(LIMIT) == LIMIT - HEADER_RESERVE
+    msg = await asyncio.to_thread(message_of_size, world, size)
+    assert raw.cmd(f"MAIL FROM:<anna@good.test> SIZE={size}").startswith("250 2.1.0")
+    assert raw.cmd(f"RCPT TO:<{rcpt}>").startswith("250 2.1.5")
+    assert raw.cmd("DATA").startswith("354")
+    assert raw.cmd(msg + b".").startswith("250 2.0.0")
+    [stored] = await asyncio.to_thread(imap_messages, marking, rcpt)
+    assert stored.endswith(msg[msg.index(b"Message-ID:"):])  # below the rewritten Subject, as sent
+    assert size < len(stored) <= LIMIT and len(stored) - size > TRACE_RESERVE  # more than the trace alone
+    head = head_of(stored)
+    assert b"\r\nSubject: *** SPAM *** big one\r\n" in head and b"X-Spam-Flag: YES\r\n" in head
+    [field] = re.findall(rb"^Authentication-Results:.*?\r\n(?=\S)", head, re.M | re.S)
+    assert len(field) <= RESULTS_MAX
+    [header] = results(head)
+    assert header.count("dkim=pass") == 3 and "more DKIM signatures not reported)" in header
+    # One octet more: refused at MAIL when announced, else at the end of DATA, unchecked.
+    checked = len(inbound_lines(marking))
+    assert raw.cmd(f"MAIL FROM:<anna@good.test> SIZE={size + 1}").startswith("552 5.3.4")
+    assert raw.cmd("MAIL FROM:<anna@good.test>").startswith("250 2.1.0")
+    assert raw.cmd(f"RCPT TO:<{rcpt}>").startswith("250 2.1.5")
+    assert raw.cmd("DATA").startswith("354")
+    assert raw.cmd(msg[:-2] + b"x\r\n.").startswith("552 5.3.4")
+    raw.close()
+    assert len(inbound_lines(marking)) == checked
+    assert "result=too-large" in [line for line in marking.log_text().splitlines() if "event=delivery " in line][-1]
+    assert len(await asyncio.to_thread(imap_messages, marking, rcpt)) == 1
+
+
+def test_the_added_headers_are_bounded_whatever_the_message_holds() -> None:
+    """What the SIZE reserve rests on: an Authentication-Results field of any number of the longest
+    results stays within RESULTS_MAX (passing signatures first), and a rewritten Subject that
+    would grow the message too much is not used."""
+    from cassmail.inbound.spam import SUBJECT_GROWTH_MAX, rewrite_subject
+
+    long = "\u00e9" * 400 + ".test"
+    outcome = authcheck.AuthOutcome(
+        spf_mfrom="pass", sender="x" * 64 + "@" + long, helo=long, from_domain=long, dmarc="pass",
+        dmarc_reason="\u00e9" * 300,
+        dkim=[authcheck.DkimResult("fail", long, long, "AAAAAAAA", "\u00e9" * 300) for _ in range(30)]
+        + [authcheck.DkimResult("pass", "good.test", "sel", "BBBBBBBB")])
+    field = outcome.header(AUTHSERV)
+    assert len(field) <= RESULTS_MAX and field.endswith(b"\r\n") and b"\n" not in field[:-2].replace(b"\r\n\t", b"")
+    text = field.decode()
+    assert text.index("dkim=pass header.d=good.test") < text.index("dkim=fail")
+    shown = text.count("dkim=")
+    assert f"({31 - shown} more DKIM signatures not reported)" in text
+    few = authcheck.AuthOutcome(dkim=[authcheck.DkimResult("pass", "good.test", "sel", "BBBBBBBB")] * 3)
+    assert b"not reported" not in few.header(AUTHSERV) and few.header(AUTHSERV).count(b"dkim=pass") == 3
+    # A value ending in a line break is no token: it cannot end the field early.
+    assert b"\n" not in authcheck.AuthOutcome(sender="a@b.test\n").header(AUTHSERV).replace(b"\r\n", b"")
+
+    msg = b"From: a@b.test\r\nSubject: hello\r\n\r\nbody\r\n"
+    assert rewrite_subject(msg, "*** SPAM *** hello") == b"From: a@b.test\r\nSubject: *** SPAM *** hello\r\n\r\nbody\r\n"
+    assert rewrite_subject(msg, "x" * (SUBJECT_GROWTH_MAX + 10)) is None
+    assert rewrite_subject(msg, "a\r\nBcc: x@y.test") == b"From: a@b.test\r\nSubject: aBcc: x@y.test\r\n\r\nbody\r\n"
+    assert rewrite_subject(b"From: a@b.test\r\n\r\nx\r\n", "*** SPAM *** ") == (
+        b"Subject: *** SPAM ***\r\nFrom: a@b.test\r\n\r\nx\r\n")
+
+
 async def test_the_metrics_count_what_the_checks_decided(mx: Node, rcpt: str) -> None:
-    import urllib.request
-
-    def counts() -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{mx.port('metrics')}/metrics", timeout=10).read().decode()
-        return {m.group(1): float(m.group(2)) for m in
-                re.finditer(r"^cassmail_inbound_checks_total\{(.*?)\} (\S+)$", text, re.M)}
-
-    before = await asyncio.to_thread(counts)
+    before = await asyncio.to_thread(inbound_counts, mx)
     assert (await asyncio.to_thread(send, mx, "ceo@reject.test", rcpt, message("ceo@reject.test", "m")))[0] == 550
     spam = message("anna@good.test", "m", body=GTUBE + b"\r\n")
     assert (await asyncio.to_thread(send, mx, "anna@good.test", rcpt, spam))[0] == 550
-    after = await asyncio.to_thread(counts)
+    after = await asyncio.to_thread(inbound_counts, mx)
     for key in ('result="reject",step="auth"', 'result="accept",step="auth"', 'result="reject",step="spam"'):
         assert after.get(key, 0) == before.get(key, 0) + 1, (key, before, after)
 

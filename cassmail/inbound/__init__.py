@@ -17,8 +17,12 @@ from dataclasses import dataclass, field, replace
 import dns.resolver
 
 from cassmail.config import InboundSettings, RelaySettings
-from cassmail.inbound.authcheck import AuthPolicy, SenderAuth, decide, header_fields, split_header, strip_forged_results
-from cassmail.inbound.spam import SPAM_HEADERS, Rspamd, SpamFilterUnavailable
+from cassmail.inbound.authcheck import (
+    RESULTS_MAX, AuthPolicy, SenderAuth, decide, header_fields, split_header, strip_forged_results,
+)
+from cassmail.inbound.spam import (
+    SPAM_FIELDS_MAX, SPAM_HEADERS, SUBJECT_GROWTH_MAX, Rspamd, SpamFilterUnavailable, rewrite_subject,
+)
 from cassmail.logs import Timer, kv
 from cassmail.model import DEFAULT_MAILBOXES, INBOX
 from cassmail.store.base import MailboxExists, NoSuchMailbox, Store, Target
@@ -27,6 +31,12 @@ log = logging.getLogger("cassmail.inbound")
 
 #: DNS answers kept by the MX's checks (per worker process).
 DNS_CACHE_ENTRIES = 10_000
+
+#: Most bytes the checks add to a message: the Authentication-Results field, the X-Spam-*
+#: fields and a rewritten Subject, each bounded on its own (forged fields they remove only make
+#: it smaller). The SMTP handler keeps this much of the store's limit out of the SIZE it
+#: advertises, so a message within SIZE is stored whatever the checks add.
+ADDED_MAX = RESULTS_MAX + SPAM_FIELDS_MAX + SUBJECT_GROWTH_MAX
 
 #: How bad a verdict is: the worst of the steps wins.
 _RANK = {"accept": 0, "junk": 1, "tempfail": 2, "reject": 3}
@@ -120,7 +130,16 @@ class Inbound:
             return
         verdict.headers += result.headers()
         action, reply = result.verdict()
-        verdict.worse(action, reply)
+        if result.action == "rewrite subject" and result.subject is not None:
+            rewritten = rewrite_subject(verdict.message, result.subject)
+            if rewritten is None:
+                verdict.facts["subject"] = "kept"
+            else:
+                verdict.message = rewritten
+        # With rspamd_file_junk off, spam is only marked (X-Spam-Flag: YES) and stays in INBOX
+        # for the users' Sieve scripts or mail clients to file.
+        if action != "junk" or self.settings.rspamd_file_junk:
+            verdict.worse(action, reply)
         verdict.facts.update(spam=action, spam_action=result.action.replace(" ", "-"), score=round(result.score, 2))
 
 

@@ -205,19 +205,14 @@ class AuthOutcome:
         return found
 
     def header(self, authserv_id: str) -> bytes:
-        """One Authentication-Results field (RFC 8601), folded one method a line."""
-        parts: list[str] = []
+        """One Authentication-Results field (RFC 8601), folded one method a line, of at most
+        RESULTS_MAX bytes however many DKIM signatures the message carries: the SIZE advertised
+        leaves room for it. When not all signatures fit, the passing ones come first and a
+        comment says how many were left out (RFC 8601 lets a server report a subset)."""
         mfrom = f" smtp.mailfrom={_value(self.sender)}" if self.sender else f" smtp.mailfrom={_value(self.mfrom_domain)}" if self.mfrom_domain else ""
-        parts.append(f"spf={self.spf_mfrom}{mfrom}")
+        head = [f"spf={self.spf_mfrom}{mfrom}"]
         if self.helo:
-            parts.append(f"spf={self.spf_helo} smtp.helo={_value(self.helo)}")
-        if not self.dkim:
-            parts.append("dkim=none")
-        for d in self.dkim:
-            reason = f' reason="{_quoted(d.reason)}"' if d.reason else ""
-            ident = f" header.d={_value(d.domain)} header.s={_value(d.selector)}" if d.domain else ""
-            bfield = f" header.b={_value(d.b)}" if d.b else ""
-            parts.append(f"dkim={d.result}{reason}{ident}{bfield}")
+            head.append(f"spf={self.spf_helo} smtp.helo={_value(self.helo)}")
         dmarc_text = f"dmarc={self.dmarc}"
         if self.policy:
             dmarc_text += f" (p={self.policy})"
@@ -225,21 +220,62 @@ class AuthOutcome:
             dmarc_text += f' reason="{_quoted(self.dmarc_reason)}"'
         if self.from_domain:
             dmarc_text += f" header.from={_value(self.from_domain)}"
-        parts.append(dmarc_text)
-        parts.append(f"arc={self.arc}")
-        return (f"Authentication-Results: {authserv_id};\r\n\t" + ";\r\n\t".join(parts) + "\r\n").encode("utf-8")
+        tail = [dmarc_text, f"arc={self.arc}"]
+        signatures = [_dkim_text(d) for d in self.dkim]
+        field = _results_field(authserv_id, head, signatures or ["dkim=none"], tail)
+        if len(field) <= RESULTS_MAX:
+            return field
+        ordered = [_dkim_text(d) for d in sorted(self.dkim, key=lambda d: d.result != "pass")]
+        for shown in range(len(ordered) - 1, -1, -1):
+            left_out = len(ordered) - shown
+            note = f"({left_out} more DKIM signature{'s' if left_out > 1 else ''} not reported)"
+            reported = ordered[:shown]
+            if reported:
+                reported[-1] += " " + note
+            else:
+                reported = [f"dkim=none {note}"]
+            field = _results_field(authserv_id, head, reported, tail)
+            if len(field) <= RESULTS_MAX:
+                return field
+        return field  # only an authserv-id thousands of characters long gets here
+
+
+#: The largest Authentication-Results field written. Every value in it is cut to VALUE_MAX bytes
+#: and every reason to 200, so with a host name as authserv-id its fixed parts take under 1,500
+#: bytes and at least two DKIM results of the largest kind (about 900 bytes) fit beside them.
+RESULTS_MAX = 4096
+#: Longest value (an address, a domain, a selector) written into the field, in bytes.
+VALUE_MAX = 320
+
+
+def _dkim_text(d: DkimResult) -> str:
+    reason = f' reason="{_quoted(d.reason)}"' if d.reason else ""
+    ident = f" header.d={_value(d.domain)} header.s={_value(d.selector)}" if d.domain else ""
+    bfield = f" header.b={_value(d.b)}" if d.b else ""
+    return f"dkim={d.result}{reason}{ident}{bfield}"
+
+
+def _results_field(authserv_id: str, *groups: list[str]) -> bytes:
+    parts = [part for group in groups for part in group]
+    return (f"Authentication-Results: {authserv_id};\r\n\t" + ";\r\n\t".join(parts) + "\r\n").encode("utf-8")
 
 
 _TOKEN = re.compile(r"^[A-Za-z0-9!#$%&'*+\-/=?^_`{|}~.@]+$")
 
 
 def _value(text: str) -> str:
-    """A value as RFC 8601 writes it: a token, else a quoted string."""
-    return text if _TOKEN.match(text) else f'"{_quoted(text)}"'
+    """A value as RFC 8601 writes it: a token, else a quoted string; at most VALUE_MAX bytes (a
+    longer one is no valid address or domain: it is cut)."""
+    if _TOKEN.fullmatch(text):  # fullmatch: `$` alone would let a final line break through
+        return text[:VALUE_MAX]
+    return f'"{_quoted(text, VALUE_MAX)}"'
 
 
-def _quoted(text: str) -> str:
-    return "".join(c for c in text if c.isprintable() and c not in '"\\')[:200]
+def _quoted(text: str, limit: int = 200) -> str:
+    """The text as a quoted string's content: printable, no quote or backslash, at most `limit`
+    bytes of UTF-8."""
+    kept = "".join(c for c in text if c.isprintable() and c not in '"\\')
+    return kept.encode("utf-8", "ignore")[:limit].decode("utf-8", "ignore")
 
 
 # --------------------------------------------------------------------------- header helpers

@@ -1,11 +1,12 @@
 """The rspamd client: one message to rspamd's normal worker over its HTTP protocol (`POST
 /checkv2`), its action turned into what the MX does.
 
-rspamd's actions and ours: "no action" accepts; "add header" and "rewrite subject" accept into
-the Junk mailbox with `X-Spam-Flag: YES`; "greylist" and "soft reject" answer 451 (the sender
-retries later); "reject" answers 550. Every checked message gets X-Spam-Status, X-Spam-Score and
-X-Spam-Action. One connection per message (`Connection: close`): rspamd's answer is small and
-the connection costs little on a local network.
+rspamd's actions and ours: "no action" accepts; "add header" and "rewrite subject" mark the
+message as spam (`X-Spam-Flag: YES`; "rewrite subject" also puts rspamd's new Subject in place),
+and the caller files it into Junk or only marks it (`inbound.rspamd_file_junk`); "greylist" and
+"soft reject" answer 451 (the sender retries later); "reject" answers 550. Every checked message
+gets X-Spam-Status, X-Spam-Score and X-Spam-Action. One connection per message (`Connection:
+close`): rspamd's answer is small and the connection costs little on a local network.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from cassmail.inbound.authcheck import header_fields, split_header
 
 log = logging.getLogger("cassmail.inbound")
 
@@ -22,6 +26,16 @@ log = logging.getLogger("cassmail.inbound")
 MAX_REPLY = 1 << 20
 #: Headers a sender could forge to look filtered: removed from incoming mail when rspamd is on.
 SPAM_HEADERS = (b"x-spam-status", b"x-spam-score", b"x-spam-action", b"x-spam-flag")
+#: Most bytes the X-Spam-* fields take (scores are clamped, the action name cut): the SIZE
+#: advertised leaves room for them.
+SPAM_FIELDS_MAX = 512
+#: Most bytes a rewritten Subject may add to the message; rspamd's subject is not used when it
+#: would add more (or make a line longer than RFC 5322 allows), and the message keeps its own.
+SUBJECT_GROWTH_MAX = 512
+#: Scores written into the fields are clamped to +-SCORE_MAX.
+SCORE_MAX = 99999.0
+#: RFC 5322's limit on a line, CRLF not counted.
+LINE_MAX = 998
 
 
 class SpamFilterUnavailable(Exception):
@@ -34,6 +48,8 @@ class SpamResult:
     score: float
     required: float
     symbols: list[str]
+    #: The Subject rspamd wants for "rewrite subject" (already MIME-encoded by rspamd), or None.
+    subject: str | None = None
 
     def verdict(self) -> tuple[str, str]:
         """(verdict, SMTP reply) as the handler wants it: reject, tempfail, junk or accept."""
@@ -46,11 +62,13 @@ class SpamResult:
         return "accept", ""
 
     def headers(self) -> bytes:
+        """The X-Spam-* fields, at most SPAM_FIELDS_MAX bytes."""
         spam = self.action in ("add header", "rewrite subject", "reject", "soft reject")
+        score, required = _clamp(self.score), _clamp(self.required)
         lines = [
-            f"X-Spam-Status: {'Yes' if spam else 'No'}, score={self.score:.2f} required={self.required:.2f}",
-            f"X-Spam-Score: {self.score:.2f}",
-            f"X-Spam-Action: {self.action}",
+            f"X-Spam-Status: {'Yes' if spam else 'No'}, score={score:.2f} required={required:.2f}",
+            f"X-Spam-Score: {score:.2f}",
+            f"X-Spam-Action: {_clean(self.action)[:64]}",
         ]
         if spam:
             lines.append("X-Spam-Flag: YES")
@@ -137,9 +155,34 @@ def _parse(reply: bytes) -> SpamResult:
         score = float(data.get("score", 0.0))
         required = float(data.get("required_score", 0.0))
         symbols = sorted(data.get("symbols", {}))
+        subject = data.get("subject")
     except (ValueError, KeyError, TypeError) as exc:
         raise SpamFilterUnavailable(f"rspamd's answer is not a verdict: {exc}") from None
-    return SpamResult(action, score, required, symbols)
+    return SpamResult(action, score, required, symbols, subject if isinstance(subject, str) else None)
+
+
+def _clamp(score: float) -> float:
+    """A score as the fields write it: finite and at most SCORE_MAX either way."""
+    return max(-SCORE_MAX, min(SCORE_MAX, score)) if math.isfinite(score) else 0.0
+
+
+def rewrite_subject(message: bytes, subject: str) -> bytes | None:
+    """The message with its Subject replaced by rspamd's (one is added at the top when it has
+    none), or None when that would add more than SUBJECT_GROWTH_MAX bytes or make a line
+    longer than LINE_MAX: the message then keeps its Subject."""
+    value = "".join(c for c in subject if c.isprintable()).strip()
+    field = b"Subject: " + value.encode("utf-8", "ignore") + b"\r\n"
+    if len(field) - 2 > LINE_MAX:
+        return None
+    block, rest = split_header(message)
+    fields = header_fields(block)
+    for n, raw in enumerate(fields):
+        name, colon, _ = raw.partition(b":")
+        if colon and name.strip().lower() == b"subject":
+            if len(field) - len(raw) > SUBJECT_GROWTH_MAX:
+                return None
+            return b"".join(fields[:n]) + field + b"".join(fields[n + 1:]) + rest
+    return field + message if len(field) <= SUBJECT_GROWTH_MAX else None
 
 
 def _clean(value: str) -> str:

@@ -20,7 +20,7 @@ from aiosmtpd.smtp import AuthResult, Envelope, Session
 
 from cassmail import auth
 from cassmail.config import SmtpSettings
-from cassmail.inbound import Inbound, deliver as deliver_to
+from cassmail.inbound import ADDED_MAX, Inbound, deliver as deliver_to
 from cassmail.logs import Timer, kv
 from cassmail.model import Address, InvalidInput
 from cassmail.sessions import Sessions
@@ -46,13 +46,19 @@ TEMPORARY = "451 4.3.0 Mail system temporarily unavailable, try again later"
 #: every part of them is bounded (the HELO name to 128 characters, addresses to 256 octets),
 #: and together they stay well under this.
 TRACE_RESERVE = 2048
+#: Bytes kept for the Delivered-To field a Sieve redirect puts on the copy it queues (an address).
+REDIRECT_RESERVE = 1024
+#: Everything written on top of the message as received before the store checks its limit:
+#: the trace, what the MX's checks add (inbound.ADDED_MAX: Authentication-Results, X-Spam-*, a
+#: rewritten Subject) and a redirect's Delivered-To. 8 KiB.
+HEADER_RESERVE = TRACE_RESERVE + ADDED_MAX + REDIRECT_RESERVE
 
 
 def advertised_size(store_limit: int) -> int:
     """The SIZE (RFC 1870) to advertise, and DATA's limit, for a store that takes messages of up
-    to `store_limit` bytes: what is left after the trace headers (half, for a limit so small
-    that the reserve would not fit twice)."""
-    return max(store_limit - TRACE_RESERVE, store_limit // 2)
+    to `store_limit` bytes: what is left after HEADER_RESERVE, on every listener (half, for a
+    limit so small that the reserve would not fit twice)."""
+    return max(store_limit - HEADER_RESERVE, store_limit // 2)
 
 
 @dataclass

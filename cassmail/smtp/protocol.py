@@ -138,7 +138,9 @@ async def read_data(
             rest = buf[end + len(END_OF_DATA) :]
             if rest:
                 _unread(reader, bytes(rest))
-            if too_large or end > limit + 2:
+            # `end` is the size of the message as sent (its last CRLF included, the doubled dots
+            # too): a message of `limit` octets is taken, one more is not.
+            if too_large or end > limit:
                 raise DataTooLarge(dropped + end)
             del buf[end + 2 :]
             # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
