@@ -328,6 +328,23 @@ async def test_every_signature_is_reported_and_forged_results_with_our_id_are_re
     assert "dkim=pass header.d=good.test" in header and "dmarc=pass" in header
 
 
+async def test_with_the_checks_off_forged_results_with_our_id_are_still_removed(
+        in_settings: Settings, world: World, rcpt: str, tmp_path: Path) -> None:
+    """Checks off is the default: a forged `dmarc=pass` in this host's name must not reach users."""
+    forged = (f"Authentication-Results: {AUTHSERV}; dkim=pass header.d=bank.test; dmarc=pass\r\n"
+              "Authentication-Results: relay.elsewhere.test; spf=pass smtp.mailfrom=x@good.test\r\n").encode()
+    node = _node(in_settings, world, tmp_path, authentication=False).start()
+    try:
+        assert await asyncio.to_thread(send, node, "anna@good.test", rcpt,
+                                       message("anna@good.test", "forged", extra=forged)) == (250, "")
+        [stored] = await asyncio.to_thread(imap_messages, node, rcpt)
+    finally:
+        assert node.stop() == 0
+    assert "Traceback" not in node.log_text()
+    assert results(stored) == ["Authentication-Results: relay.elsewhere.test; spf=pass smtp.mailfrom=x@good.test"]
+    assert "forged_ar=1" in node.log_text()
+
+
 async def test_an_arc_sealed_message_from_a_list_is_validated(mx: Node, world: World, rcpt: str) -> None:
     original = message("member@nodmarc.test", "list post")
     relayed = b"Authentication-Results: lists.test; spf=pass smtp.mailfrom=member@nodmarc.test\r\n" + original

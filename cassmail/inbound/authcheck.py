@@ -302,7 +302,10 @@ def header_fields(block: bytes) -> list[bytes]:
 
 def strip_forged_results(message: bytes, authserv_id: str) -> tuple[bytes, int]:
     """The message without the Authentication-Results fields that claim our authserv-id (RFC 8601
-    5: only this host may write them), and how many were removed; every other byte is kept."""
+    5: only this host may write them), and how many were removed; every other byte is kept. A
+    message with no such field is given back as it is (the same object: nothing copied)."""
+    if b"authentication-results" not in header_section(message).lower():
+        return message, 0
     block, rest = split_header(message)
     kept: list[bytes] = []
     removed = 0

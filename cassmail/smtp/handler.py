@@ -136,6 +136,8 @@ class DeliveryHandler(Sessions):
         self.store = store
         #: The MX's checks between DATA and the store (sender authentication, spam filter), if any.
         self.inbound = inbound if inbound is not None and inbound.enabled else None
+        #: With the checks off, the MX's Inbound only removes forged Authentication-Results.
+        self.results_guard = inbound if inbound is not None and not inbound.enabled else None
         #: Users' Sieve scripts, run on each local copy before it is stored (None: not run).
         self.sieve = sieve
         #: This process's delivery worker, which takes what is queued here (None: no worker here).
@@ -277,6 +279,8 @@ class DeliveryHandler(Sessions):
                 return self.per_recipient(envelope, verdict.reply)
             body, added = verdict.message, verdict.headers
             targets = verdict.file(targets, self.inbound.settings.junk_mailbox)
+        elif self.results_guard is not None:
+            body = self.results_guard.without_forged_results(body)
         trace = self.trace_headers(server, session, envelope, queue_id) + added
         if isinstance(body, bytearray):
             # DATA's own buffer (read_data): the headers go in front of it in place, so a large
