@@ -176,10 +176,7 @@ class Session:
                 close = line.find(b"}", pos)
                 if close < 0 or close != len(line) - 1:
                     raise ProtocolError("A literal's {size} ends its line")
-                spec = line[pos + 1:close].rstrip(b"+")
-                if not spec.isdigit() or len(spec) > 10:
-                    raise ProtocolError("Bad literal size")
-                args.append(await self.read_literal(int(spec)))
+                args.append(await self.read_literal(_literal_size(line[pos + 1:close])))
                 line, pos = await self.readline(), 0
             elif ch.isdigit():
                 end = line.find(b" ", pos)
@@ -357,10 +354,7 @@ class Session:
     async def _string_line(self, line: bytes) -> Arg:
         """A SASL response line: a quoted string or a literal (whose content may follow)."""
         if line.startswith(b"{") and line.endswith(b"}"):
-            spec = line[1:-1].rstrip(b"+")
-            if not spec.isdigit() or len(spec) > 10:
-                raise ProtocolError("Bad literal size")
-            value = await self.read_literal(int(spec))
+            value = await self.read_literal(_literal_size(line[1:-1]))
             await self.readline()
             return value
         if line.startswith(b'"'):
@@ -525,6 +519,15 @@ _COMMANDS: dict[str, tuple[Any, int | tuple[int, int], bool]] = {
     "DELETESCRIPT": (Session.cmd_deletescript, 1, True),
     "RENAMESCRIPT": (Session.cmd_renamescript, 2, True),
 }
+
+
+def _literal_size(spec: bytes) -> int:
+    """A literal's size from between its braces: digits and at most one "+" (RFC 5804 4: `{n}`,
+    or `{n+}` sent without waiting); `{5++}` is not a literal, so no bytes are read for it."""
+    digits = spec[:-1] if spec.endswith(b"+") else spec
+    if not digits.isdigit() or len(digits) > 10:
+        raise ProtocolError("Bad literal size")
+    return int(digits)
 
 
 def _read_quoted(line: bytes, pos: int) -> tuple[str, int]:

@@ -1,8 +1,8 @@
 """Coverage-guided fuzz targets (atheris, libFuzzer's engine) for every parser that sees bytes
 from a client or from disk: SMTP command addresses and DATA, POP3 command lines, IMAP command
 framing with literals and the command/search/fetch-spec grammar, MIME structure as FETCH
-BODYSTRUCTURE/ENVELOPE/BODY[section] sees it, the mbox store's index and mbox readers, and the
-configuration file.
+BODYSTRUCTURE/ENVELOPE/BODY[section] sees it, Sieve scripts and ManageSieve command lines, the
+mbox store's index and mbox readers, and the configuration file.
 
 A target takes one input and lets through only the exceptions its parser declares for bad
 input (a syntax error, a refused value); anything else escaping is a crash, which libFuzzer
@@ -224,6 +224,115 @@ def mime_structure(data: bytes) -> None:
         except mime.NoSuchPart:
             pass
     mime.header_fields(entity.header_bytes(), ["Subject", "To"], True)
+
+
+# ----------------------------------------------------------------------------- Sieve and ManageSieve
+
+
+#: A message with what Sieve tests look at: addresses with details, encoded words, a date,
+#: list headers, a multipart body with a text and a base64 part.
+SIEVE_MESSAGE = (
+    b"Return-Path: <b+list@x.test>\r\nFrom: =?utf-8?q?B=C3=A9a?= <b+list@x.test>\r\nTo: anne+work@y.test, c@y.test\r\n"
+    b"Cc: \"D\" <d@z.test>\r\nSubject: =?iso-8859-1?b?cOlyZQ==?= report 42\r\nDate: Tue, 24 Nov 2026 10:00:00 +0100\r\n"
+    b"List-Id: <l.x.test>\r\nX-Spam-Score: 7\r\nMessage-ID: <m@x.test>\r\n"
+    b"Content-Type: multipart/mixed; boundary=b\r\n\r\n--b\r\nContent-Type: text/plain; charset=utf-8\r\n\r\n"
+    b"caf\xc3\xa9 body text\r\n--b\r\nContent-Type: text/html\r\nContent-Transfer-Encoding: base64\r\n\r\n"
+    b"PGI+aGk8L2I+\r\n--b--\r\n"
+)
+
+
+@target("cassmail.sieve.parse", "cassmail.sieve.script")
+def sieve_script(data: bytes) -> None:
+    """A script as PUTSCRIPT and CHECKSCRIPT get it: checked (SieveError or nothing), and one
+    that passes run on a message as delivery runs it (at most the errors that leave the message
+    in INBOX: SieveRuntimeError, SieveError, InvalidInput)."""
+    from datetime import datetime, timezone
+
+    from cassmail.model import InvalidInput
+    from cassmail.sieve.script import (Envelope, Limits, Message, SieveError, SieveRuntimeError, compile_script,
+                                       run)
+
+    limits = Limits(regex_timeout=0.05)
+    try:
+        script = compile_script(data.decode("utf-8", "replace"), limits)
+    except SieveError:
+        return
+    message = Message(SIEVE_MESSAGE, limits.max_body_bytes)
+    try:
+        run(script, message, Envelope("b+list@x.test", "anne+work@y.test"), ("INBOX", "Junk", "a/b"), limits,
+            datetime(2026, 11, 24, 9, 30, tzinfo=timezone.utc))
+    except (SieveRuntimeError, SieveError, InvalidInput):
+        pass
+
+
+class _StreamWriter:
+    """What a ManageSieve session writes to: the bytes, kept (asyncio.StreamWriter's interface)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.transport = None
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None: ...
+
+    def get_extra_info(self, name: str) -> Any:
+        return ("127.0.0.1", 4190) if name == "peername" else None
+
+    def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
+_sieve_listener: Any = None
+SIEVE_USER = "anne@fuzz.test"
+
+
+async def _managesieve_listener() -> Any:
+    """One listener over an mbox store in a temporary directory, with one user (password
+    "anne"); small limits, so that long lines and literals past them are reached."""
+    global _sieve_listener
+    if _sieve_listener is None:
+        from cassmail import auth
+        from cassmail.config import ManageSieveSettings, MboxSettings, SieveSettings
+        from cassmail.managesieve import Listener
+        from cassmail.store.mbox import MboxStore
+
+        fast = auth.HashParams(log2_n=10, r=1, p=1)  # the least the checker takes
+        auth._dummy_hash = auth.hash_password("unknown", fast)  # an unknown user's check costs no more
+        store = MboxStore(MboxSettings(path=tempfile.mkdtemp(prefix="cassmail-fuzz-sieve-"), fsync=False))
+        await store.open()
+        await store.add_domain("fuzz.test")
+        await store.create_user(SIEVE_USER, auth.hash_password("anne", fast))
+        settings = ManageSieveSettings(allow_plaintext_auth=True, auth_failure_delay=0.0, max_auth_failures=3,
+                                       max_line_length=1024)
+        _sieve_listener = Listener(store, settings, SieveSettings(max_script_size=2048, max_scripts=8))
+    return _sieve_listener
+
+
+@target("cassmail.managesieve")
+def managesieve_command(data: bytes) -> None:
+    """A byte stream as a ManageSieve session reads it: command lines with quoted strings,
+    numbers and literals, AUTHENTICATE's continuation, every command before login or (when the
+    first byte is odd) logged in, on a real store. Answers are OK, NO or BYE: never the
+    internal error (BYE (TRYLATER) "Internal error..."), never an error in the log."""
+    from cassmail.managesieve import Session
+
+    async def session() -> bytes:
+        listener = await _managesieve_listener()
+        reader = asyncio.StreamReader(limit=listener.settings.max_line_length + 2)
+        reader.feed_data(data[1:])
+        reader.feed_eof()
+        writer = _StreamWriter()
+        running = Session(listener, reader, writer)  # type: ignore[arg-type]
+        if data[:1] and data[0] & 1:
+            running.user = SIEVE_USER
+        await running.run()
+        return bytes(writer.data)
+
+    answers = _run(session())
+    assert b"Internal error" not in answers, answers[-300:]
 
 
 # ----------------------------------------------------------------------------- the mbox store

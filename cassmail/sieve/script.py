@@ -140,7 +140,10 @@ RELATIONS = ("gt", "ge", "lt", "le", "eq", "ne")
 DATE_PARTS = ("year", "month", "day", "date", "julian", "hour", "minute", "second", "time", "iso8601", "std11",
               "zone", "weekday")
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_ZONE_TEXT = re.compile(r"[+-](\d\d)(\d\d)\Z")
+#: A :zone offset (RFC 5260 4.1, RFC 5322 3.3): hours 00..23 and minutes 00..59, the offsets Python's
+#: timezone can hold; "+3237" is refused when the script is checked, or at run time when a variable
+#: makes it.
+_ZONE_TEXT = re.compile(r"[+-]([01][0-9]|2[0-3])([0-5][0-9])\Z")
 
 
 @dataclass
