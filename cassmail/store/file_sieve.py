@@ -2,6 +2,9 @@
 account in the user's own directory, so deleting the user removes them::
 
     sieve/scripts/<name>    a script, UTF-8 (names encoded by base.encode_name)
+    sieve/scripts/%23<hash> a script whose encoded name is too long for a file name (RFC 5804
+                            allows 128 characters: up to 512 bytes of UTF-8), its name in the
+                            file beside it, `%23<hash>.name` (encode_name never makes `%23`)
     sieve/active            the active script's name; absent when none is
     sieve/vacation/<key>    a vacation reply sent: the time (seconds since 1970) until which
                             the same reply is not sent again
@@ -12,6 +15,7 @@ with O_EXCL, so two nodes answering the same sender at once send one reply.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +36,18 @@ from cassmail.store.wheelfs_fs import FileSystem
 
 #: Expired vacation records are swept when a user has more than this many.
 VACATION_SWEEP = 512
+#: Encoded names longer than this (bytes of UTF-8) are kept under their hash: file systems stop at 255.
+MAX_FILE_NAME = 200
+_HASHED = "%23"
+_NAME_SUFFIX = ".name"
+
+
+def _file(name: str) -> str:
+    """The file name of a script."""
+    encoded = encode_name(name)
+    if len(encoded.encode("utf-8")) <= MAX_FILE_NAME:
+        return encoded
+    return _HASHED + hashlib.sha256(name.encode("utf-8")).hexdigest()
 
 
 class FileSieve:
@@ -52,24 +68,48 @@ class FileSieve:
         except FileNotFoundError:
             return None
 
+    def _name_beside(self, scripts: str, file: str, name: str) -> None:
+        """The name of a hashed script, written before the script so a listing never meets a
+        script without its name."""
+        if file.startswith(_HASHED):
+            self.fs.replace_file(os.path.join(scripts, file + _NAME_SUFFIX), name.encode("utf-8"), self.fsync)
+
+    def _unlink(self, scripts: str, file: str, missing_ok: bool = False) -> None:
+        self.fs.unlink(os.path.join(scripts, file), missing_ok=missing_ok)
+        if file.startswith(_HASHED):
+            self.fs.unlink(os.path.join(scripts, file + _NAME_SUFFIX), missing_ok=True)
+
     def put(self, key: str, name: str, content: str) -> None:
         name, content = check_sieve_name(name), check_sieve_content(content)
         _, scripts = self._dirs(key)
-        self.fs.replace_file(os.path.join(scripts, encode_name(name)), content.encode("utf-8"), self.fsync)
+        file = _file(name)
+        self._name_beside(scripts, file, name)
+        self.fs.replace_file(os.path.join(scripts, file), content.encode("utf-8"), self.fsync)
 
     def get(self, key: str, name: str) -> str:
         name = check_sieve_name(name)
         _, scripts = self._dirs(key)
         try:
-            return self.fs.read_bytes(os.path.join(scripts, encode_name(name)), 2 << 20).decode("utf-8")
+            return self.fs.read_bytes(os.path.join(scripts, _file(name)), 2 << 20).decode("utf-8")
         except FileNotFoundError:
             raise NoSuchSieveScript(key, name) from None
 
     def list(self, key: str) -> list[SieveScriptInfo]:
         base, scripts = self._dirs(key)
         active = self._active(base)
-        names = sorted(decode_name(n) for n in self.fs.listdir(scripts) if not n.startswith("."))
-        return [SieveScriptInfo(n, n == active) for n in names]
+        files = set(self.fs.listdir(scripts))
+        names = []
+        for file in files:
+            if file.startswith("."):
+                continue
+            if not file.startswith(_HASHED):
+                names.append(decode_name(file))
+            elif not file.endswith(_NAME_SUFFIX):
+                try:
+                    names.append(self.fs.read_bytes(os.path.join(scripts, file + _NAME_SUFFIX)).decode("utf-8"))
+                except FileNotFoundError:
+                    continue  # not left so: its name is written before the script and removed after it
+        return [SieveScriptInfo(n, n == active) for n in sorted(names)]
 
     def set_active(self, key: str, name: str | None) -> None:
         base, scripts = self._dirs(key)
@@ -77,7 +117,7 @@ class FileSieve:
             self.fs.unlink(os.path.join(base, "active"), missing_ok=True)
             return
         name = check_sieve_name(name)
-        if not self.fs.exists(os.path.join(scripts, encode_name(name))):
+        if not self.fs.exists(os.path.join(scripts, _file(name))):
             raise NoSuchSieveScript(key, name)
         self.fs.replace_file(os.path.join(base, "active"), name.encode("utf-8"), self.fsync)
 
@@ -87,7 +127,7 @@ class FileSieve:
         if self._active(base) == name:
             raise SieveScriptActive(key, name)
         try:
-            self.fs.unlink(os.path.join(scripts, encode_name(name)))
+            self._unlink(scripts, _file(name))
         except FileNotFoundError:
             raise NoSuchSieveScript(key, name) from None
 
@@ -97,13 +137,17 @@ class FileSieve:
         content = self.get(key, old)
         if old == new:
             raise SieveScriptExists(key, new)
+        file = _file(new)
+        if self.fs.exists(os.path.join(scripts, file)):
+            raise SieveScriptExists(key, new)
+        self._name_beside(scripts, file, new)
         try:
-            self.fs.write_file(os.path.join(scripts, encode_name(new)), content.encode("utf-8"), True, self.fsync)
+            self.fs.write_file(os.path.join(scripts, file), content.encode("utf-8"), True, self.fsync)
         except FileExistsError:
             raise SieveScriptExists(key, new) from None
         if self._active(base) == old:
             self.fs.replace_file(os.path.join(base, "active"), new.encode("utf-8"), self.fsync)
-        self.fs.unlink(os.path.join(scripts, encode_name(old)), missing_ok=True)
+        self._unlink(scripts, _file(old), missing_ok=True)
 
     def active_script(self, key: str) -> tuple[str, str] | None:
         try:

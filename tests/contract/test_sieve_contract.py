@@ -37,6 +37,27 @@ async def test_scripts_are_kept_listed_and_replaced(store: Store, user: str) -> 
         await store.get_sieve_script(user, "nothing")
 
 
+async def test_names_of_128_characters_of_any_kind_are_kept(store: Store, user: str) -> None:
+    """RFC 5804 1.6: 128 Unicode characters, which as UTF-8 (or escaped for a file name) can be far
+    longer than a file system allows in one name."""
+    long_names = ["é" * 128, "/" * 128, "日" * 127 + "x", "%" * 128]
+    for n, name in enumerate(long_names):
+        await store.put_sieve_script(user, name, f"# {n}\r\nkeep;")
+    assert [s.name for s in await store.list_sieve_scripts(user)] == sorted(long_names)
+    assert await store.get_sieve_script(user, "é" * 128) == "# 0\r\nkeep;"
+    await store.set_active_sieve_script(user, "/" * 128)
+    assert await store.active_sieve_script(user) == ("/" * 128, "# 1\r\nkeep;")
+    await store.rename_sieve_script(user, "/" * 128, "short")
+    await store.rename_sieve_script(user, "short", "ü" * 128)
+    assert await store.active_sieve_script(user) == ("ü" * 128, "# 1\r\nkeep;")
+    with pytest.raises(SieveScriptExists):
+        await store.rename_sieve_script(user, "é" * 128, "ü" * 128)
+    await store.delete_sieve_script(user, "é" * 128)
+    with pytest.raises(NoSuchSieveScript):
+        await store.get_sieve_script(user, "é" * 128)
+    assert [s.name for s in await store.list_sieve_scripts(user)] == sorted(["ü" * 128, "日" * 127 + "x", "%" * 128])
+
+
 async def test_one_script_is_active_and_runs_until_deactivated(store: Store, user: str) -> None:
     await store.put_sieve_script(user, "a", "keep;")
     await store.put_sieve_script(user, "b", "discard;")
