@@ -1,17 +1,30 @@
 """FETCH (RFC 3501 6.4.5): byte-exact sections from `mime`, BODY[] and partial bodies streamed
 from the store with flow control, \\Seen set once per command for all the messages it reads.
 
-Every store read that can fail for a message comes before the first byte of its response, so a
-failure then is a clean NO; once a literal is announced, a failure can only end the connection.
-A message expunged by another session meanwhile is left out and the command answers NO
-[EXPUNGEISSUED] for those only (RFC 2180 4.1.2); the others are sent.
+Every store read that can fail for a message comes before the first byte of its response (a
+streamed item's first chunk included), so a failure then is a clean NO. A message expunged by
+another session meanwhile is left out and the command answers NO [EXPUNGEISSUED] for those only
+(RFC 2180 4.1.2); the others are sent.
+
+Once a literal's length is announced it cannot be taken back. If the rest of a streamed body
+vanishes (another session expunged it: on Cassandra its chunks go with it), the literal is
+completed with spaces, its FETCH response closed, and the command still answers NO
+[EXPUNGEISSUED]: the data of a message that is gone is fake from there on (RFC 2180 4.1.3 lets a
+server send fake data for an expunged message), the client's EXPUNGE comes at its next NOOP, and
+the connection goes on. A read that fails while the message is still there (the store
+unavailable for a moment) is resumed where it stopped; only when the store stays unavailable is
+the connection cut (logged), since padding a live message would hand the client a corrupt copy
+it may keep for good.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cassmail.imap import commands as c
@@ -20,7 +33,7 @@ from cassmail.imap.connection import Closed
 from cassmail.imap.errors import No
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
-from cassmail.store.base import NoSuchMessage, StoreError
+from cassmail.store.base import NoSuchMessage, StoreError, StoreUnavailable
 
 if TYPE_CHECKING:
     from cassmail.imap.session import Session
@@ -29,6 +42,12 @@ if TYPE_CHECKING:
 #: and at most HEADER_LIMIT in all, looking for the blank line that ends the header.
 HEADER_WINDOW = 16 * 1024
 HEADER_LIMIT = 1024 * 1024
+#: A streamed literal whose store read fails while the message is still there is resumed where
+#: it stopped, this many times (after RESUME_PAUSE, doubling), before the connection is cut.
+RESUME_ATTEMPTS = 3
+RESUME_PAUSE = 0.2
+#: What completes a literal whose message vanished after its length was announced.
+PAD = b" "
 
 log = logging.getLogger("cassmail.imap")
 
@@ -106,21 +125,23 @@ async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: 
         streams = {}
         for att in streamed:
             streams[id(att)] = stream = await _open_stream(session, summary, att)
-            if stream[3] is not None:
-                unread.push_async_callback(stream[3].aclose)
+            unread.push_async_callback(stream.close)
         out: list[bytes] = []
         write = session.conn.write
         head = b"* %d FETCH (" % view.seq(uid)
+        vanished = False
         for n, att in enumerate(atts):
             if att in streamed:
                 write(head + b" ".join(out) + (b" " if out else b""))
                 head, out = b"", []
-                await _send_stream(session, streams[id(att)])
+                vanished = not await _send_stream(session, streams[id(att)]) or vanished
                 if n + 1 < len(atts):
                     write(b" ")
                 continue
             out.append(_item(session, uid, summary, att, entity))
         write(head + b" ".join(out) + b")\r\n")
+    if vanished:  # its response is complete and the connection in step; the command says NO
+        raise NoSuchMessage(view.name, summary.id)
 
 
 def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, entity: mime.Entity | None) -> bytes:
@@ -185,46 +206,93 @@ async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity
     return entity
 
 
-Stream = tuple[bytes, int, bytes, "AsyncIterator[bytes] | None"]
+@dataclass(slots=True)
+class Stream:
+    """A BODY[] / BODY[]<a.b> / RFC822 item to be streamed: the bytes `start` to `end` of a
+    message, whose first piece was read before the literal is announced."""
+
+    name: bytes
+    message_id: uuid.UUID
+    start: int
+    end: int
+    first: bytes
+    rest: AsyncIterator[bytes] | None
+
+    async def close(self) -> None:
+        if self.rest is not None:
+            await self.rest.aclose()  # type: ignore[attr-defined]
 
 
 async def _open_stream(session: Session, summary: MessageSummary, att: c.FetchAtt) -> Stream:
-    """BODY[] / BODY[]<a.b> / RFC822, to be streamed: (item name, length, first piece, the rest)."""
+    """The item's first piece read (a failure here is still a clean NO), the rest to come."""
     view = session.selected()
     start, end = 0, summary.size
     if att.partial is not None:
         start = min(att.partial[0], summary.size)
         end = min(start + att.partial[1], summary.size)
-    if end <= start:
-        return att.response_name(), 0, b"", None
-    rest = session.store.read_chunks(view.user, view.name, summary.id, start, end).__aiter__()
-    try:
-        first = await rest.__anext__()
-    except StopAsyncIteration:
-        first, rest = b"", None
-    return att.response_name(), end - start, first, rest
+    stream = Stream(att.response_name(), summary.id, start, max(start, end), b"", None)
+    if end > start:
+        rest = session.store.read_chunks(view.user, view.name, summary.id, start, end).__aiter__()
+        stream.rest = rest
+        try:
+            stream.first = await rest.__anext__()
+        except StopAsyncIteration:
+            stream.rest = None
+    return stream
 
 
-async def _send_stream(session: Session, stream: Stream) -> None:
-    """The item straight from the store to the socket, a piece at a time, with flow control."""
-    name, length, first, rest = stream
+async def _send_stream(session: Session, stream: Stream) -> bool:
+    """The item straight from the store to the socket, a piece at a time, with flow control.
+    True when all of it was the message's; False when the message vanished after the literal
+    was announced and the rest of it is padding."""
     conn = session.conn
-    conn.write(name + b" {%d}\r\n" % length)
-    conn.write(first)
-    sent = len(first)
-    try:
-        if rest is not None:
-            async for chunk in rest:
+    length = stream.end - stream.start
+    conn.write(stream.name + b" {%d}\r\n" % length)
+    conn.write(stream.first)
+    sent = len(stream.first)
+    failures = 0
+    while stream.rest is not None:
+        try:
+            async for chunk in stream.rest:
                 await conn.drain()
+                if sent + len(chunk) > length:
+                    _cut(session, "message changed while it was sent")
                 conn.write(chunk)
                 sent += len(chunk)
-    except StoreError as exc:
-        _cut(session, f"store failed in the middle of a literal: {exc}")
+            break
+        except NoSuchMessage:
+            log.info(kv("imap-fetch-vanished", peer=session.peer, user=session.user, message=stream.message_id,
+                        sent=sent, padded=length - sent))
+            await _pad(session, length - sent)
+            return False
+        except StoreUnavailable as exc:
+            failures += 1
+            if failures > RESUME_ATTEMPTS:
+                _cut(session, f"store failed in the middle of a literal: {exc}")
+            log.info(kv("imap-fetch-resume", peer=session.peer, user=session.user, message=stream.message_id,
+                        sent=sent, error=exc))
+            await asyncio.sleep(RESUME_PAUSE * 2 ** (failures - 1))
+            await stream.close()
+            view = session.selected()
+            stream.rest = session.store.read_chunks(view.user, view.name, stream.message_id, stream.start + sent,
+                                                    stream.end).__aiter__()
+        except StoreError as exc:
+            _cut(session, f"store failed in the middle of a literal: {exc}")
     if sent != length:  # the store changed under us: the literal's length cannot be kept
         _cut(session, "message changed while it was sent")
+    return True
+
+
+async def _pad(session: Session, size: int) -> None:
+    """`size` bytes of padding, a chunk at a time, with flow control."""
+    piece = PAD * min(size, 64 * 1024)
+    while size > 0:
+        await session.conn.drain()
+        session.conn.write(piece[:size])
+        size -= len(piece)
 
 
 def _cut(session: Session, reason: str) -> None:
-    log.info(kv("imap-closed", peer=session.peer, user=session.user, reason=reason))
+    log.warning(kv("imap-closed", peer=session.peer, user=session.user, reason=reason))
     session.conn.abort()
     raise Closed(reason)

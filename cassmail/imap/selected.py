@@ -106,13 +106,18 @@ async def copy(session: Session, args: c.Copy) -> str:
     except NoSuchMessage:
         raise No("Some messages were expunged meanwhile", "EXPUNGEISSUED") from None
     await _learn_from_copy(session, dest, info.special_use, new_ids)
-    # The copies are stored: from here on the answer is OK, with COPYUID when the UIDs can be
-    # had now (RFC 4315 lets a server leave it out; it is logged when it is).
+    # The copies are stored: from here on the answer is OK, with COPYUID when the UIDs of all the
+    # copies can be had now. RFC 4315 lets a server leave it out, and its two sets must pair one
+    # to one: a copy another session expunged before it was numbered leaves it out too.
     code = ""
     try:
         new_uids = await store.assign_uids(view.user, dest, new_ids)
-        code = "[COPYUID %d %s %s]" % (
-            info.uidvalidity, wire.compact_set(uids), wire.compact_set([new_uids[i] for i in new_ids if i in new_uids]))
+        if all(i in new_uids for i in new_ids):
+            code = "[COPYUID %d %s %s]" % (
+                info.uidvalidity, wire.compact_set(uids), wire.compact_set([new_uids[i] for i in new_ids]))
+        else:
+            log.info(kv("imap-uids", user=view.user, mailbox=dest, copied=len(new_ids),
+                        gone=len(set(new_ids) - set(new_uids))))
     except StoreUnavailable as exc:
         log.warning(kv("imap-uids", user=view.user, mailbox=dest, waiting=len(new_ids), error=exc))
     if args.move:

@@ -158,7 +158,8 @@ def resolve_set(ranges: list[tuple[int | None, int | None]], largest: int) -> li
 
 
 def compact_set(numbers: list[int]) -> str:
-    """Ascending numbers as a compact sequence set: 4,5,6,9 -> 4:6,9 (COPYUID, ESEARCH ALL)."""
+    """Numbers as a compact sequence set, in the order given (COPYUID pairs its two sets by
+    position): each run of consecutive ascending ones as a range, 4,5,6,9 -> 4:6,9."""
     out: list[str] = []
     run: list[int] = []
     for n in numbers:
