@@ -8,13 +8,16 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from cassmail.store.base import Store, Target
+from tests.conftest import backend_settings_for, opened_store
 from tests.nodes import Node, node_settings
+from tests.test_imap_faults import new_user
 
 pytestmark = pytest.mark.cassandra
 
@@ -37,12 +40,17 @@ class Wire:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
         self.file = self.sock.makefile("rb")
         assert self.file.readline().startswith(b"* OK")
+        #: Lines read while waiting for a continuation, to be read again by what comes next.
+        self.pending: list[bytes] = []
 
     def line(self) -> bytes:
+        return self.pending.pop(0) if self.pending else self._read()
+
+    def _read(self) -> bytes:
         line = self.file.readline()
         assert line, "the server closed the connection"
         m = re.search(rb"\{(\d+)\}\r\n\Z", line)
-        return line + self.file.read(int(m.group(1))) + self.line() if m else line
+        return line + self.file.read(int(m.group(1))) + self._read() if m else line
 
     def until(self, tag: bytes) -> list[bytes]:
         lines = []
@@ -55,57 +63,131 @@ class Wire:
         assert self.until(b"L1")[-1].startswith(b"L1 OK")
         assert self.until(b"L2")[-1].startswith(b"L2 OK")
 
-    def send_in(self, data: bytes, cuts: list[int]) -> None:
+    def send_in(self, data: bytes, cuts: list[int], tags: list[bytes]) -> None:
         """`data` in pieces cut at the given offsets, each its own write (with a pause, so the
-        server reads them apart)."""
+        server reads them apart). After a synchronising literal's `{n}` the client stops, as
+        RFC 3501 asks, until the server's `+`, and checks that the `+` came only once every
+        command before that one was answered."""
+        barriers = {m.end() for m in re.finditer(rb"\{\d+\}\r\n", data)}
         start = 0
-        for cut in [*cuts, len(data)]:
+        for cut in sorted({*cuts, *barriers, len(data)}):
             if cut > start:
                 self.sock.sendall(data[start:cut])
                 time.sleep(0.002)
             start = cut
+            if cut in barriers:
+                starts = {tag: data.find(tag + b" ") for tag in tags}
+                waiting = max(start for start in starts.values() if start < cut)  # the command of this literal
+                before = [tag for tag, start in starts.items() if start < waiting]
+                while not (line := self._read()).startswith(b"+ "):
+                    self.pending.append(line)
+                answered = {line.split(b" ", 1)[0] for line in self.pending}
+                assert answered >= set(before), (cut, self.pending)
 
 
-def _answers(wire: Wire, tags: list[bytes]) -> dict[bytes, bytes]:
-    """Each tag's tagged answer, checking they come in the order sent."""
-    got: list[tuple[bytes, bytes]] = []
+def _answers(wire: Wire, tags: list[bytes]) -> dict[bytes, list[bytes]]:
+    """Each tag's answer (the untagged lines since the previous tagged one, then its own),
+    checking they come in the order sent and that no continuation is asked for."""
+    got: dict[bytes, list[bytes]] = {}
+    lines: list[bytes] = []
     while len(got) < len(tags):
         line = wire.line()
+        assert not line.startswith(b"+ "), line
+        lines.append(line)
         tag = line.split(b" ", 1)[0]
         if tag in tags:
-            got.append((tag, line))
-    assert [t for t, _ in got] == tags
-    return dict(got)
+            got[tag], lines = lines, []
+    assert list(got) == tags
+    return got
 
 
-def _stall_script(n: int) -> tuple[bytes, list[bytes]]:
-    tags = [b"c%d" % n, b"b%d" % n, b"z%d" % n]
-    script = (b"c%d NOOP\r\nb%d APPEND Junk {18+}\r\n" % (n, n)) + MESSAGE + b"\r\nz%d NOOP\r\n" % n
-    return script, tags
-
-
-async def test_a_literal_plus_append_pipelined_behind_a_command_is_answered(pipe_node: Node, store: Store, users) -> None:
-    """The issue's stall: `c NOOP`, `b APPEND INBOX {18+}` with its message and `z NOOP` in one
-    write. Every answer comes, in order, and the message is stored byte-exact; the same with
-    the script split at every byte and sent byte by byte."""
-    user = users["anne"]
-    wire = Wire(pipe_node.port("imap"))
-    wire.login(user, "anne", b"Junk")
-    script, tags = _stall_script(0)
-    answers = _answers_after(wire, script, [], tags)
-    assert answers[b"b0"].startswith(b"b0 OK [APPENDUID ")
-    splits = [[cut] for cut in range(1, len(script))] + [list(range(1, len(script)))]
-    for n, cuts in enumerate(splits, 1):
-        script, tags = _stall_script(n)
-        answers = _answers_after(wire, script, cuts, tags)
-        assert all(a.split(b" ", 2)[1] == b"OK" for a in answers.values()), (cuts, answers)
-    stored = [await store.read_message(user, "Junk", s.id) async for s in store.list_messages(user, "Junk")]
-    assert stored == [MESSAGE] * (len(splits) + 1)
-
-
-def _answers_after(wire: Wire, script: bytes, cuts: list[int], tags: list[bytes]) -> dict[bytes, bytes]:
-    wire.send_in(script, cuts)
+def _answers_after(wire: Wire, script: bytes, cuts: list[int], tags: list[bytes]) -> dict[bytes, list[bytes]]:
+    wire.send_in(script, cuts, tags)
     return _answers(wire, tags)
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A command that takes literals, to be pipelined between two NOOPs: `command(tag, user,
+    password)` gives it with its literals; it runs logged in with Junk selected (one message in
+    it when `search`), or on a fresh connection when `fresh`; its answer must start `answer`
+    and follow the untagged `untagged` line."""
+
+    command: Callable[[bytes, bytes, bytes], bytes]
+    answer: bytes = b"OK"
+    untagged: bytes | None = None
+    fresh: bool = False
+    search: bool = False
+
+
+LITERALS = {
+    "append-literal-plus": Literal(lambda t, u, p: t + b" APPEND Junk {18+}\r\n" + MESSAGE + b"\r\n", b"OK [APPENDUID "),
+    "append-synchronising": Literal(lambda t, u, p: t + b" APPEND Junk {18}\r\n" + MESSAGE + b"\r\n", b"OK [APPENDUID "),
+    "login-literal-plus": Literal(lambda t, u, p: b"%s LOGIN {%d+}\r\n%s {%d+}\r\n%s\r\n" % (t, len(u), u, len(p), p),
+                                  fresh=True),
+    "login-synchronising": Literal(lambda t, u, p: b"%s LOGIN {%d}\r\n%s {%d}\r\n%s\r\n" % (t, len(u), u, len(p), p),
+                                   fresh=True),
+    "search-literal-plus": Literal(lambda t, u, p: t + b" SEARCH SUBJECT {1+}\r\nx\r\n", untagged=b"* SEARCH 1\r\n",
+                                   search=True),
+    "search-synchronising": Literal(lambda t, u, p: t + b" SEARCH CHARSET UTF-8 SUBJECT {1}\r\nx\r\n",
+                                    untagged=b"* SEARCH 1\r\n", search=True),
+}
+
+
+async def _pipelined(port: int, store: Store, user: str, case: str, every_split: bool) -> None:
+    """`c NOOP`, the case's command with its literals and `z NOOP` in one write, then (with
+    `every_split`) cut at every byte, and byte by byte. Every answer comes, in order; a `+` only
+    for a synchronising literal and only once the NOOP before it is answered; an APPENDed message
+    is stored byte-exact."""
+    literal = LITERALS[case]
+    if literal.search:
+        await store.deliver(MESSAGE, [Target(user, "Junk")])
+    size = len(b"c0 NOOP\r\n" + literal.command(b"b0", user.encode(), b"anne") + b"z0 NOOP\r\n")
+    splits = [[], *([cut] for cut in range(1, size)), list(range(1, size))] if every_split else [[]]
+    wire = None
+    for n, cuts in enumerate(splits):
+        if wire is None or literal.fresh:
+            wire = Wire(port)
+            if not literal.fresh:
+                wire.login(user, "anne", b"Junk")
+        tags = [b"c%d" % n, b"b%d" % n, b"z%d" % n]
+        script = b"%s NOOP\r\n%s%s NOOP\r\n" % (tags[0], literal.command(tags[1], user.encode(), b"anne"), tags[2])
+        answers = _answers_after(wire, script, cuts, tags)
+        assert all(a[-1].split(b" ", 2)[1] == b"OK" for a in answers.values()), (case, cuts, answers)
+        assert answers[tags[1]][-1].startswith(tags[1] + b" " + literal.answer), (case, cuts, answers)
+        if literal.untagged is not None:
+            assert answers[tags[1]][:-1] == [literal.untagged], (case, cuts, answers)
+    if case.startswith("append"):
+        stored = [await store.read_message(user, "Junk", s.id) async for s in store.list_messages(user, "Junk")]
+        assert stored == [MESSAGE] * len(splits)
+
+
+@pytest.fixture(scope="module")
+async def wire_node(request: pytest.FixtureRequest, tmp_path_factory) -> AsyncIterator[tuple[Node, Store]]:
+    """A node on the mbox store for the every-split runs: literals are framed by the connection
+    before any store sees a command, so one store (the quickest) is enough for them."""
+    settings = backend_settings_for("mbox", request)
+    async with opened_store(settings) as store:
+        running = Node(node_settings(settings), tmp_path_factory.mktemp("wirenode"),
+                       imap={"allow_plaintext_auth": True, "auth_failure_delay": 0.0}).start()
+        yield running, store
+        assert running.stop() == 0
+        assert "Traceback" not in running.log_text()
+
+
+@pytest.mark.parametrize("case", LITERALS)
+async def test_a_literal_pipelined_behind_a_command_is_answered_in_every_split(wire_node, case: str) -> None:
+    """The issue's stall (`c NOOP`, `b APPEND INBOX {18+}` with its message and `z NOOP` in one
+    write, never answered past the NOOP), for every command that takes literals, with LITERAL+
+    and synchronising literals, in one write, cut at every byte, and byte by byte."""
+    running, store = wire_node
+    await _pipelined(running.port("imap"), store, await new_user(store), case, every_split=True)
+
+
+async def test_every_store_answers_literals_pipelined_behind_a_command(pipe_node: Node, store: Store) -> None:
+    """The same commands in one write on every store (each case with a user of its own)."""
+    for case in LITERALS:
+        await _pipelined(pipe_node.port("imap"), store, await new_user(store), case, every_split=False)
 
 
 def test_synchronising_literals_wait_for_their_turn_and_go_on(pipe_node: Node, users) -> None:
@@ -121,10 +203,10 @@ def test_synchronising_literals_wait_for_their_turn_and_go_on(pipe_node: Node, u
     assert wire.line().startswith(b"+ ")
     wire.sock.sendall(b"bob\r\nc SELECT Drafts\r\nd APPEND Drafts {18}\r\n")
     answers = _answers(wire, [b"b", b"c"])
-    assert answers[b"b"].startswith(b"b OK") and answers[b"c"].startswith(b"c OK")
+    assert answers[b"b"][-1].startswith(b"b OK") and answers[b"c"][-1].startswith(b"c OK")
     assert wire.line().startswith(b"+ ")
     wire.sock.sendall(MESSAGE + b"\r\ne SEARCH SUBJECT {1+}\r\nx\r\nf SEARCH CHARSET UTF-8 BODY {2}\r\n")
-    assert _answers(wire, [b"d"])[b"d"].startswith(b"d OK [APPENDUID")
+    assert _answers(wire, [b"d"])[b"d"][-1].startswith(b"d OK [APPENDUID")
     lines = wire.until(b"e")
     assert lines[-2:] == [b"* SEARCH 1\r\n", b"e OK SEARCH completed\r\n"], lines
     assert wire.line().startswith(b"+ ")
