@@ -1,6 +1,7 @@
 """Mutated IMAP commands over a real socket (tests/imap_fuzz.py), every store: each gets OK, NO
-or BAD (never NO [SERVERBUG]) or an announced BYE, the node logs no traceback, a fresh client is
-served afterwards and the worker's memory stays flat. A short run here; CASSMAIL_FUZZ_COUNT and
+or BAD (never NO [SERVERBUG]) or an announced BYE, no command the server has whole goes
+unanswered (a stall), the node logs no traceback, a fresh client is served afterwards and the
+worker's memory stays flat. A short run here; CASSMAIL_FUZZ_COUNT and
 CASSMAIL_FUZZ_SECONDS make it longer, or `python -m tests.imap_fuzz --port P --user U --password W
 --count 20000` against a node by hand."""
 
@@ -13,6 +14,8 @@ import os
 import pytest
 
 from tests import imap_fuzz
+from tests.conftest import backend_settings_for, opened_store
+from tests.test_imap_faults import faulty_listener, new_user
 from tests.test_imap import plain_node  # noqa: F401 - a fixture
 from tests.wire_fuzz import RSS_SLACK_KIB, rss_growth_kib
 
@@ -34,3 +37,27 @@ async def test_mutated_commands_get_the_protocols_own_answers(plain_node, users)
     client.login(users["carol"], "carol")
     assert client.select("INBOX")[0] == "OK"
     client.logout()
+
+
+async def test_the_fuzzer_reports_a_command_left_unanswered_not_one_waiting_for_its_literal(
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the fuzzer counts as a stall: a LITERAL+ APPEND cut short leaves the server rightly
+    waiting for the rest ("quiet", at once); a NOOP the server has whole and never answers (its
+    store made to hang) is a stall once STALL seconds pass with nothing from the server."""
+    monkeypatch.setattr(imap_fuzz, "STALL", 2.0)
+    settings = backend_settings_for("mbox", request)
+    async with opened_store(settings) as store:
+        user = await new_user(store)
+        async with faulty_listener(settings, store) as (wrapped, port):
+            session = await asyncio.to_thread(imap_fuzz._Session, port, user, "anne")
+            assert await asyncio.to_thread(session.command, b"APPEND Junk {10+}\r\nabc") == ("quiet", b"")
+            session.close()
+            session = await asyncio.to_thread(imap_fuzz._Session, port, user, "anne")
+            answer = await asyncio.to_thread(session.command, b"SEARCH SUBJECT {3}")  # the `+`, then the literal
+            assert answer == ("tagged", b"f3 OK SEARCH completed\r\n")
+            wrapped.stalled = asyncio.Event()
+            try:
+                assert await asyncio.to_thread(session.command, b"NOOP") == ("stall", b"")
+            finally:
+                wrapped.stalled.set()
+                session.close()
