@@ -14,6 +14,7 @@ import smtplib
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from email import policy
 from email.header import decode_header, make_header
@@ -121,6 +122,25 @@ def test_login_is_disabled_until_starttls(node: Node, users) -> None:
         client.login(users["anne"], "wrong")
     assert client.login(users["anne"], "anne")[0] == "OK"
     assert client.logout()[0] == "BYE"
+
+
+def test_the_capabilities_are_the_ones_docs_protocols_md_shows(node: Node) -> None:
+    """The CAPABILITY line of docs/protocols.md, before TLS and after STARTTLS, is what a client
+    is told (APPENDLIMIT's value is the store's limit, which the test node sets lower)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "protocols.md").read_text()
+    row = re.search(r"\| `\[imap\]`, `\[imaps\]` \(CAPABILITY\) \| `([^`]+)` \| `([^`]+)` instead of `([^`]+)` \|", text)
+    assert row, "the IMAP row of the capability table"
+    before, added, dropped = (group.split() for group in row.groups())
+    after = [word for word in before if word not in dropped] + added
+
+    def words(capabilities: Iterable[str]) -> list[str]:
+        return sorted(re.sub(r"=\d+\Z", "=N", word.upper()) for word in capabilities)
+
+    client = imap(node)
+    assert words(client.capabilities) == words(before)
+    client.starttls(ssl_context=CLIENT_TLS)
+    assert words(client.capabilities) == words(after)
+    client.logout()
 
 
 def test_authenticate_plain(plain_node: Node, users) -> None:
