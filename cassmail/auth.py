@@ -1,4 +1,5 @@
-"""Password hashing and checking, shared by SMTP AUTH, POP3 and IMAP.
+"""Password hashing and checking, and the one session-auth path of SMTP AUTH, POP3, IMAP and
+ManageSieve.
 
 Passwords are stored only as salted scrypt hashes in a self-describing text
 form, `$scrypt$ln=14,r=8,p=1$<salt>$<hash>` (base64 without padding), so the
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from cassmail.config import AuthSettings
+from cassmail.config import AuthSettings, ListenerSettings
 
 _log = logging.getLogger("cassmail.auth")
 
@@ -292,14 +293,68 @@ class FailureThrottle:
 # --------------------------------------------------------------------------- the session-auth path
 
 
-def decode_plain(response: bytes) -> tuple[str, str] | None:
-    """SASL PLAIN (RFC 4616): (authentication id, password) from the client's base64 response,
-    or None when it is not valid base64 of `authzid NUL authcid NUL password`."""
+def decode_base64(response: bytes) -> bytes | None:
+    """A SASL response's bytes from its strict base64 (RFC 4422 3.3), or None when it is not
+    base64 (only the alphabet and padding, nothing around them)."""
     try:
-        _authz, login, password = base64.b64decode(response.strip(), validate=True).split(b"\0")
-    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        return base64.b64decode(response, validate=True)
+    except ValueError:  # binascii.Error is a ValueError
         return None
+
+
+def split_plain(message: bytes) -> tuple[bytes, bytes] | None:
+    """(authentication id, password) of a decoded SASL PLAIN message (RFC 4616:
+    `authzid NUL authcid NUL password`; the authorization id is not used), or None when it has
+    not exactly those three parts."""
+    try:
+        _authz, login, password = message.split(b"\0")
+    except ValueError:
+        return None
+    return login, password
+
+
+def decode_plain(response: bytes) -> tuple[str, str] | None:
+    """SASL PLAIN: (authentication id, password) from the client's base64 response, or None when
+    it is not valid base64 of `authzid NUL authcid NUL password`."""
+    message = decode_base64(response.strip())
+    credentials = split_plain(message) if message is not None else None
+    if credentials is None:
+        return None
+    login, password = credentials
     return login.decode("utf-8", "replace"), password.decode("utf-8", "replace")
+
+
+def cancelled(response: bytes) -> bool:
+    """Whether a SASL response is the client's `*`, which cancels the exchange (RFC 4422 3.5)."""
+    return response.strip() == b"*"
+
+
+def drop_clear_text(pending: bytearray, listener: str, peer: str) -> int:
+    """After STARTTLS (STLS): what the client sent behind the command before the handshake came
+    in clear text, where anyone on the path could have put it (a login, say); it must not run as
+    if it came over TLS (RFC 3207 4.2, RFC 2595 3.1, the command injection of CVE-2011-0411), so
+    it is thrown away and logged (`event=<listener>-starttls`). The bytes dropped."""
+    from cassmail.logs import kv
+
+    dropped = len(pending)
+    pending.clear()
+    if dropped:
+        _log.warning(kv(f"{listener}-starttls", peer=peer, dropped_bytes=dropped))
+    return dropped
+
+
+@dataclass(slots=True)
+class Failures:
+    """One session's wrong passwords: at its listener's `max_auth_failures`th the session is
+    closed, in the protocol's own words."""
+
+    limit: int
+    count: int = 0
+
+    def add(self) -> bool:
+        """Count a wrong password; True when the session must now be closed."""
+        self.count += 1
+        return self.count >= self.limit
 
 
 #: How often a delayed login looks whether its client is still there.
@@ -307,12 +362,24 @@ GONE_POLL = 0.25
 
 
 class Logins:
-    """Password logins of one listener in one worker: the address parsed to a user key, the
-    failure throttle, the check against the store, and one `auth` log event per attempt."""
+    """Password logins of one listener in one worker: the clear-text policy, the address parsed
+    to a user key, the failure throttle, the check against the store, one `auth` log event per
+    attempt, and each session's count of failures (`failures`)."""
 
-    def __init__(self, listener: str, delay: float) -> None:
+    def __init__(self, listener: str, settings: ListenerSettings) -> None:
         self.listener = listener
-        self.throttle = FailureThrottle(delay)
+        self.throttle = FailureThrottle(settings.auth_failure_delay)
+        self.max_failures = settings.max_auth_failures
+        self.allow_plaintext = settings.allow_plaintext_auth
+
+    def plaintext_ok(self, secure: bool) -> bool:
+        """Whether a password may be sent on this session: over TLS always, in clear text only
+        where the listener's `allow_plaintext_auth` says so."""
+        return secure or self.allow_plaintext
+
+    def failures(self) -> Failures:
+        """A new session's count of wrong passwords."""
+        return Failures(self.max_failures)
 
     async def check(self, store: Any, peer: str, login: str, password: str,
                     gone: Callable[[], bool] = lambda: False) -> str | None:

@@ -70,7 +70,7 @@ class Listener(Sessions):
         self.store, self.settings, self.sieve = store, settings, sieve
         self.limits: Limits = limits_of(sieve)
         self.tls = server_context(settings)
-        self.logins = auth.Logins("managesieve", settings.auth_failure_delay)
+        self.logins = auth.Logins("managesieve", settings)
         Sessions.__init__(self, settings.max_connections)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -96,7 +96,7 @@ class Session:
         self.peer = peer[0] if isinstance(peer, tuple) else str(peer)
         self.secure = writer.get_extra_info("ssl_object") is not None
         self.user: str | None = None
-        self.failures = 0
+        self.failures = listener.logins.failures()
         self.commands = 0
         self.opened_at = time.monotonic()
 
@@ -107,8 +107,7 @@ class Session:
 
     # ----------------------------------------------------------------- output
     def capabilities(self) -> list[str]:
-        settings = self.listener.settings
-        can_login = self.secure or settings.allow_plaintext_auth
+        can_login = self.listener.logins.plaintext_ok(self.secure)
         lines = [
             '"IMPLEMENTATION" "cassmail"',
             f'"SASL" "{"PLAIN" if can_login and self.user is None else ""}"',
@@ -316,7 +315,7 @@ class Session:
         if not isinstance(mechanism, str) or mechanism.upper() != "PLAIN":
             await self.reply("NO", "Only the PLAIN mechanism is offered")
             return True
-        if not (self.secure or self.listener.settings.allow_plaintext_auth):
+        if not self.listener.logins.plaintext_ok(self.secure):
             await self.reply("NO", "Use STARTTLS before authenticating", "ENCRYPT-NEEDED")
             return True
         if len(args) > 1:
@@ -341,8 +340,7 @@ class Session:
                 await self.reply("NO", "Temporary authentication failure", "TRYLATER")
                 return True
         if user is None:
-            self.failures += 1
-            if self.failures >= self.listener.settings.max_auth_failures:
+            if self.failures.add():
                 await self.reply("BYE", "Too many failed authentications")
                 return False
             await self.reply("NO", "Authentication failed")

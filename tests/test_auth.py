@@ -1,13 +1,16 @@
-"""Password hashing: salted scrypt, self-describing, constant-time checks, safe on malformed input."""
+"""Password hashing: salted scrypt, self-describing, constant-time checks, safe on malformed input;
+the session-auth path every protocol shares: throttling, SASL decoding, the clear-text policy, the
+failure count, the STARTTLS drop."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 
 from cassmail import auth
 from cassmail.auth import HashParams
-from cassmail.config import AuthSettings
+from cassmail.config import AuthSettings, ImapSettings, Pop3Settings
 
 FAST = HashParams(log2_n=10)
 
@@ -114,3 +117,37 @@ def test_worker_processes_forked_from_one_node_count_in_one_table() -> None:
         children.append(pid)
     assert all(os.waitpid(pid, 0)[1] == 0 for pid in children)
     assert table.count("peer:192.0.2.1", 60) == table.count("user:anne@x.example", 60) == 1000  # none lost
+
+
+def test_sasl_responses_decode_strictly_in_one_place() -> None:
+    plain = base64.b64encode(b"admin\0anne@example.com\0s3cr\xc3\xa9t")
+    assert auth.decode_base64(plain) == b"admin\0anne@example.com\0s3cr\xc3\xa9t"
+    assert auth.decode_base64(b"YW5u ZQ==") is None and auth.decode_base64(b"YW5uZQ") is None
+    assert auth.decode_base64(b"") == b""
+    assert auth.split_plain(b"\0anne\0pw") == (b"anne", b"pw")
+    assert auth.split_plain(b"anne\0pw") is None and auth.split_plain(b"a\0b\0c\0d") is None
+    assert auth.decode_plain(b" " + plain + b"\r\n") == ("anne@example.com", "s3crét")
+    assert auth.decode_plain(base64.b64encode(b"anne\0pw")) is None
+    assert auth.decode_plain(b"not base64!") is None
+    assert auth.cancelled(b"*\r\n") and auth.cancelled(b" * ")
+    assert not auth.cancelled(b"**") and not auth.cancelled(plain)
+
+
+def test_the_clear_text_policy_and_the_failure_count_come_from_the_listeners_settings() -> None:
+    strict = auth.Logins("imap", ImapSettings(max_auth_failures=2))
+    lenient = auth.Logins("pop3", Pop3Settings(allow_plaintext_auth=True))
+    assert strict.plaintext_ok(secure=True) and not strict.plaintext_ok(secure=False)
+    assert lenient.plaintext_ok(secure=True) and lenient.plaintext_ok(secure=False)
+    first, second = strict.failures(), strict.failures()
+    assert first.add() is False and first.add() is True  # the second wrong password closes it
+    assert second.count == 0  # each session counts its own
+    assert [lenient.failures().limit, strict.failures().limit] == [Pop3Settings().max_auth_failures, 2]
+
+
+def test_what_came_behind_starttls_in_clear_text_is_dropped_and_logged(caplog) -> None:
+    pending = bytearray(b"a1 LOGIN anne secret\r\na2 SEL")
+    with caplog.at_level("WARNING", logger="cassmail.auth"):
+        assert auth.drop_clear_text(pending, "imap", "192.0.2.7") == 28
+        assert auth.drop_clear_text(pending, "imap", "192.0.2.7") == 0
+    assert pending == b""
+    assert [r.getMessage() for r in caplog.records] == ["event=imap-starttls peer=192.0.2.7 dropped_bytes=28"]

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cassmail import auth
+
 #: A literal announced at the end of a line: `{n}`, `{n+}` (LITERAL+), `~{n}` / `~{n+}` (BINARY).
 LITERAL_MARKER = re.compile(rb"(~?)\{(\d{1,20})(\+?)\}\Z")
 #: RFC 3501 number: 32 bits.
@@ -296,11 +298,10 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def drop_buffered(self) -> int:
-        """Throw away whatever was received and not read yet (STARTTLS: what came in clear text
-        behind it must not run as if it came over TLS). Returns the bytes dropped."""
-        dropped = len(self._buffer)
-        self._buffer.clear()
+    def drop_buffered(self, peer: str) -> int:
+        """Throw away whatever was received and not read yet (STARTTLS: `auth.drop_clear_text`).
+        Returns the bytes dropped."""
+        dropped = auth.drop_clear_text(self._buffer, "imap", peer)
         self._consumed()
         return dropped
 

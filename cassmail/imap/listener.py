@@ -38,7 +38,7 @@ class Listener(Sessions):
         self.learner = learner
         #: The context STARTTLS uses (None: not offered); implicit TLS is the server's own.
         self.tls = server_context(settings) if not settings.implicit_tls else None
-        self.logins = auth.Logins("imap", settings.auth_failure_delay)
+        self.logins = auth.Logins("imap", settings)
         self.message_limit = parse.message_limit(store.max_message_size or (1 << 31))
         #: Parsed message headers by message id (a message's bytes never change), up to about
         #: header_cache_bytes.

@@ -4,7 +4,6 @@ AUTHENTICATE (PLAIN, with SASL-IR), COMPRESS and ENABLE."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import ssl
 from typing import TYPE_CHECKING
 
@@ -12,12 +11,9 @@ from cassmail import auth
 from cassmail.imap import commands as c
 from cassmail.imap.connection import Closed, LineTooLong
 from cassmail.imap.errors import Bad, No
-from cassmail.logs import kv
 
 if TYPE_CHECKING:
     from cassmail.imap.session import Session
-
-log = logging.getLogger("cassmail.imap")
 
 
 async def capability(session: Session, args: c.Simple) -> str:
@@ -41,12 +37,8 @@ async def starttls(session: Session, args: c.Simple) -> str:
         raise No("TLS is not available")
     if session.secure:
         raise No("TLS already active")
-    # Whatever the client sent after STARTTLS before the handshake came in clear text, where
-    # anyone on the path could have put it (a LOGIN, say): it must not run as if it came over
-    # TLS (the command injection of CVE-2011-0411). The session starts afresh once TLS is up.
-    dropped = session.conn.drop_buffered()
-    if dropped:
-        log.warning(kv("imap-starttls", peer=session.peer, dropped_bytes=dropped))
+    # What came behind STARTTLS in clear text is dropped; the session starts afresh once TLS is up.
+    session.conn.drop_buffered(session.peer)
 
     async def handshake() -> None:
         conn = session.conn
@@ -63,7 +55,7 @@ async def starttls(session: Session, args: c.Simple) -> str:
 
 
 async def login(session: Session, args: c.Login) -> str:
-    if not session.plaintext_ok():
+    if not session.listener.logins.plaintext_ok(session.secure):
         raise No("LOGIN is disabled on a clear-text connection: use STARTTLS", "PRIVACYREQUIRED")
     return await _login(session, args.user.decode("utf-8", "replace"), args.password.decode("utf-8", "replace"))
 
@@ -71,7 +63,7 @@ async def login(session: Session, args: c.Login) -> str:
 async def authenticate(session: Session, args: c.Authenticate) -> str:
     if args.mechanism != "PLAIN":
         raise No("Unsupported authentication mechanism")
-    if not session.plaintext_ok():
+    if not session.listener.logins.plaintext_ok(session.secure):
         raise No("Authentication is disabled on a clear-text connection", "PRIVACYREQUIRED")
     response = args.initial
     if response is None:
@@ -80,7 +72,7 @@ async def authenticate(session: Session, args: c.Authenticate) -> str:
             response = await session.conn.read_line()
         except LineTooLong:
             raise Bad("Line too long") from None
-    if response.strip() == b"*":
+    if auth.cancelled(response):
         raise Bad("Authentication cancelled")
     decoded = auth.decode_plain(b"" if response == b"=" else response)
     if decoded is None:
@@ -92,8 +84,7 @@ async def _login(session: Session, login_name: str, password: str) -> str:
     user = await session.listener.logins.check(session.store, session.peer, login_name, password,
                                                gone=lambda: session.conn.lost)
     if user is None:
-        session.failures += 1
-        if session.failures >= session.settings.max_auth_failures:
+        if session.failures.add():
             session.untagged(b"BYE Too many authentication failures")
             session.closing = True
         raise No("Authentication failed", "AUTHENTICATIONFAILED")

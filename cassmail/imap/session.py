@@ -69,7 +69,7 @@ class Session:
         self.state = "unauth"
         self.user: str | None = None
         self.view: MailboxView | None = None
-        self.failures = 0
+        self.failures = listener.logins.failures()
         self.commands = 0
         #: The tag of the command running (ESEARCH names it in its response).
         self.tag = b""
@@ -206,9 +206,6 @@ class Session:
 
     # ------------------------------------------------------------------ shared by the commands
 
-    def plaintext_ok(self) -> bool:
-        return self.secure or self.settings.allow_plaintext_auth
-
     def capabilities(self) -> list[bytes]:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
                 b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
@@ -219,7 +216,7 @@ class Session:
         if self.user is None:
             if self.listener.tls is not None and not self.secure:
                 caps.append(b"STARTTLS")
-            caps.append(b"AUTH=PLAIN" if self.plaintext_ok() else b"LOGINDISABLED")
+            caps.append(b"AUTH=PLAIN" if self.listener.logins.plaintext_ok(self.secure) else b"LOGINDISABLED")
         return caps
 
     def decode_name(self, raw: bytes) -> str:

@@ -124,9 +124,9 @@ class Pop3Session(pop3.POP3):
         self._secure = False
         self._user_given: str | None = None
         self._peer = "-"
-        self._failures = 0  # failed logins in this session
         self._overlong = False  # skipping the rest of a line that is too long
-        self._drop_rest = False  # STLS: whatever follows it in clear text is dropped
+        self._pending = bytearray()  # received, not yet cut into lines
+        self._drop_rest = False  # STLS: the lines queued behind it came in clear text and are dropped
         self._answering = False  # from a RETR's or TOP's +OK to its end: an error cannot be -ERR then
         self._queued = 0  # bytes of the lines waiting (in `blocked` or on their way back to it)
         self._reading_paused = False  # the transport was told to stop reading (too much queued)
@@ -141,6 +141,7 @@ class Pop3Session(pop3.POP3):
         self.state = "COMMAND"
         self.blocked = None
         self._secure = settings.implicit_tls
+        self._failures = self.factory.logins.failures()
         peer = self.transport.getPeer()
         self._peer = getattr(peer, "host", str(peer))
         admitted = self.factory.opened(self)
@@ -172,24 +173,21 @@ class Pop3Session(pop3.POP3):
         first, so STLS could not drop what follows it, and it closes the connection on a line
         over MAX_LENGTH; here at most `max_line_length` bytes are held, and a longer line is
         skipped up to its end and answered -ERR, in its turn among pipelined commands."""
-        buffer = self._buffer + data
+        pending = self._pending
+        pending += data
         limit = self.factory.settings.max_line_length
-        pos = 0
         while not self.transport.disconnecting:
-            end = buffer.find(b"\r\n", pos)
+            end = pending.find(b"\r\n")
             if end < 0:
                 break
-            line, pos = buffer[pos:end], end + 2
+            line = bytes(pending[:end])
+            del pending[: end + 2]  # cheap: a bytearray drops its front by moving its start
             too_long, self._overlong = self._overlong or len(line) > limit, False
             self.lineReceived(None if too_long else line)
-            if self._drop_rest:
-                self._drop_rest = False
-                pos = len(buffer)
-        rest = buffer[pos:]
-        if len(rest) - rest.endswith(b"\r") > limit:  # a CR alone may be half of the line end
+            self._drop_rest = False  # STLS emptied `pending` itself
+        if len(pending) - pending.endswith(b"\r") > limit:  # a CR alone may be half of the line end
             self._overlong = True
-            rest = rest[-1:]  # it may be the CR of the line end
-        self._buffer = rest
+            del pending[:-1]  # it may be the CR of the line end
 
     def lineReceived(self, line: bytes | None) -> None:  # type: ignore[override]
         """One line (None: one that was too long): handled now, or queued behind a long operation."""
@@ -290,12 +288,9 @@ class Pop3Session(pop3.POP3):
 
     # ------------------------------------------------------------------ capabilities and TLS
 
-    def _plaintext_ok(self) -> bool:
-        return self._secure or self.factory.settings.allow_plaintext_auth
-
     def listCapabilities(self) -> list[bytes]:
         caps = [b"TOP", b"UIDL", b"PIPELINING", b"RESP-CODES", b"AUTH-RESP-CODE", b"IMPLEMENTATION cassmail"]
-        if self._plaintext_ok():
+        if self.factory.logins.plaintext_ok(self._secure):
             caps += [b"USER", b"SASL PLAIN"]
         if self.factory.tls is not None and not self._secure:
             caps.append(b"STLS")
@@ -310,9 +305,7 @@ class Pop3Session(pop3.POP3):
         self.transport.startTLS(self.factory.tls)
         self._secure = True
         self._user_given = None
-        # Lines that came behind STLS in clear text (in this packet or queued) are not the
-        # client's TLS session: a man in the middle may have put them there (RFC 2595 3.1).
-        self._buffer = b""
+        auth.drop_clear_text(self._pending, "pop3", self._peer)
         self._drop_rest = True
 
     # ------------------------------------------------------------------ login
@@ -324,7 +317,7 @@ class Pop3Session(pop3.POP3):
         raise _PopError(b"RPOP is not supported")
 
     def do_USER(self, user: bytes | None = None, *rest: bytes) -> None:
-        if not self._plaintext_ok():
+        if not self.factory.logins.plaintext_ok(self._secure):
             raise _PopError(b"[AUTH] Plaintext authentication is disallowed on a clear-text connection: use STLS")
         if user is None or rest:
             raise _PopError(b"Syntax: USER name")
@@ -332,7 +325,7 @@ class Pop3Session(pop3.POP3):
         self.successResponse(b"Send PASS")
 
     def do_PASS(self, *words: bytes) -> Any:
-        if not self._plaintext_ok():
+        if not self.factory.logins.plaintext_ok(self._secure):
             raise _PopError(b"[AUTH] Plaintext authentication is disallowed on a clear-text connection: use STLS")
         if self._user_given is None:
             raise _PopError(b"USER first")
@@ -341,7 +334,7 @@ class Pop3Session(pop3.POP3):
         return self._longOperation(deferred(self._login(login, password)))
 
     def do_AUTH(self, mechanism: bytes | None = None, initial: bytes | None = None, *rest: bytes) -> Any:
-        if not self._plaintext_ok():
+        if not self.factory.logins.plaintext_ok(self._secure):
             raise _PopError(b"[AUTH] Authentication is disallowed on a clear-text connection: use STLS")
         if mechanism is None:
             self.successResponse(b"Supported mechanisms:")
@@ -358,7 +351,7 @@ class Pop3Session(pop3.POP3):
 
     def state_AUTH_PLAIN(self, line: bytes) -> None:
         self.state = "COMMAND"
-        if line.strip() == b"*":
+        if auth.cancelled(line):
             self.failResponse(b"Authentication cancelled")
             return
         self._sasl_plain(line.strip())
@@ -384,8 +377,7 @@ class Pop3Session(pop3.POP3):
             user = await self.factory.logins.check(store, self._peer, address, password,
                                                   gone=lambda: self._opened_at is None)
             if user is None:
-                self._failures += 1
-                if self._failures >= self.factory.settings.max_auth_failures:
+                if self._failures.add():
                     self.failResponse(b"[AUTH] Authentication failed; too many failures, closing the connection")
                     self.transport.loseConnection()
                     return
@@ -662,7 +654,7 @@ class Pop3Factory(ServerFactory, Sessions):
 
     def __init__(self, store: Store, settings: Pop3Settings, tls: Any) -> None:
         self.store, self.settings, self.tls = store, settings, tls
-        self.logins = auth.Logins("pop3", settings.auth_failure_delay)
+        self.logins = auth.Logins("pop3", settings)
         Sessions.__init__(self, settings.max_connections)
 
     def buildProtocol(self, addr: Any) -> Pop3Session:

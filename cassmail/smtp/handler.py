@@ -149,7 +149,7 @@ class DeliveryHandler(Sessions):
         #: Networks whose clients may submit without AUTH (submission only: the MX never relays).
         self.trusted_networks = tuple(ipaddress.ip_network(n, strict=False) for n in settings.trusted_networks
                                       ) if role.submission else ()
-        self.logins = auth.Logins(role.name, settings.auth_failure_delay)
+        self.logins = auth.Logins(role.name, settings)
         Sessions.__init__(self, settings.max_connections)
         #: Mailboxes a delivery makes when the user has none of that name (the Junk mailbox).
         self.creatable: frozenset[str] = frozenset({self.inbound.settings.junk_mailbox} if self.inbound else ())
@@ -183,9 +183,11 @@ class DeliveryHandler(Sessions):
             return AuthResult(success=False, handled=False, message="454 4.7.0 Temporary authentication failure")
         if user is not None:
             return AuthResult(success=True, auth_data=user)
-        failures = getattr(session, "auth_failures", 0) + 1
-        session.auth_failures = failures  # type: ignore[attr-defined]
-        if failures >= self.settings.max_auth_failures:
+        # On aiosmtpd's session, which STARTTLS renews (RFC 3207 4.2): the count starts again there.
+        failures = getattr(session, "auth_failures", None)
+        if failures is None:
+            failures = session.auth_failures = self.logins.failures()  # type: ignore[attr-defined]
+        if failures.add():
             await server.push("421 4.7.0 Too many failed authentications, closing connection")
             server.transport.close()
             return AuthResult(success=False, handled=True)
