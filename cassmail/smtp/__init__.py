@@ -16,7 +16,7 @@ from cassmail.sieve.delivery import SieveFilter
 from cassmail.smtp.handler import (
     LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role, advertised_size,
 )
-from cassmail.smtp.protocol import CassmailLMTP, CassmailSMTP, RateLimits
+from cassmail.smtp.protocol import SASL_MECHANISMS, CassmailLMTP, CassmailSMTP, RateLimits
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
@@ -37,8 +37,14 @@ def _factory(
     # One table of peer addresses per listener and worker, shared by its sessions.
     rates = RateLimits(listener.max_command_rate, listener.max_connection_rate, listener.rate_limit_exempt)
 
+    # aiosmtpd asks for TLS before AUTH (auth_require_tls) only where STARTTLS is to come; an
+    # implicit-TLS session is secure from its first byte.
+    plaintext_ok = handler.logins.plaintext_ok(secure=listener.implicit_tls)
+    # Only submission offers AUTH: MX and LMTP peers are other servers.
+    excluded = () if role.submission else SASL_MECHANISMS
+
     def make() -> asyncio.Protocol:
-        protocol = engine(
+        return engine(
             handler,
             data_size_limit=limit,
             enable_SMTPUTF8=True,
@@ -48,22 +54,14 @@ def _factory(
             tls_context=starttls,
             timeout=listener.timeout,
             auth_required=role.submission,
-            auth_require_tls=not listener.allow_plaintext_auth and not listener.implicit_tls,
+            auth_require_tls=not plaintext_ok,
+            auth_exclude_mechanism=excluded,
             command_call_limit=listener.max_commands,
-            authenticator=_unused_authenticator,
             command_length=listener.max_command_length,
             rates=rates,
         )
-        if not role.submission:
-            # Only submission offers AUTH: MX and LMTP peers are other servers.
-            protocol._auth_methods.clear()
-        return protocol
 
     return make, handler
-
-
-def _unused_authenticator(*args: object) -> None:  # pragma: no cover - replaced by the engine's async check
-    raise AssertionError("the engine checks credentials itself")
 
 
 LISTENERS: tuple[tuple[str, Role], ...] = (
