@@ -86,7 +86,7 @@ async def test_listing_after_mass_deletion_does_not_walk_the_tombstones(make_sto
     # The measurement itself sees tombstones: the same read from the start of the partition walks them all.
     mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
     with store.tracing() as unbounded:
-        await store._run("msg_page_first", mailbox_id, 500)
+        await store.tables.messages.page(mailbox_id, None, 500)
     assert unbounded.tombstones >= 4990
 
 
@@ -157,12 +157,12 @@ async def test_a_late_message_older_than_the_live_ones_is_still_listed_within_th
 
 async def test_consistency_levels_come_from_settings(make_store) -> None:
     store = await make_store(read_consistency="LOCAL_ONE", write_consistency="QUORUM", serial_consistency="LOCAL_SERIAL")
-    ps = store._ps
-    assert ps["msg_page"].consistency_level == ConsistencyLevel.LOCAL_ONE
-    assert ps["chunk_insert"].consistency_level == ConsistencyLevel.QUORUM
-    assert ps["msg_insert"].consistency_level == ConsistencyLevel.QUORUM
-    assert ps["uid_read"].consistency_level == ConsistencyLevel.LOCAL_SERIAL
-    assert ps["user_create"].serial_consistency_level == ConsistencyLevel.LOCAL_SERIAL
+    tables = store.tables
+    assert tables.messages.prepared["page"].consistency_level == ConsistencyLevel.LOCAL_ONE
+    assert tables.body_chunks.prepared["insert"].consistency_level == ConsistencyLevel.QUORUM
+    assert tables.messages.prepared["insert"].consistency_level == ConsistencyLevel.QUORUM
+    assert tables.messages.prepared["uids"].consistency_level == ConsistencyLevel.LOCAL_SERIAL
+    assert tables.users.prepared["create"].serial_consistency_level == ConsistencyLevel.LOCAL_SERIAL
 
 
 async def test_too_few_replicas_for_the_write_level_is_unavailable_and_shows_nothing(cassandra_settings) -> None:
@@ -189,14 +189,10 @@ async def test_too_few_replicas_for_the_write_level_is_unavailable_and_shows_not
 async def test_a_delivery_that_fails_before_its_rows_are_written_is_invisible(make_store, monkeypatch) -> None:
     store = await make_store()
     user = await new_user(store)
-    real_run = store._run
+    async def failing_insert(*params: object) -> None:
+        raise StoreUnavailable("injected: write timeout")
 
-    async def failing_run(name: str, *params: object) -> list:
-        if name == "msg_insert":
-            raise StoreUnavailable("injected: write timeout")
-        return await real_run(name, *params)
-
-    monkeypatch.setattr(store, "_run", failing_run)
+    monkeypatch.setattr(store.tables.messages, "insert", failing_insert)
     with pytest.raises(StoreUnavailable):
         await store.deliver(b"x" * 200_000, [Target(user)])
     monkeypatch.undo()
@@ -299,8 +295,8 @@ async def test_a_body_deleted_between_two_chunks_is_no_such_message_a_lost_chunk
     # a chunk missing under a live message is a replica that has not seen the write: unavailable
     [kept] = await store.deliver(body, [Target(user)])
     mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
-    [row] = await store._run("msg_body_info", mailbox_id, kept)
-    await store._run("chunk_delete", row.body_id, window + 2)
+    row = await store.tables.messages.body_info(mailbox_id, kept)
+    await store.tables.body_chunks.delete(row.body_id, window + 2)
     with pytest.raises(StoreUnavailable, match=f"chunk {window + 2} of body"):
         await store.read_message(user, INBOX, kept)
 
@@ -311,7 +307,7 @@ async def test_a_chunk_missing_at_the_read_level_is_asked_of_every_replica_befor
     user = await new_user(store)
     body = os.urandom(store.settings.chunk_size * 2 + 10)
     [kept] = await store.deliver(body, [Target(user)])
-    real, levels = store._exec, []
+    real, levels = store.cql.run, []
 
     async def first_chunk_read_misses(statement):
         prepared = getattr(statement, "prepared_statement", None)
@@ -321,7 +317,7 @@ async def test_a_chunk_missing_at_the_read_level_is_asked_of_every_replica_befor
                 return []  # the lagging replica answered
         return await real(statement)
 
-    monkeypatch.setattr(store, "_exec", first_chunk_read_misses)
+    monkeypatch.setattr(store.cql, "run", first_chunk_read_misses)
     assert await store.read_message(user, INBOX, kept) == body
     assert levels[0] != ConsistencyLevel.ALL and levels.count(ConsistencyLevel.ALL) == 1  # the missed chunk only
 
@@ -336,7 +332,7 @@ async def test_a_deletion_whose_tidying_up_fails_is_still_done_and_says_so(make_
     async def contended(*args, **kw):
         raise StoreUnavailable("Cassandra: CAS operation timed out (contention)")
 
-    monkeypatch.setattr(store, "_conditional", contended)
+    monkeypatch.setattr(store.cql, "conditional", contended)
     monkeypatch.setattr(store, "_release_bodies", contended)
     await store.delete_messages(user, INBOX, ids[:2])
     monkeypatch.undo()
@@ -351,27 +347,27 @@ async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
 
     async def chunks_of(mailbox: str, message_id: uuid.UUID) -> int:
         mailbox_id = (await store._resolve(user, mailbox)).mailbox_id
-        [info] = await store._run("msg_body_info", mailbox_id, message_id)
-        return sum([len(await store._run("chunk_get", info.body_id, i)) for i in range(3)]), info.body_id
+        info = await store.tables.messages.body_info(mailbox_id, message_id)
+        return sum([await store.tables.body_chunks.get(info.body_id, i) is not None for i in range(3)]), info.body_id
 
     count, single_body = await chunks_of(INBOX, single)
     assert count == 3  # 150,000 bytes in 64 KiB chunks
     await store.delete_messages(user, INBOX, [single])
-    assert not any([await store._run("chunk_get", single_body, i) for i in range(3)])
+    assert not any([await store.tables.body_chunks.get(single_body, i) for i in range(3)])
 
     _, shared_body = await chunks_of("Archive", shared_a)
     await store.delete_messages(user, "Archive", [shared_a])
-    assert all([await store._run("chunk_get", shared_body, i) for i in range(3)])  # Trash still refers to it
+    assert all([await store.tables.body_chunks.get(shared_body, i) for i in range(3)])  # Trash still refers to it
     await store.delete_messages(user, "Trash", [shared_b])
-    assert not any([await store._run("chunk_get", shared_body, i) for i in range(3)])
-    assert not await store._run("body_refs", shared_body)
+    assert not any([await store.tables.body_chunks.get(shared_body, i) for i in range(3)])
+    assert await store.tables.bodies.refs(shared_body) is None
 
 
 async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_settings) -> None:
     assert cassandra_schema.apply(cassandra_settings) == []
     async with CassandraStore(cassandra_settings) as store:
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
-        rows = await store._exec(store.session.prepare(query).bind(()))
+        rows = await store.cql.run(store.session.prepare(query).bind(()))
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve")]
@@ -415,7 +411,7 @@ def test_only_requests_that_were_never_sent_are_retried() -> None:
     from cassandra.connection import ConnectionBusy
     from cassandra.pool import NoConnectionsAvailable
 
-    from cassmail.store.cassandra import _never_sent
+    from cassmail.store.cassandra_cql import _never_sent
 
     assert _never_sent(NoHostAvailable("x", {"h1": ConnectionBusy("busy"), "h2": NoConnectionsAvailable()}))
     assert not _never_sent(NoHostAvailable("x", {"h1": ConnectionBusy("busy"), "h2": OSError("reset")}))
@@ -429,16 +425,16 @@ async def test_a_user_creation_that_fails_half_way_is_neither_listed_nor_found(m
     kept = await new_user(store)
     domain = kept.rpartition("@")[2]
     half = f"half@{domain}"
-    real = store._conditional
+    real = store.cql.conditional
 
     async def account_write_fails(statement: object) -> tuple[bool, object]:
         raise StoreUnavailable("injected: Paxos round timed out")
 
-    monkeypatch.setattr(store, "_conditional", account_write_fails)
+    monkeypatch.setattr(store.cql, "conditional", account_write_fails)
     with pytest.raises(StoreUnavailable):
         await store.create_user(half, hash_password("pw", FAST_HASH))
-    monkeypatch.setattr(store, "_conditional", real)
-    assert [r.user for r in await store._run("by_domain_list", domain)] == [half, kept]  # the index row was written
+    monkeypatch.setattr(store.cql, "conditional", real)
+    assert await store.tables.users_by_domain.users(domain) == [half, kept]  # the index row was written
     assert not await store.user_exists(half)
     assert await store.list_users(domain) == [kept] and half not in await store.list_users()
     with pytest.raises(DomainInUse) as err:
@@ -454,17 +450,17 @@ async def test_a_user_deletion_that_fails_at_the_last_write_leaves_the_user_whol
     user = await new_user(store)
     domain = user.rpartition("@")[2]
     await store.deliver(b"x\r\n", [Target(user)])
-    real = store._exec
+    real = store.cql.run
 
     async def batch_fails(statement: object) -> list:
         if isinstance(statement, BatchStatement):
             raise StoreUnavailable("injected: write timeout")
         return await real(statement)
 
-    monkeypatch.setattr(store, "_exec", batch_fails)
+    monkeypatch.setattr(store.cql, "run", batch_fails)
     with pytest.raises(StoreUnavailable):
         await store.delete_user(user)
-    monkeypatch.setattr(store, "_exec", real)
+    monkeypatch.setattr(store.cql, "run", real)
     # mail went first; the account and its index row are still there together, and a retry finishes
     assert await store.user_exists(user) and await store.list_users(domain) == [user]
     await store.delete_user(user)
@@ -477,7 +473,7 @@ async def test_an_index_row_without_an_account_is_ignored_by_every_reader(make_s
     store = await make_store()
     user = await new_user(store)
     domain = user.rpartition("@")[2]
-    await store._run("user_del", user)
+    await store.cql.run(store.tables.users.delete_statement(user))
     assert not await store.user_exists(user)
     assert await store.list_users(domain) == [] and user not in await store.list_users()
     await store.remove_domain(domain)  # not DomainInUse

@@ -53,6 +53,8 @@ from cassmail.store.base import (
     check_dkim_key,
     check_enqueue,
 )
+from cassmail.store.cassandra_cql import Cql
+from cassmail.store.cassandra_tables import Tables
 
 #: Shards of `queue_due`: a busy minute is spread over this many partitions.
 SHARDS = 16
@@ -69,56 +71,6 @@ BUCKETS_PER_TAKE = 240
 #: Reads of a queued body before a missing chunk is reported (see read_queued).
 READ_ATTEMPTS = 4
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-_ENTRY_COLUMNS = (
-    "id, rcpt, sender, created, due, attempts, held, warned, lease_owner, lease_until, last_error, size, "
-    "body_id, chunk_size, smtputf8, state, reply, remote"
-)
-
-QUEUE_STATEMENTS: dict[str, tuple[str, str]] = {
-    "q_entry_static": (
-        "INSERT INTO queue (id, sender, created, due, attempts, held, warned, lease_owner, lease_until, last_error, "
-        "size, body, body_id, chunk_size, smtputf8) VALUES (?, ?, ?, ?, 0, false, false, ?, ?, '', ?, ?, ?, ?, ?)",
-        "w",
-    ),
-    "q_rcpt_insert": ("INSERT INTO queue (id, rcpt, state, reply, remote) VALUES (?, ?, 'pending', '', '')", "w"),
-    "q_entry": (f"SELECT {_ENTRY_COLUMNS} FROM queue WHERE id = ?", "r"),
-    "q_entry_serial": (f"SELECT {_ENTRY_COLUMNS} FROM queue WHERE id = ?", "s"),
-    "q_all": (f"SELECT {_ENTRY_COLUMNS} FROM queue", "r"),
-    "q_body": ("SELECT body FROM queue WHERE id = ? LIMIT 1", "r"),
-    "q_take": (
-        "UPDATE queue SET lease_owner = ?, lease_until = ? WHERE id = ? IF lease_until < ? AND held = false AND due <= ?",
-        "l",
-    ),
-    "q_renew": ("UPDATE queue SET lease_until = ? WHERE id = ? IF lease_owner = ?", "l"),
-    "q_result": (
-        "UPDATE queue SET state = ?, reply = ?, remote = ?, updated = ? WHERE id = ? AND rcpt = ? IF lease_owner = ?",
-        "l",
-    ),
-    "q_release": (
-        "UPDATE queue SET due = ?, attempts = ?, last_error = ?, warned = ?, lease_owner = '', lease_until = ? "
-        "WHERE id = ? IF lease_owner = ?",
-        "l",
-    ),
-    "q_retry": ("UPDATE queue SET due = ? WHERE id = ? IF held = false", "l"),
-    "q_hold": ("UPDATE queue SET held = true WHERE id = ? IF EXISTS", "l"),
-    "q_unhold": ("UPDATE queue SET held = false, due = ? WHERE id = ? IF EXISTS", "l"),
-    "q_delete": ("DELETE FROM queue WHERE id = ?", "w"),
-    "q_due_insert": ("INSERT INTO queue_due (shard, bucket, due, id) VALUES (?, ?, ?, ?)", "w"),
-    "q_due_delete": ("DELETE FROM queue_due WHERE shard = ? AND bucket = ? AND due = ? AND id = ?", "w"),
-    "q_due_page": (
-        "SELECT due, id FROM queue_due WHERE shard = ? AND bucket = ? AND due >= ? AND due <= ? LIMIT ?",
-        "r",
-    ),
-    "q_low_all": ("SELECT shard, low_bucket FROM queue_shards", "r"),
-    "q_low_init": ("INSERT INTO queue_shards (shard, low_bucket) VALUES (?, ?) IF NOT EXISTS", "l"),
-    "q_low_set": ("UPDATE queue_shards SET low_bucket = ? WHERE shard = ?", "w"),
-    "dkim_set": ("INSERT INTO dkim_keys (domain, selector, private_key, created) VALUES (?, ?, ?, ?)", "w"),
-    "dkim_get": ("SELECT domain, selector, private_key FROM dkim_keys WHERE domain = ?", "r"),
-    "dkim_del": ("DELETE FROM dkim_keys WHERE domain = ?", "w"),
-    "dkim_all": ("SELECT domain, selector, private_key FROM dkim_keys", "r"),
-}
-
 
 def _ts(seconds: float) -> datetime:
     return datetime.fromtimestamp(max(seconds, 0.0), tz=timezone.utc)
@@ -176,13 +128,10 @@ class _Held:
 
 
 class CassandraQueue(Store):
-    """Mixed into CassandraStore: its statement runner, batches and chunk helpers are used here."""
+    """Mixed into CassandraStore: its executor, tables and chunk helpers are used here."""
 
-    _run: Any
-    _exec: Any
-    _conditional: Any
-    _batch: Any
-    _ps: Any
+    cql: Cql
+    tables: Tables
     _gather_limited: Any
     _chunk: Any
     settings: Any
@@ -213,42 +162,43 @@ class CassandraQueue(Store):
             body_id, chunk = None, 0
         else:
             await self._gather_limited(
-                self._run("chunk_insert", body_id, i, bytes(view[i * chunk : (i + 1) * chunk]))
+                self.tables.body_chunks.insert(body_id, i, bytes(view[i * chunk : (i + 1) * chunk]))
                 for i in range(math.ceil(size / chunk))
             )
-        batch = self._batch(BatchType.UNLOGGED)  # one partition: applied as a whole
-        batch.add(self._ps["q_entry_static"], (entry_id, sender, _ts(now), _ts(due), owner, _ts(until), size,
-                                              bytes(view) if inline else None, body_id, chunk, smtputf8))
+        queue = self.tables.queue
+        batch = self.cql.batch(BatchType.UNLOGGED)  # one partition: applied as a whole
+        batch.add(queue.entry_statement(entry_id, sender, _ts(now), _ts(due), owner, _ts(until), size,
+                                        bytes(view) if inline else None, body_id, chunk, smtputf8))
         for rcpt in rcpts:
-            batch.add(self._ps["q_rcpt_insert"], (entry_id, rcpt))
+            batch.add(queue.recipient_statement(entry_id, rcpt))
         if lease:
             # Its due row is at the lease's end, when no reader can yet be looking for it: both
             # writes at once (a due row whose entry was never written is skipped, and dropped
             # once it is older than the tombstone grace).
-            await asyncio.gather(self._exec(batch), self._put_due(entry_id, max(due, until)))
+            await asyncio.gather(self.cql.run(batch), self._put_due(entry_id, max(due, until)))
         else:
-            await self._exec(batch)  # the entry before its due row: a reader finds it whole
+            await self.cql.run(batch)  # the entry before its due row: a reader finds it whole
             await self._put_due(entry_id, due)
         if lease:
             self._held[entry_id] = _Held(until, 0, False, body_id, size, chunk)
         return entry_id
 
     async def _put_due(self, entry_id: uuid.UUID, when: float) -> None:
-        await self._run("q_due_insert", _shard(entry_id), _bucket(when), _ts(when), entry_id)
+        await self.tables.queue_due.insert(_shard(entry_id), _bucket(when), _ts(when), entry_id)
 
     async def _drop_due(self, entry_id: uuid.UUID, when: datetime | float) -> None:
         at = when if isinstance(when, datetime) else _ts(when)
-        await self._run("q_due_delete", _shard(entry_id), _bucket(_secs(at)), at, entry_id)
+        await self.tables.queue_due.delete(_shard(entry_id), _bucket(_secs(at)), at, entry_id)
 
     # ----------------------------------------------------------------- taking
 
     async def _lows(self, now: float) -> dict[int, int]:
-        rows = {r.shard: r.low_bucket for r in await self._run("q_low_all")}
+        rows = await self.tables.queue_shards.all()
         for shard in range(SHARDS):
             if rows.get(shard) is None:
                 # The first reader of a new queue: nothing is due before its start (less an hour of clock skew).
                 start = _bucket(now - 3600)
-                applied, row = await self._conditional(self._ps["q_low_init"].bind((shard, start)))
+                applied, row = await self.tables.queue_shards.init(shard, start)
                 rows[shard] = start if applied else row.low_bucket
         return rows
 
@@ -310,7 +260,7 @@ class CassandraQueue(Store):
         for _ in range(BUCKETS_PER_TAKE):
             if bucket > _bucket(now):
                 break
-            rows = await self._run("q_due_page", shard, bucket, _ts(position), _ts(now), limit)
+            rows = await self.tables.queue_due.page(shard, bucket, _ts(position), _ts(now), limit)
             if rows:
                 return bucket, rows
             end = (bucket + 1) * BUCKET_SECONDS
@@ -319,7 +269,7 @@ class CassandraQueue(Store):
                 moving = False
             elif moving:
                 if end < grace:
-                    await self._run("q_low_set", bucket + 1, shard)
+                    await self.tables.queue_shards.set(shard, bucket + 1)
                 self._cursor[shard] = (bucket + 1, 0.0)
             bucket, position = bucket + 1, 0.0
         return bucket, []
@@ -332,12 +282,10 @@ class CassandraQueue(Store):
         await self._put_due(entry_id, until)
         # The entry is read at the read level beside the lease: an entry no worker ever held is
         # as it was queued, so no serial read is needed for it (the common case).
-        read = asyncio.ensure_future(self._run("q_entry", entry_id))
+        read = asyncio.ensure_future(self.tables.queue.entry(entry_id))
         read.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved if unused
         try:
-            applied, current = await self._conditional(
-                self._ps["q_take"].bind((owner, _ts(until), entry_id, _ts(now), _ts(now)))
-            )
+            applied, current = await self.tables.queue.take(entry_id, owner, _ts(until), _ts(now))
         except StoreUnavailable:
             read.cancel()
             await self._drop_due_quietly(entry_id, until)
@@ -359,7 +307,7 @@ class CassandraQueue(Store):
             rows = []
         entry = _entry(rows)
         if entry is None or entry.attempts or entry.lease_owner not in ("", owner) or entry.held:
-            rows = await self._run("q_entry_serial", entry_id)
+            rows = await self.tables.queue.entry(entry_id, serial=True)
             entry = _entry(rows)
         if entry is None:  # deleted between the lease and the read
             await self._drop_due(entry_id, until)
@@ -380,7 +328,7 @@ class CassandraQueue(Store):
         """What this process knows of an entry it took, else what the store says now."""
         held = self._held.get(entry_id)
         if held is None:
-            rows = await self._run("q_entry_serial", entry_id)
+            rows = await self.tables.queue.entry(entry_id, serial=True)
             entry = _entry(rows)
             held = _Held.of(entry, rows[0]) if entry is not None else None
         return held
@@ -388,7 +336,7 @@ class CassandraQueue(Store):
     async def renew_lease(self, entry_id: uuid.UUID, owner: str, lease: float) -> bool:
         until = time.time() + lease
         await self._put_due(entry_id, until)  # before the lease moves (see _take)
-        applied, _ = await self._conditional(self._ps["q_renew"].bind((_ts(until), entry_id, owner)))
+        applied = await self.tables.queue.renew(entry_id, owner, _ts(until))
         old = self._held.pop(entry_id, None)
         if not applied:
             await self._drop_due_quietly(entry_id, until)
@@ -406,10 +354,10 @@ class CassandraQueue(Store):
         for attempt in range(READ_ATTEMPTS):
             try:
                 if body_id is None:
-                    rows = await self._run("q_body", entry_id)
-                    if not rows or rows[0].body is None:
+                    inline = await self.tables.queue.body(entry_id)
+                    if inline is None:
                         raise StoreUnavailable(f"queued message {entry_id} not readable at this consistency")
-                    return bytes(rows[0].body)
+                    return bytes(inline)
                 chunks = await self._gather_limited(
                     self._chunk(body_id, i) for i in range(math.ceil(held.size / held.chunk_size))
                 )
@@ -425,16 +373,16 @@ class CassandraQueue(Store):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _result_batch(self, entry_id: uuid.UUID, owner: str, results: Sequence[QueuedRecipient]) -> Any:
-        batch = self._batch(conditional=True)
+        batch = self.cql.batch(conditional=True)
         stamp = datetime.now(timezone.utc)
         for r in results:
-            batch.add(self._ps["q_result"], (r.state, r.reply, r.remote, stamp, entry_id, r.address, owner))
+            batch.add(self.tables.queue.result_statement(entry_id, owner, r, stamp))
         return batch
 
     async def record_results(self, entry_id: uuid.UUID, owner: str, results: Sequence[QueuedRecipient]) -> bool:
         if not results:
             return True
-        applied, _ = await self._conditional(self._result_batch(entry_id, owner, results))
+        applied, _ = await self.cql.conditional(self._result_batch(entry_id, owner, results))
         return bool(applied)
 
     async def reschedule(
@@ -446,10 +394,10 @@ class CassandraQueue(Store):
         if held is None:
             return False
         batch = self._result_batch(entry_id, owner, results)
-        batch.add(self._ps["q_release"],
-                  (_ts(due), held.attempts + 1, error[:1000], warned or held.warned, _EPOCH, entry_id, owner))
+        batch.add(self.tables.queue.release_statement(entry_id, owner, _ts(due), held.attempts + 1, error[:1000],
+                                                 warned or held.warned, _EPOCH))
         await self._put_due(entry_id, due)  # before the entry says so (see _take)
-        applied, _ = await self._conditional(batch)
+        applied, _ = await self.cql.conditional(batch)
         if not applied:
             await self._drop_due_quietly(entry_id, due)
             return False
@@ -460,16 +408,17 @@ class CassandraQueue(Store):
         held = await self._holding(entry_id)
         self._held.pop(entry_id, None)
         if held is None:
-            await self._run("q_delete", entry_id)
+            await self.tables.queue.delete(entry_id)
             return
         # The entry and its due row in one request (two small partitions: an unlogged batch).
-        batch = self._batch(BatchType.UNLOGGED)
-        batch.add(self._ps["q_delete"], (entry_id,))
+        batch = self.cql.batch(BatchType.UNLOGGED)
+        batch.add(self.tables.queue.delete_statement(entry_id))
         at = _ts(held.until)
-        batch.add(self._ps["q_due_delete"], (_shard(entry_id), _bucket(held.until), at, entry_id))
-        work = [self._exec(batch)]
+        batch.add(self.tables.queue_due.delete_statement(_shard(entry_id), _bucket(held.until), at, entry_id))
+        work = [self.cql.run(batch)]
         if held.body_id is not None and held.chunk_size:
-            work += [self._run("chunk_delete", held.body_id, i) for i in range(math.ceil(held.size / held.chunk_size))]
+            chunks = self.tables.body_chunks
+            work += [chunks.delete(held.body_id, i) for i in range(math.ceil(held.size / held.chunk_size))]
         await self._gather_limited(work)
 
     # ----------------------------------------------------------------- operators
@@ -477,7 +426,7 @@ class CassandraQueue(Store):
     async def list_queue(self, domain: str | None = None) -> list[QueueEntry]:
         wanted = normalize_domain(domain) if domain else None
         partitions: dict[uuid.UUID, list[Any]] = {}
-        for row in await self._run("q_all"):
+        for row in await self.tables.queue.all():
             partitions.setdefault(row.id, []).append(row)
         entries = [e for e in (_entry(rows) for rows in partitions.values()) if e is not None]
         if wanted is not None:
@@ -485,7 +434,7 @@ class CassandraQueue(Store):
         return sorted(entries, key=lambda e: (e.created, e.id.bytes))
 
     async def get_queued(self, entry_id: uuid.UUID) -> QueueEntry:
-        entry = _entry(await self._run("q_entry", entry_id))
+        entry = _entry(await self.tables.queue.entry(entry_id))
         if entry is None:
             raise NoSuchQueueEntry(entry_id)
         return entry
@@ -496,8 +445,7 @@ class CassandraQueue(Store):
         now = time.time()
         for entry in entries:
             await self._put_due(entry.id, now)  # before the entry says so (see _take)
-            applied, _ = await self._conditional(self._ps["q_retry"].bind((_ts(now), entry.id)))
-            if applied:
+            if await self.tables.queue.retry(entry.id, _ts(now)):
                 count += 1
             else:
                 await self._drop_due_quietly(entry.id, now)
@@ -506,10 +454,10 @@ class CassandraQueue(Store):
     async def hold_queued(self, entry_id: uuid.UUID, held: bool) -> None:
         now = time.time()
         if held:
-            applied, _ = await self._conditional(self._ps["q_hold"].bind((entry_id,)))
+            applied = await self.tables.queue.hold(entry_id)
         else:
             await self._put_due(entry_id, now)  # before the entry says so (see _take)
-            applied, _ = await self._conditional(self._ps["q_unhold"].bind((_ts(now), entry_id)))
+            applied = await self.tables.queue.unhold(entry_id, _ts(now))
         if not applied:
             if not held:
                 await self._drop_due_quietly(entry_id, now)
@@ -526,15 +474,15 @@ class CassandraQueue(Store):
         domain, selector, private_key_pem = check_dkim_key(domain, selector, private_key_pem)
         if not await self.is_local_domain(domain):
             raise NoSuchDomain(domain)
-        await self._run("dkim_set", domain, selector, private_key_pem, datetime.now(timezone.utc))
+        await self.tables.dkim_keys.set(domain, selector, private_key_pem, datetime.now(timezone.utc))
 
     async def get_dkim_key(self, domain: str) -> DkimKey | None:
-        rows = await self._run("dkim_get", normalize_domain(domain))
-        return DkimKey(rows[0].domain, rows[0].selector, rows[0].private_key) if rows else None
+        row = await self.tables.dkim_keys.get(normalize_domain(domain))
+        return DkimKey(row.domain, row.selector, row.private_key) if row is not None else None
 
     async def delete_dkim_key(self, domain: str) -> None:
-        await self._run("dkim_del", normalize_domain(domain))
+        await self.tables.dkim_keys.delete(normalize_domain(domain))
 
     async def list_dkim_keys(self) -> list[DkimKey]:
-        return sorted((DkimKey(r.domain, r.selector, r.private_key) for r in await self._run("dkim_all")),
+        return sorted((DkimKey(r.domain, r.selector, r.private_key) for r in await self.tables.dkim_keys.all()),
                       key=lambda k: k.domain)

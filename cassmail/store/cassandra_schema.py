@@ -19,7 +19,8 @@ from cassandra.cluster import Cluster, Session
 
 from cassmail.config import CassandraSettings
 from cassmail.store.base import StoreError, StoreUnavailable
-from cassmail.store.cassandra import DRIVER_FAILURES, CassandraStore, _brief
+from cassmail.store.cassandra import CassandraStore
+from cassmail.store.cassandra_cql import DRIVER_FAILURES, brief
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent.parent / "schema"
 _FILE = re.compile(r"(\d{3})_([a-z0-9_]+)\.cql\Z")
@@ -80,7 +81,7 @@ def apply(settings: CassandraSettings, directory: Path = SCHEMA_DIR) -> list[str
         try:
             session: Session = cluster.connect()
         except Exception as exc:  # the driver raises NoHostAvailable (a plain Exception) here
-            raise StoreUnavailable(f"cannot reach Cassandra at {store._where()}: {_brief(exc)}") from exc
+            raise StoreUnavailable(f"cannot reach Cassandra at {store._where()}: {brief(exc)}") from exc
         ks = settings.keyspace
         wanted = replication_map(settings)
         current = _current(session, ks)
@@ -109,7 +110,7 @@ def apply(settings: CassandraSettings, directory: Path = SCHEMA_DIR) -> list[str
             done.append("warning: nodes did not agree on the schema within 60 s")
         return done
     except DRIVER_FAILURES as exc:  # e.g. the node died mid-way: NoHostAvailable is no DriverException
-        raise StoreUnavailable(f"schema apply failed: {_brief(exc)}") from exc
+        raise StoreUnavailable(f"schema apply failed: {brief(exc)}") from exc
     finally:
         cluster.shutdown()
 
@@ -129,7 +130,7 @@ def drop(settings: CassandraSettings) -> None:
     try:
         cluster.connect().execute(f"DROP KEYSPACE IF EXISTS {settings.keyspace}", timeout=120)
     except DRIVER_FAILURES as exc:
-        raise StoreUnavailable(f"cannot drop keyspace {settings.keyspace} at {store._where()}: {_brief(exc)}") from exc
+        raise StoreUnavailable(f"cannot drop keyspace {settings.keyspace} at {store._where()}: {brief(exc)}") from exc
     finally:
         cluster.shutdown()
 

@@ -21,31 +21,14 @@ from cassmail.store.base import (
     check_sieve_name,
     check_vacation_key,
 )
-
-SIEVE_STATEMENTS: dict[str, tuple[str, str]] = {
-    "sieve_put": ("INSERT INTO sieve_scripts (user, name, content) VALUES (?, ?, ?)", "w"),
-    "sieve_get": ("SELECT content FROM sieve_scripts WHERE user = ? AND name = ?", "r"),
-    "sieve_list": ("SELECT name, active FROM sieve_scripts WHERE user = ?", "r"),
-    "sieve_active": ("SELECT active FROM sieve_scripts WHERE user = ? LIMIT 1", "r"),
-    "sieve_set_active": ("UPDATE sieve_scripts SET active = ? WHERE user = ?", "w"),
-    "sieve_del": ("DELETE FROM sieve_scripts WHERE user = ? AND name = ?", "w"),
-    "sieve_insert_new": ("INSERT INTO sieve_scripts (user, name, content) VALUES (?, ?, ?) IF NOT EXISTS", "l"),
-    "sieve_del_plain": ("DELETE FROM sieve_scripts WHERE user = ? AND name = ?", "l"),
-    "sieve_set_active_plain": ("UPDATE sieve_scripts SET active = ? WHERE user = ?", "l"),
-    "sieve_purge": ("DELETE FROM sieve_scripts WHERE user = ?", "w"),
-    "vacation_note": ("INSERT INTO sieve_vacation (user, key) VALUES (?, ?) IF NOT EXISTS USING TTL ?", "l"),
-    "vacation_purge": ("DELETE FROM sieve_vacation WHERE user = ?", "w"),
-}
-
+from cassmail.store.cassandra_cql import Cql
+from cassmail.store.cassandra_tables import Tables
 
 class CassandraSieve(Store):
-    """Mixed into CassandraStore: its statement runner and account check are used here."""
+    """Mixed into CassandraStore: its executor, tables and account check are used here."""
 
-    _run: Any
-    _exec: Any
-    _conditional: Any
-    _batch: Any
-    _ps: Any
+    cql: Cql
+    tables: Tables
     _account: Any
 
     async def _sieve_user(self, user: str) -> str:
@@ -55,18 +38,18 @@ class CassandraSieve(Store):
 
     async def put_sieve_script(self, user: str, name: str, content: str) -> None:
         name, content = check_sieve_name(name), check_sieve_content(content)
-        await self._run("sieve_put", await self._sieve_user(user), name, content)
+        await self.tables.sieve_scripts.put(await self._sieve_user(user), name, content)
 
     async def get_sieve_script(self, user: str, name: str) -> str:
         name = check_sieve_name(name)
         key = await self._sieve_user(user)
-        rows = await self._run("sieve_get", key, name)
-        if not rows or rows[0].content is None:
+        row = await self.tables.sieve_scripts.get(key, name)
+        if row is None or row.content is None:
             raise NoSuchSieveScript(key, name)
-        return str(rows[0].content)
+        return str(row.content)
 
     async def list_sieve_scripts(self, user: str) -> list[SieveScriptInfo]:
-        rows = await self._run("sieve_list", await self._sieve_user(user))
+        rows = await self.tables.sieve_scripts.list(await self._sieve_user(user))
         return sorted((SieveScriptInfo(r.name, r.name == r.active) for r in rows if r.name is not None),
                       key=lambda s: s.name)
 
@@ -74,19 +57,19 @@ class CassandraSieve(Store):
         key = await self._sieve_user(user)
         if name is not None:
             name = check_sieve_name(name)
-            if not await self._run("sieve_get", key, name):
+            if await self.tables.sieve_scripts.get(key, name) is None:
                 raise NoSuchSieveScript(key, name)
-        await self._run("sieve_set_active", name, key)
+        await self.tables.sieve_scripts.set_active(key, name)
 
     async def delete_sieve_script(self, user: str, name: str) -> None:
         name = check_sieve_name(name)
         key = await self._sieve_user(user)
-        rows = await self._run("sieve_get", key, name)
-        if not rows or rows[0].content is None:
+        row = await self.tables.sieve_scripts.get(key, name)
+        if row is None or row.content is None:
             raise NoSuchSieveScript(key, name)
         if await self._active_name(key) == name:
             raise SieveScriptActive(key, name)
-        await self._run("sieve_del", key, name)
+        await self.tables.sieve_scripts.delete(key, name)
 
     async def rename_sieve_script(self, user: str, old: str, new: str) -> None:
         old, new = check_sieve_name(old), check_sieve_name(new)
@@ -94,35 +77,34 @@ class CassandraSieve(Store):
         content = await self.get_sieve_script(key, old)
         if old == new:
             raise SieveScriptExists(key, new)
-        batch = self._batch(conditional=True)
-        batch.add(self._ps["sieve_insert_new"], (key, new, content))
-        batch.add(self._ps["sieve_del_plain"], (key, old))
+        scripts = self.tables.sieve_scripts
+        batch = self.cql.batch(conditional=True)
+        batch.add(scripts.insert_new_statement(key, new, content))
+        batch.add(scripts.delete_statement(key, old))
         if await self._active_name(key) == old:
-            batch.add(self._ps["sieve_set_active_plain"], (new, key))
-        applied, _ = await self._conditional(batch)
+            batch.add(scripts.set_active_statement(key, new))
+        applied, _ = await self.cql.conditional(batch)
         if not applied:
             raise SieveScriptExists(key, new)
 
     async def _active_name(self, key: str) -> str | None:
-        rows = await self._run("sieve_active", key)
-        return rows[0].active if rows else None
+        return await self.tables.sieve_scripts.active(key)
 
     async def active_sieve_script(self, user: str) -> tuple[str, str] | None:
         key = address_key(user)
         name = await self._active_name(key)
         if name is None:
             return None
-        rows = await self._run("sieve_get", key, name)
-        if not rows or rows[0].content is None:
+        row = await self.tables.sieve_scripts.get(key, name)
+        if row is None or row.content is None:
             return None
-        return name, str(rows[0].content)
+        return name, str(row.content)
 
     async def note_vacation(self, user: str, key: str, seconds: float) -> bool:
         key, seconds = check_vacation_key(key, seconds)
-        applied, _ = await self._conditional(self._ps["vacation_note"].bind((address_key(user), key, max(1, int(seconds)))))
-        return applied
+        return await self.tables.sieve_vacation.note(address_key(user), key, max(1, int(seconds)))
 
     def _sieve_purge(self, batch: Any, key: str) -> None:
         """Add the removal of a user's scripts and vacation records to delete_user's batch."""
-        batch.add(self._ps["sieve_purge"], (key,))
-        batch.add(self._ps["vacation_purge"], (key,))
+        batch.add(self.tables.sieve_scripts.purge_statement(key))
+        batch.add(self.tables.sieve_vacation.purge_statement(key))

@@ -1,0 +1,213 @@
+"""Running CQL for the Cassandra store: the one executor every table object shares.
+
+It owns what is the same for every statement: the session, the consistency level of each
+class of statement (read, write, serial read, conditional write), every page of a result,
+the retry of a request the driver could never send, turning driver failures into
+StoreUnavailable, batches, and the tracing diagnostic. What each table's statements say is
+in cassandra_tables.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import enum
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from cassandra import ConsistencyLevel, DriverException
+from cassandra.cluster import NoHostAvailable, ResponseFuture, Session
+from cassandra.connection import ConnectionBusy, ConnectionException
+from cassandra.pool import NoConnectionsAvailable
+from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
+
+from cassmail.config import CassandraSettings
+from cassmail.store.base import StoreUnavailable
+
+#: What the driver raises when Cassandra fails: not all of it derives from DriverException
+#: (NoHostAvailable, the connection errors and the pool's are plain Exceptions), so code that
+#: turns driver failures into StoreUnavailable catches this whole tuple.
+DRIVER_FAILURES: tuple[type[Exception], ...] = (
+    DriverException,
+    NoHostAvailable,
+    ConnectionException,
+    ConnectionBusy,
+    NoConnectionsAvailable,
+)
+_READ_EVENT = re.compile(r"Read (\d+) live rows? and (\d+) tombstone cells?")
+
+
+class Kind(enum.Enum):
+    """The consistency class of a statement: which configured level it runs at."""
+
+    #: read_consistency.
+    READ = "read"
+    #: write_consistency.
+    WRITE = "write"
+    #: serial_consistency: a read that sees every committed lightweight transaction.
+    SERIAL_READ = "serial read"
+    #: write_consistency, with serial_consistency for its Paxos round (also a plain write that
+    #: goes into a conditional batch).
+    CONDITIONAL = "conditional"
+
+
+@dataclass
+class ReadCost:
+    """What Cassandra reported reading for the statements run inside `Cql.tracing()`."""
+
+    statements: int = 0
+    live_rows: int = 0
+    tombstones: int = 0
+
+
+_tracing: contextvars.ContextVar[ReadCost | None] = contextvars.ContextVar("cassmail_tracing", default=None)
+
+
+class Cql:
+    """The session and the levels of one store; runs statements and makes batches."""
+
+    def __init__(self, settings: CassandraSettings) -> None:
+        self.settings = settings
+        self._session: Session | None = None
+        cl = ConsistencyLevel.name_to_value
+        self.read_cl = cl[settings.read_consistency.upper()]
+        self.write_cl = cl[settings.write_consistency.upper()]
+        self.serial_cl = cl[settings.serial_consistency.upper()]
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise StoreUnavailable("store is not open")
+        return self._session
+
+    @session.setter
+    def session(self, session: Session | None) -> None:
+        self._session = session
+
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
+
+    def prepare(self, kind: Kind, cql: str) -> PreparedStatement:
+        """Prepare one statement (blocking: called off the event loop) at the levels of its kind;
+        its table, named unqualified, is qualified with the keyspace."""
+        qualified = re.sub(r"\b(FROM|INTO|UPDATE) (\w+)", rf"\1 {self.settings.keyspace}.\2", cql)
+        ps = self.session.prepare(qualified)
+        if kind is Kind.READ:
+            ps.consistency_level = self.read_cl
+        elif kind is Kind.SERIAL_READ:
+            ps.consistency_level = self.serial_cl
+        else:
+            ps.consistency_level = self.write_cl
+        if kind is Kind.CONDITIONAL:
+            ps.serial_consistency_level = self.serial_cl
+        return ps
+
+    async def run(self, statement: Statement) -> list[Any]:
+        """Run a statement, every page. A request the driver could not even send (its connection
+        busy) is retried with backoff until request_timeout; any other failure is StoreUnavailable."""
+        cost = _tracing.get()
+        deadline = time.monotonic() + self.settings.request_timeout
+        pause = 0.002
+        while True:
+            try:
+                rf = self.session.execute_async(statement, timeout=self.settings.request_timeout, trace=cost is not None)
+                rows: list[Any] = []
+                while True:
+                    page = await _wrap(rf)
+                    if page:
+                        rows.extend(page)
+                    if cost is not None:
+                        await asyncio.to_thread(_add_trace, cost, rf)
+                    if not rf.has_more_pages:
+                        return rows
+                    rf.start_fetching_next_page()
+            except NoHostAvailable as exc:
+                if not _never_sent(exc) or time.monotonic() + pause > deadline:
+                    raise StoreUnavailable(f"Cassandra: {brief(exc)}") from exc
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            except DriverException as exc:
+                raise StoreUnavailable(f"Cassandra: {brief(exc)}") from exc
+
+    async def conditional(self, statement: Statement) -> tuple[bool, Any]:
+        """Run a conditional statement or batch: (applied, first result row)."""
+        rows = await self.run(statement)
+        row = rows[0] if rows else None
+        return (bool(row[0]) if row is not None else False), row
+
+    def batch(self, batch_type: BatchType = BatchType.LOGGED, conditional: bool = False) -> BatchStatement:
+        batch = BatchStatement(batch_type=batch_type, consistency_level=self.write_cl)
+        if conditional:
+            batch.serial_consistency_level = self.serial_cl
+        return batch
+
+    @staticmethod
+    @contextlib.contextmanager
+    def tracing() -> Iterator[ReadCost]:
+        """Trace every statement run inside (in this task) and add up what Cassandra read.
+
+        A diagnostic: it shows, for example, that a listing does not walk the
+        tombstones of deleted mail. Tracing costs a write per statement; never
+        leave it on.
+        """
+        cost = ReadCost()
+        token = _tracing.set(cost)
+        try:
+            yield cost
+        finally:
+            _tracing.reset(token)
+
+
+def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
+    """An asyncio future for the driver's current page (the driver calls back on its own thread)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def done(result: Any) -> None:
+        loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def failed(exc: BaseException) -> None:
+        loop.call_soon_threadsafe(_settle, fut, None, exc)
+
+    rf.add_callbacks(done, failed)
+    return fut
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    elif isinstance(exc, (DriverException, NoHostAvailable)):
+        fut.set_exception(exc)
+    else:  # the driver reports some failures (e.g. connection errors) as plain exceptions
+        fut.set_exception(StoreUnavailable(f"Cassandra: {brief(exc)}"))
+
+
+def _never_sent(exc: NoHostAvailable) -> bool:
+    """True when every host refused the request before sending it (connection busy or out of
+    stream ids), so sending it again cannot apply it twice."""
+    errors = list(exc.errors.values())
+    return bool(errors) and all(isinstance(e, (ConnectionBusy, NoConnectionsAvailable)) for e in errors)
+
+
+def _add_trace(cost: ReadCost, rf: ResponseFuture) -> None:
+    trace = rf.get_query_trace(max_wait=10)
+    cost.statements += 1
+    for event in trace.events:
+        match = _READ_EVENT.search(event.description)
+        if match:
+            cost.live_rows += int(match.group(1))
+            cost.tombstones += int(match.group(2))
+
+
+def brief(exc: BaseException) -> str:
+    """A driver error as one line of at most 300 characters."""
+    text = str(exc) or type(exc).__name__
+    return text if len(text) < 300 else text[:297] + "..."
+

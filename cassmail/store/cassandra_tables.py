@@ -1,0 +1,720 @@
+"""Every CQL statement of the Cassandra store, one class per table (schema/*.cql).
+
+A table object owns its statements: their CQL, the consistency class of each (`Kind`), their
+preparation when the store opens, and typed methods that run them through the store's one
+executor (`Cql`). A method named `..._statement` returns a bound statement instead of running
+it, for a batch: batches that span tables are put together by the store from such pieces.
+What to read and write when, and why, is the store's (cassandra.py, cassandra_queue.py,
+cassandra_sieve.py); nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any, ClassVar
+
+from cassandra import ConsistencyLevel
+from cassandra.query import BoundStatement, PreparedStatement
+
+from cassmail.store.base import FlagMode, QueuedRecipient
+from cassmail.store.cassandra_cql import Cql, Kind
+
+READ, WRITE, SERIAL_READ, CONDITIONAL = Kind.READ, Kind.WRITE, Kind.SERIAL_READ, Kind.CONDITIONAL
+
+#: The anchor row of every mailbox partition: the largest timeuuid, written with the UID counter.
+ANCHOR = uuid.UUID(fields=(0xFFFFFFFF, 0xFFFF, 0x1FFF, 0xBF, 0xFF, 0xFFFFFFFFFFFF))
+
+
+class Table:
+    """One table's statements, prepared once per store."""
+
+    #: name -> (consistency class, CQL naming the table unqualified: the keyspace is added when prepared).
+    STATEMENTS: ClassVar[dict[str, tuple[Kind, str]]] = {}
+
+    def __init__(self, cql: Cql) -> None:
+        self.cql = cql
+        self.prepared: dict[str, PreparedStatement] = {}
+
+    def prepare(self) -> None:
+        """Blocking (the store calls it off the event loop when it opens)."""
+        self.prepared = {name: self.cql.prepare(kind, text) for name, (kind, text) in self.STATEMENTS.items()}
+
+    def bind(self, name: str, *params: Any) -> BoundStatement:
+        return self.prepared[name].bind(params)
+
+    async def _run(self, name: str, *params: Any) -> list[Any]:
+        return await self.cql.run(self.bind(name, *params))
+
+    async def _conditional(self, name: str, *params: Any) -> tuple[bool, Any]:
+        return await self.cql.conditional(self.bind(name, *params))
+
+
+def _first(rows: list[Any]) -> Any:
+    return rows[0] if rows else None
+
+
+# ===================================================================== accounts and addresses
+
+
+class Domains(Table):
+    """`domains`: the local domains, one small partition."""
+
+    STATEMENTS = {
+        "add": (WRITE, "INSERT INTO domains (bucket, domain) VALUES (0, ?)"),
+        "delete": (WRITE, "DELETE FROM domains WHERE bucket = 0 AND domain = ?"),
+        "get": (READ, "SELECT domain FROM domains WHERE bucket = 0 AND domain = ?"),
+        "all": (READ, "SELECT domain FROM domains WHERE bucket = 0"),
+    }
+
+    async def add(self, domain: str) -> None:
+        await self._run("add", domain)
+
+    async def delete(self, domain: str) -> None:
+        await self._run("delete", domain)
+
+    async def exists(self, domain: str) -> bool:
+        return bool(await self._run("get", domain))
+
+    async def all(self) -> list[str]:
+        return [row.domain for row in await self._run("all")]
+
+
+class Users(Table):
+    """`users`: a partition per user; the account in static columns, a row per mailbox."""
+
+    _MAILBOX = "mailbox_id, uidvalidity, special_use, subscribed, low_water, low_water_due"
+    STATEMENTS = {
+        "create": (
+            CONDITIONAL,
+            "INSERT INTO users (user, password_hash, created, next_uidvalidity) VALUES (?, ?, ?, ?) IF NOT EXISTS",
+        ),
+        "account": (READ, "SELECT password_hash, next_uidvalidity FROM users WHERE user = ? LIMIT 1"),
+        "account_serial": (SERIAL_READ, "SELECT password_hash, next_uidvalidity FROM users WHERE user = ? LIMIT 1"),
+        "set_password": (CONDITIONAL, "UPDATE users SET password_hash = ? WHERE user = ? IF password_hash != null"),
+        "delete": (WRITE, "DELETE FROM users WHERE user = ?"),
+        "with_account": (READ, "SELECT user, password_hash FROM users WHERE user IN ? PER PARTITION LIMIT 1"),
+        "mailboxes": (READ, f"SELECT mailbox, {_MAILBOX} FROM users WHERE user = ?"),
+        "mailbox": (READ, f"SELECT {_MAILBOX} FROM users WHERE user = ? AND mailbox = ?"),
+        "mailbox_serial": (SERIAL_READ, f"SELECT {_MAILBOX} FROM users WHERE user = ? AND mailbox = ?"),
+        "insert_mailbox": (
+            CONDITIONAL,
+            f"INSERT INTO users (user, mailbox, {_MAILBOX}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+        ),
+        "insert_default_mailbox": (
+            CONDITIONAL,
+            "INSERT INTO users (user, mailbox, mailbox_id, uidvalidity, special_use, subscribed) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+        ),
+        "bump_uidvalidity": (
+            CONDITIONAL,
+            "UPDATE users SET next_uidvalidity = ? WHERE user = ? IF next_uidvalidity = ?",
+        ),
+        "subscribe": (
+            CONDITIONAL,
+            "UPDATE users SET subscribed = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+        ),
+        "delete_mailbox": (CONDITIONAL, "DELETE FROM users WHERE user = ? AND mailbox = ? IF mailbox_id = ?"),
+        "reassign_mailbox": (
+            CONDITIONAL,
+            "UPDATE users SET mailbox_id = ?, uidvalidity = ?, low_water = null, low_water_due = null "
+            "WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+        ),
+        "set_low_water": (
+            CONDITIONAL,
+            "UPDATE users SET low_water = ?, low_water_due = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
+        ),
+    }
+
+    def create_statement(self, user: str, password_hash: str, created: datetime, next_uidvalidity: int) -> BoundStatement:
+        return self.bind("create", user, password_hash, created, next_uidvalidity)
+
+    async def account(self, user: str, serial: bool = False) -> Any:
+        """The account's row (password_hash, next_uidvalidity), None when the partition is empty."""
+        return _first(await self._run("account_serial" if serial else "account", user))
+
+    async def set_password_hash(self, user: str, password_hash: str) -> bool:
+        applied, _ = await self._conditional("set_password", password_hash, user)
+        return applied
+
+    def delete_statement(self, user: str) -> BoundStatement:
+        return self.bind("delete", user)
+
+    async def with_account(self, users: Sequence[str]) -> set[str]:
+        """Which of these users have an account (a password hash)."""
+        return {r.user for r in await self._run("with_account", users) if r.password_hash is not None}
+
+    async def mailboxes(self, user: str) -> list[Any]:
+        return await self._run("mailboxes", user)
+
+    async def mailbox(self, user: str, mailbox: str, serial: bool = False) -> Any:
+        """A mailbox's row, None when there is none."""
+        return _first(await self._run("mailbox_serial" if serial else "mailbox", user, mailbox))
+
+    def insert_mailbox_statement(
+        self, user: str, mailbox: str, mailbox_id: uuid.UUID, uidvalidity: int, special_use: str | None,
+        subscribed: bool, low_water: uuid.UUID | None, low_water_due: uuid.UUID | None,
+    ) -> BoundStatement:
+        return self.bind("insert_mailbox", user, mailbox, mailbox_id, uidvalidity, special_use, subscribed,
+                         low_water, low_water_due)
+
+    def insert_default_mailbox_statement(
+        self, user: str, mailbox: str, mailbox_id: uuid.UUID, uidvalidity: int, special_use: str | None,
+        subscribed: bool,
+    ) -> BoundStatement:
+        """A mailbox of a new account: in the account's conditional batch, so no condition of its own."""
+        return self.bind("insert_default_mailbox", user, mailbox, mailbox_id, uidvalidity, special_use, subscribed)
+
+    def bump_uidvalidity_statement(self, user: str, new: int, expected: int | None) -> BoundStatement:
+        return self.bind("bump_uidvalidity", new, user, expected)
+
+    async def set_subscribed(self, user: str, mailbox: str, mailbox_id: uuid.UUID, subscribed: bool) -> bool:
+        applied, _ = await self._conditional("subscribe", subscribed, user, mailbox, mailbox_id)
+        return applied
+
+    def delete_mailbox_statement(self, user: str, mailbox: str, mailbox_id: uuid.UUID) -> BoundStatement:
+        return self.bind("delete_mailbox", user, mailbox, mailbox_id)
+
+    def reassign_mailbox_statement(
+        self, user: str, mailbox: str, old_id: uuid.UUID, new_id: uuid.UUID, uidvalidity: int
+    ) -> BoundStatement:
+        return self.bind("reassign_mailbox", new_id, uidvalidity, user, mailbox, old_id)
+
+    async def set_low_water(
+        self, user: str, mailbox: str, mailbox_id: uuid.UUID, mark: uuid.UUID | None, due: uuid.UUID | None
+    ) -> bool:
+        applied, _ = await self._conditional("set_low_water", mark, due, user, mailbox, mailbox_id)
+        return applied
+
+
+class UsersByDomain(Table):
+    """`users_by_domain`: the users of each domain (rows without an account are ignored by readers)."""
+
+    STATEMENTS = {
+        "add": (WRITE, "INSERT INTO users_by_domain (domain, user) VALUES (?, ?)"),
+        "delete": (WRITE, "DELETE FROM users_by_domain WHERE domain = ? AND user = ?"),
+        "users": (READ, "SELECT user FROM users_by_domain WHERE domain = ?"),
+        "domains": (READ, "SELECT DISTINCT domain FROM users_by_domain"),
+    }
+
+    async def add(self, domain: str, user: str) -> None:
+        await self._run("add", domain, user)
+
+    def delete_statement(self, domain: str, user: str) -> BoundStatement:
+        return self.bind("delete", domain, user)
+
+    async def users(self, domain: str) -> list[str]:
+        return [row.user for row in await self._run("users", domain)]
+
+    async def domains(self) -> list[str]:
+        return [row.domain for row in await self._run("domains")]
+
+
+class Aliases(Table):
+    """`aliases`: a partition per domain, a row per alias holding its users."""
+
+    STATEMENTS = {
+        "get": (READ, "SELECT users FROM aliases WHERE domain = ? AND alias = ?"),
+        "in_domain": (READ, "SELECT alias, users FROM aliases WHERE domain = ?"),
+        "set": (WRITE, "INSERT INTO aliases (domain, alias, users) VALUES (?, ?, ?)"),
+        "delete": (WRITE, "DELETE FROM aliases WHERE domain = ? AND alias = ?"),
+        "remove_user": (WRITE, "UPDATE aliases SET users = users - ? WHERE domain = ? AND alias = ?"),
+    }
+
+    async def users(self, domain: str, alias: str) -> set[str] | None:
+        """The alias's users; None (or an empty set) when there is no such alias."""
+        row = _first(await self._run("get", domain, alias))
+        return row.users if row is not None else None
+
+    async def in_domain(self, domain: str) -> list[Any]:
+        """Rows of (alias, users)."""
+        return await self._run("in_domain", domain)
+
+    async def set(self, domain: str, alias: str, users: set[str]) -> None:
+        await self._run("set", domain, alias, users)
+
+    async def delete(self, domain: str, alias: str) -> None:
+        await self._run("delete", domain, alias)
+
+    async def remove_user(self, domain: str, alias: str, user: str) -> None:
+        await self._run("remove_user", {user}, domain, alias)
+
+
+class AliasesByUser(Table):
+    """`aliases_by_user`: which aliases list a user."""
+
+    STATEMENTS = {
+        "add": (WRITE, "INSERT INTO aliases_by_user (user, alias) VALUES (?, ?)"),
+        "delete": (WRITE, "DELETE FROM aliases_by_user WHERE user = ? AND alias = ?"),
+        "aliases": (READ, "SELECT alias FROM aliases_by_user WHERE user = ?"),
+        "purge": (WRITE, "DELETE FROM aliases_by_user WHERE user = ?"),
+    }
+
+    async def add(self, user: str, alias: str) -> None:
+        await self._run("add", user, alias)
+
+    async def delete(self, user: str, alias: str) -> None:
+        await self._run("delete", user, alias)
+
+    async def aliases(self, user: str) -> list[str]:
+        return [row.alias for row in await self._run("aliases", user)]
+
+    def purge_statement(self, user: str) -> BoundStatement:
+        return self.bind("purge", user)
+
+
+# ===================================================================== mail
+
+
+class Messages(Table):
+    """`messages`: a partition per mailbox, a small row per message clustered by its timeuuid id;
+    the UID counter, the \\Recent mark and the changes token are static columns, read and
+    written through the anchor row (ANCHOR)."""
+
+    _SUMMARY = "id, size, flags, internal_date, uid"
+    _BODY = "id, body_id, size, chunk_size, shared"
+    STATEMENTS = {
+        "insert": (
+            WRITE,
+            "INSERT INTO messages (mailbox_id, id, size, flags, internal_date, body_id, chunk_size, shared, changed) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        ),
+        "page": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
+        "page_first": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? LIMIT ?"),
+        "anchor": (SERIAL_READ, "SELECT uidnext, recent_mark, uid FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "first_live": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16"),
+        "first_live_all": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? LIMIT 16"),
+        "body_info": (READ, "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "body_infos": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "walk": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
+        "walk_first": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? LIMIT ?"),
+        "summaries": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "delete": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "purge": (WRITE, "DELETE FROM messages WHERE mailbox_id = ?"),
+        "flags_set": (WRITE, "UPDATE messages SET flags = ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        "flags_add": (WRITE, "UPDATE messages SET flags = flags + ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        "flags_remove": (WRITE, "UPDATE messages SET flags = flags - ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        "changed": (WRITE, "UPDATE messages SET changed = ? WHERE mailbox_id = ?"),
+        "changes_token": (READ, "SELECT changed, uid FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "uids": (SERIAL_READ, "SELECT id, uid, size, uidnext FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "bump_uidnext": (CONDITIONAL, "UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = ?"),
+        "bump_uidnext_first": (CONDITIONAL, "UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = null"),
+        "set_uid": (CONDITIONAL, "UPDATE messages SET uid = ? WHERE mailbox_id = ? AND id = ?"),
+        "touch_anchor": (CONDITIONAL, "UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        "raise_recent": (CONDITIONAL, "UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?"),
+        "raise_recent_first": (
+            CONDITIONAL,
+            "UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = null",
+        ),
+    }
+
+    def insert_statement(
+        self, mailbox_id: uuid.UUID, message_id: uuid.UUID, size: int, flags: set[str] | None,
+        internal_date: datetime, body_id: uuid.UUID, chunk_size: int, shared: bool, changed: uuid.UUID,
+    ) -> BoundStatement:
+        return self.bind("insert", mailbox_id, message_id, size, flags, internal_date, body_id, chunk_size, shared,
+                         changed)
+
+    async def insert(
+        self, mailbox_id: uuid.UUID, message_id: uuid.UUID, size: int, flags: set[str] | None,
+        internal_date: datetime, body_id: uuid.UUID, chunk_size: int, shared: bool, changed: uuid.UUID,
+    ) -> None:
+        await self.cql.run(self.insert_statement(mailbox_id, message_id, size, flags, internal_date, body_id,
+                                                 chunk_size, shared, changed))
+
+    async def page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> list[Any]:
+        """Summary rows after `after` (from the start of the partition when None)."""
+        if after:
+            return await self._run("page", mailbox_id, after, limit)
+        return await self._run("page_first", mailbox_id, limit)
+
+    async def anchor(self, mailbox_id: uuid.UUID) -> Any:
+        """The anchor row (uidnext, recent_mark) at SERIAL; None before it was first written."""
+        return _first(await self._run("anchor", mailbox_id, ANCHOR))
+
+    async def first_live(self, mailbox_id: uuid.UUID, after: uuid.UUID | None) -> list[Any]:
+        """Up to 16 rows (id, size) after `after` (from the start when None)."""
+        if after:
+            return await self._run("first_live", mailbox_id, after)
+        return await self._run("first_live_all", mailbox_id)
+
+    async def body_info(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> Any:
+        """(body_id, size, chunk_size) of a message; None when there is no row."""
+        return _first(await self._run("body_info", mailbox_id, message_id))
+
+    async def body_infos(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+        return await self._run("body_infos", mailbox_id, ids)
+
+    async def walk(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> list[Any]:
+        """Body rows after `after` (from the start when None)."""
+        if after:
+            return await self._run("walk", mailbox_id, after, limit)
+        return await self._run("walk_first", mailbox_id, limit)
+
+    async def summaries(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+        return await self._run("summaries", mailbox_id, ids)
+
+    def delete_statement(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> BoundStatement:
+        return self.bind("delete", mailbox_id, ids)
+
+    async def purge(self, mailbox_id: uuid.UUID) -> None:
+        """The whole partition, with one tombstone."""
+        await self._run("purge", mailbox_id)
+
+    def flags_statement(
+        self, mode: FlagMode, mailbox_id: uuid.UUID, message_id: uuid.UUID, flags: set[str] | None, changed: uuid.UUID
+    ) -> BoundStatement:
+        return self.bind(f"flags_{mode}", flags, changed, mailbox_id, message_id)
+
+    def changed_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
+        return self.bind("changed", changed, mailbox_id)
+
+    async def changes_token(self, mailbox_id: uuid.UUID) -> Any:
+        """The anchor row's (changed, uid); None before it was first written."""
+        return _first(await self._run("changes_token", mailbox_id, ANCHOR))
+
+    async def uids(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+        """(id, uid, size, uidnext) of these messages, at SERIAL."""
+        return await self._run("uids", mailbox_id, ids)
+
+    def bump_uidnext_statement(self, mailbox_id: uuid.UUID, new: int, expected: int | None) -> BoundStatement:
+        if expected is None:
+            return self.bind("bump_uidnext_first", new, mailbox_id)
+        return self.bind("bump_uidnext", new, mailbox_id, expected)
+
+    def set_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int) -> BoundStatement:
+        return self.bind("set_uid", uid, mailbox_id, message_id)
+
+    def touch_anchor_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
+        return self.bind("touch_anchor", changed, mailbox_id, ANCHOR)
+
+    def raise_recent_statement(self, mailbox_id: uuid.UUID, new: int, expected: int | None) -> BoundStatement:
+        if expected is None:
+            return self.bind("raise_recent_first", new, mailbox_id)
+        return self.bind("raise_recent", new, mailbox_id, expected)
+
+
+class Bodies(Table):
+    """`bodies`: the copies still referring to a body delivered to several mailboxes."""
+
+    STATEMENTS = {
+        "insert": (WRITE, "INSERT INTO bodies (body_id, size, chunk_size, refs) VALUES (?, ?, ?, ?)"),
+        "release": (WRITE, "UPDATE bodies SET refs = refs - ? WHERE body_id = ?"),
+        "refs": (READ, "SELECT size, refs FROM bodies WHERE body_id = ?"),
+        "delete": (WRITE, "DELETE FROM bodies WHERE body_id = ?"),
+    }
+
+    async def insert(self, body_id: uuid.UUID, size: int, chunk_size: int, refs: set[str]) -> None:
+        await self._run("insert", body_id, size, chunk_size, refs)
+
+    async def release(self, body_id: uuid.UUID, refs: set[str]) -> None:
+        await self._run("release", refs, body_id)
+
+    async def refs(self, body_id: uuid.UUID) -> Any:
+        """The row (size, refs); None when there is none (or it is not visible yet)."""
+        return _first(await self._run("refs", body_id))
+
+    async def delete(self, body_id: uuid.UUID) -> None:
+        await self._run("delete", body_id)
+
+
+class BodyChunks(Table):
+    """`body_chunks`: a partition per chunk of a body (mail and queued mail)."""
+
+    STATEMENTS = {
+        "insert": (WRITE, "INSERT INTO body_chunks (body_id, idx, data) VALUES (?, ?, ?)"),
+        "get": (READ, "SELECT data FROM body_chunks WHERE body_id = ? AND idx = ?"),
+        "delete": (WRITE, "DELETE FROM body_chunks WHERE body_id = ? AND idx = ?"),
+    }
+
+    async def insert(self, body_id: uuid.UUID, idx: int, data: bytes) -> None:
+        await self._run("insert", body_id, idx, data)
+
+    async def get(self, body_id: uuid.UUID, idx: int, every_replica: bool = False) -> bytes | None:
+        """A chunk, None when it is not there; `every_replica` reads at ALL."""
+        statement = self.bind("get", body_id, idx)
+        if every_replica:
+            statement.consistency_level = ConsistencyLevel.ALL
+        row = _first(await self.cql.run(statement))
+        return row.data if row is not None else None
+
+    async def delete(self, body_id: uuid.UUID, idx: int) -> None:
+        await self._run("delete", body_id, idx)
+
+
+# ===================================================================== outbound (schema/006_outbound.cql)
+
+_ENTRY_COLUMNS = (
+    "id, rcpt, sender, created, due, attempts, held, warned, lease_owner, lease_until, last_error, size, "
+    "body_id, chunk_size, smtputf8, state, reply, remote"
+)
+
+
+class Queue(Table):
+    """`queue`: a partition per queued message, envelope and lease static, a row per recipient."""
+
+    STATEMENTS = {
+        "insert_entry": (
+            WRITE,
+            "INSERT INTO queue (id, sender, created, due, attempts, held, warned, lease_owner, lease_until, "
+            "last_error, size, body, body_id, chunk_size, smtputf8) "
+            "VALUES (?, ?, ?, ?, 0, false, false, ?, ?, '', ?, ?, ?, ?, ?)",
+        ),
+        "insert_recipient": (
+            WRITE, "INSERT INTO queue (id, rcpt, state, reply, remote) VALUES (?, ?, 'pending', '', '')"
+        ),
+        "entry": (READ, f"SELECT {_ENTRY_COLUMNS} FROM queue WHERE id = ?"),
+        "entry_serial": (SERIAL_READ, f"SELECT {_ENTRY_COLUMNS} FROM queue WHERE id = ?"),
+        "all": (READ, f"SELECT {_ENTRY_COLUMNS} FROM queue"),
+        "body": (READ, "SELECT body FROM queue WHERE id = ? LIMIT 1"),
+        "take": (
+            CONDITIONAL,
+            "UPDATE queue SET lease_owner = ?, lease_until = ? WHERE id = ? "
+            "IF lease_until < ? AND held = false AND due <= ?",
+        ),
+        "renew": (CONDITIONAL, "UPDATE queue SET lease_until = ? WHERE id = ? IF lease_owner = ?"),
+        "result": (
+            CONDITIONAL,
+            "UPDATE queue SET state = ?, reply = ?, remote = ?, updated = ? WHERE id = ? AND rcpt = ? IF lease_owner = ?",
+        ),
+        "release": (
+            CONDITIONAL,
+            "UPDATE queue SET due = ?, attempts = ?, last_error = ?, warned = ?, lease_owner = '', lease_until = ? "
+            "WHERE id = ? IF lease_owner = ?",
+        ),
+        "retry": (CONDITIONAL, "UPDATE queue SET due = ? WHERE id = ? IF held = false"),
+        "hold": (CONDITIONAL, "UPDATE queue SET held = true WHERE id = ? IF EXISTS"),
+        "unhold": (CONDITIONAL, "UPDATE queue SET held = false, due = ? WHERE id = ? IF EXISTS"),
+        "delete": (WRITE, "DELETE FROM queue WHERE id = ?"),
+    }
+
+    def entry_statement(
+        self, entry_id: uuid.UUID, sender: str, created: datetime, due: datetime, lease_owner: str,
+        lease_until: datetime, size: int, body: bytes | None, body_id: uuid.UUID | None, chunk_size: int,
+        smtputf8: bool,
+    ) -> BoundStatement:
+        """The envelope and lease (static columns)."""
+        return self.bind("insert_entry", entry_id, sender, created, due, lease_owner, lease_until, size, body,
+                         body_id, chunk_size, smtputf8)
+
+    def recipient_statement(self, entry_id: uuid.UUID, rcpt: str) -> BoundStatement:
+        return self.bind("insert_recipient", entry_id, rcpt)
+
+    async def entry(self, entry_id: uuid.UUID, serial: bool = False) -> list[Any]:
+        """The rows of an entry's partition (the statics repeat on each)."""
+        return await self._run("entry_serial" if serial else "entry", entry_id)
+
+    async def all(self) -> list[Any]:
+        return await self._run("all")
+
+    async def body(self, entry_id: uuid.UUID) -> bytes | None:
+        """A body kept in the entry; None when there is none (or it is not visible yet)."""
+        row = _first(await self._run("body", entry_id))
+        return row.body if row is not None else None
+
+    async def take(self, entry_id: uuid.UUID, owner: str, until: datetime, now: datetime) -> tuple[bool, Any]:
+        """The lease, if it is free, the entry not held and due: (applied, the current row)."""
+        return await self._conditional("take", owner, until, entry_id, now, now)
+
+    async def renew(self, entry_id: uuid.UUID, owner: str, until: datetime) -> bool:
+        applied, _ = await self._conditional("renew", until, entry_id, owner)
+        return applied
+
+    def result_statement(
+        self, entry_id: uuid.UUID, owner: str, result: QueuedRecipient, stamp: datetime
+    ) -> BoundStatement:
+        return self.bind("result", result.state, result.reply, result.remote, stamp, entry_id, result.address, owner)
+
+    def release_statement(
+        self, entry_id: uuid.UUID, owner: str, due: datetime, attempts: int, error: str, warned: bool,
+        lease_until: datetime,
+    ) -> BoundStatement:
+        return self.bind("release", due, attempts, error, warned, lease_until, entry_id, owner)
+
+    async def retry(self, entry_id: uuid.UUID, due: datetime) -> bool:
+        applied, _ = await self._conditional("retry", due, entry_id)
+        return applied
+
+    async def hold(self, entry_id: uuid.UUID) -> bool:
+        applied, _ = await self._conditional("hold", entry_id)
+        return applied
+
+    async def unhold(self, entry_id: uuid.UUID, due: datetime) -> bool:
+        applied, _ = await self._conditional("unhold", due, entry_id)
+        return applied
+
+    def delete_statement(self, entry_id: uuid.UUID) -> BoundStatement:
+        return self.bind("delete", entry_id)
+
+    async def delete(self, entry_id: uuid.UUID) -> None:
+        await self.cql.run(self.delete_statement(entry_id))
+
+
+class QueueDue(Table):
+    """`queue_due`: what is due when, a partition per (shard, minute)."""
+
+    STATEMENTS = {
+        "insert": (WRITE, "INSERT INTO queue_due (shard, bucket, due, id) VALUES (?, ?, ?, ?)"),
+        "delete": (WRITE, "DELETE FROM queue_due WHERE shard = ? AND bucket = ? AND due = ? AND id = ?"),
+        "page": (
+            READ,
+            "SELECT due, id FROM queue_due WHERE shard = ? AND bucket = ? AND due >= ? AND due <= ? LIMIT ?",
+        ),
+    }
+
+    async def insert(self, shard: int, bucket: int, due: datetime, entry_id: uuid.UUID) -> None:
+        await self._run("insert", shard, bucket, due, entry_id)
+
+    def delete_statement(self, shard: int, bucket: int, due: datetime, entry_id: uuid.UUID) -> BoundStatement:
+        return self.bind("delete", shard, bucket, due, entry_id)
+
+    async def delete(self, shard: int, bucket: int, due: datetime, entry_id: uuid.UUID) -> None:
+        await self.cql.run(self.delete_statement(shard, bucket, due, entry_id))
+
+    async def page(self, shard: int, bucket: int, start: datetime, end: datetime, limit: int) -> list[Any]:
+        """Rows (due, id) of one partition due from `start` to `end`."""
+        return await self._run("page", shard, bucket, start, end, limit)
+
+
+class QueueShards(Table):
+    """`queue_shards`: each shard's durable low mark (the first minute that may hold a due row)."""
+
+    STATEMENTS = {
+        "all": (READ, "SELECT shard, low_bucket FROM queue_shards"),
+        "init": (CONDITIONAL, "INSERT INTO queue_shards (shard, low_bucket) VALUES (?, ?) IF NOT EXISTS"),
+        "set": (WRITE, "UPDATE queue_shards SET low_bucket = ? WHERE shard = ?"),
+    }
+
+    async def all(self) -> dict[int, int | None]:
+        return {r.shard: r.low_bucket for r in await self._run("all")}
+
+    async def init(self, shard: int, bucket: int) -> tuple[bool, Any]:
+        """(applied, the row there before when not)."""
+        return await self._conditional("init", shard, bucket)
+
+    async def set(self, shard: int, bucket: int) -> None:
+        await self._run("set", bucket, shard)
+
+
+class DkimKeys(Table):
+    """`dkim_keys`: a domain's signing key."""
+
+    STATEMENTS = {
+        "set": (WRITE, "INSERT INTO dkim_keys (domain, selector, private_key, created) VALUES (?, ?, ?, ?)"),
+        "get": (READ, "SELECT domain, selector, private_key FROM dkim_keys WHERE domain = ?"),
+        "delete": (WRITE, "DELETE FROM dkim_keys WHERE domain = ?"),
+        "all": (READ, "SELECT domain, selector, private_key FROM dkim_keys"),
+    }
+
+    async def set(self, domain: str, selector: str, private_key: str, created: datetime) -> None:
+        await self._run("set", domain, selector, private_key, created)
+
+    async def get(self, domain: str) -> Any:
+        """The row (domain, selector, private_key); None when there is none."""
+        return _first(await self._run("get", domain))
+
+    async def delete(self, domain: str) -> None:
+        await self._run("delete", domain)
+
+    async def all(self) -> list[Any]:
+        return await self._run("all")
+
+
+# ===================================================================== Sieve (schema/007_sieve.cql)
+
+
+class SieveScripts(Table):
+    """`sieve_scripts`: a partition per user, a row per script; the active one's name is static."""
+
+    STATEMENTS = {
+        "put": (WRITE, "INSERT INTO sieve_scripts (user, name, content) VALUES (?, ?, ?)"),
+        "get": (READ, "SELECT content FROM sieve_scripts WHERE user = ? AND name = ?"),
+        "list": (READ, "SELECT name, active FROM sieve_scripts WHERE user = ?"),
+        "active": (READ, "SELECT active FROM sieve_scripts WHERE user = ? LIMIT 1"),
+        "set_active": (WRITE, "UPDATE sieve_scripts SET active = ? WHERE user = ?"),
+        "delete": (WRITE, "DELETE FROM sieve_scripts WHERE user = ? AND name = ?"),
+        "insert_new": (CONDITIONAL, "INSERT INTO sieve_scripts (user, name, content) VALUES (?, ?, ?) IF NOT EXISTS"),
+        "delete_in_batch": (CONDITIONAL, "DELETE FROM sieve_scripts WHERE user = ? AND name = ?"),
+        "set_active_in_batch": (CONDITIONAL, "UPDATE sieve_scripts SET active = ? WHERE user = ?"),
+        "purge": (WRITE, "DELETE FROM sieve_scripts WHERE user = ?"),
+    }
+
+    async def put(self, user: str, name: str, content: str) -> None:
+        await self._run("put", user, name, content)
+
+    async def get(self, user: str, name: str) -> Any:
+        """The script's row (content); None when there is none."""
+        return _first(await self._run("get", user, name))
+
+    async def list(self, user: str) -> list[Any]:
+        """Rows (name, active)."""
+        return await self._run("list", user)
+
+    async def active(self, user: str) -> str | None:
+        row = _first(await self._run("active", user))
+        return row.active if row is not None else None
+
+    async def set_active(self, user: str, name: str | None) -> None:
+        await self._run("set_active", name, user)
+
+    async def delete(self, user: str, name: str) -> None:
+        await self._run("delete", user, name)
+
+    def insert_new_statement(self, user: str, name: str, content: str) -> BoundStatement:
+        return self.bind("insert_new", user, name, content)
+
+    def delete_statement(self, user: str, name: str) -> BoundStatement:
+        """For a conditional batch."""
+        return self.bind("delete_in_batch", user, name)
+
+    def set_active_statement(self, user: str, name: str | None) -> BoundStatement:
+        """For a conditional batch."""
+        return self.bind("set_active_in_batch", name, user)
+
+    def purge_statement(self, user: str) -> BoundStatement:
+        return self.bind("purge", user)
+
+
+class SieveVacation(Table):
+    """`sieve_vacation`: who has had a vacation reply, each record with its time to live."""
+
+    STATEMENTS = {
+        "note": (CONDITIONAL, "INSERT INTO sieve_vacation (user, key) VALUES (?, ?) IF NOT EXISTS USING TTL ?"),
+        "purge": (WRITE, "DELETE FROM sieve_vacation WHERE user = ?"),
+    }
+
+    async def note(self, user: str, key: str, ttl: int) -> bool:
+        applied, _ = await self._conditional("note", user, key, ttl)
+        return applied
+
+    def purge_statement(self, user: str) -> BoundStatement:
+        return self.bind("purge", user)
+
+
+class Tables:
+    """Every table of the keyspace, each with its statements, sharing one executor."""
+
+    def __init__(self, cql: Cql) -> None:
+        self.domains = Domains(cql)
+        self.users = Users(cql)
+        self.users_by_domain = UsersByDomain(cql)
+        self.aliases = Aliases(cql)
+        self.aliases_by_user = AliasesByUser(cql)
+        self.messages = Messages(cql)
+        self.bodies = Bodies(cql)
+        self.body_chunks = BodyChunks(cql)
+        self.queue = Queue(cql)
+        self.queue_due = QueueDue(cql)
+        self.queue_shards = QueueShards(cql)
+        self.dkim_keys = DkimKeys(cql)
+        self.sieve_scripts = SieveScripts(cql)
+        self.sieve_vacation = SieveVacation(cql)
+
+    def all(self) -> Iterable[Table]:
+        return [t for t in vars(self).values() if isinstance(t, Table)]
+
+    def prepare(self) -> None:
+        """Blocking: every statement of every table."""
+        for table in self.all():
+            table.prepare()
