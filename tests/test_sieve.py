@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 import email
 import imaplib
 import smtplib
@@ -318,6 +319,24 @@ class Raw:
         raw.tls()
         raw.until_status()
         return raw
+
+
+async def test_a_command_sent_in_clear_behind_starttls_is_dropped_not_run_over_tls(snode: Node,
+                                                                                   people: dict[str, str]) -> None:
+    """STARTTLS command injection (CVE-2011-0411's kind): an AUTHENTICATE written in the same packet
+    as STARTTLS, by anyone on the path, must not run once TLS is on."""
+    anne = people["anne"]
+    raw = Raw(snode.port("managesieve"))
+    raw.until_status()
+    raw.send(b'STARTTLS\r\nAUTHENTICATE "PLAIN" "' + base64.b64encode(f"\0{anne}\0anne".encode()) + b'"\r\n')
+    assert raw.until_status()[-1].startswith(b"OK")
+    raw.tls()
+    assert b'"SASL" "PLAIN"\r\n' in raw.until_status()
+    raw.send(b'NOOP "after"\r\n')
+    assert raw.until_status() == [b'OK (TAG "after") "Done"\r\n']  # the injected command got no answer
+    raw.send(b"LISTSCRIPTS\r\n")
+    assert raw.until_status()[-1].startswith(b"NO")  # and logged nobody in
+    assert re.search(r"managesieve-starttls .*dropped_bytes=\d+", snode.log_text())
 
 
 async def test_thunderbird_command_sequence(snode: Node, sstore: Store, people: dict[str, str]) -> None:
