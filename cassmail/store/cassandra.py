@@ -98,6 +98,8 @@ CATCH_UP_STEP_100NS = 60 * 10_000_000
 #: Attempts at one conditional write before giving up with StoreUnavailable.
 LWT_ATTEMPTS = 32
 _EPOCH_OFFSET_100NS = 0x01B21DD213814000
+
+
 def _floor_uuid(timestamp_100ns: int) -> uuid.UUID:
     """The smallest timeuuid of a 100 ns tick: a bound for `id > bound` range reads."""
     t = max(timestamp_100ns, 0)
@@ -442,14 +444,15 @@ class CassandraStore(CassandraSieve, CassandraQueue):
     async def create_mailbox(self, user: str, name: str, special_use: str | None = None) -> MailboxInfo:
         key = address_key(user)
         name = mailbox_name(name)
+        users = self.tables.users
         for _ in range(LWT_ATTEMPTS):
             batch, uidvalidity = await self._reserve_uidvalidity(key, 1, self.cql.batch(conditional=True))
             mailbox_id = new_message_id()
-            batch.add(self.tables.users.insert_mailbox_statement(key, name, mailbox_id, uidvalidity, special_use, True, None, None))
+            batch.add(users.insert_mailbox_statement(key, name, mailbox_id, uidvalidity, special_use, True, None, None))
             applied, row = await self.cql.conditional(batch)
             if applied:
                 return MailboxInfo(name, uidvalidity, special_use, True)
-            if await self.tables.users.mailbox(key, name, serial=True) is not None:
+            if await users.mailbox(key, name, serial=True) is not None:
                 raise MailboxExists(key, name)
             await _backoff()
         raise StoreUnavailable(f"could not create mailbox {name!r} of {key}: too much contention")
@@ -457,6 +460,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
     async def rename_mailbox(self, user: str, old: str, new: str) -> None:
         key = address_key(user)
         old, new = check_rename(key, old, new)
+        users = self.tables.users
         for _ in range(LWT_ATTEMPTS):
             rows = {r.mailbox: r for r in await self._mailbox_rows(key)}
             if old not in rows:
@@ -471,16 +475,14 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             batch, uidvalidity = await self._reserve_uidvalidity(key, 1, self.cql.batch(conditional=True))
             for source, target in moves:
                 r = rows[source]
-                batch.add(
-                    self.tables.users.insert_mailbox_statement(
-                        key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed, r.low_water, r.low_water_due
-                    )
-                )
+                batch.add(users.insert_mailbox_statement(
+                    key, target, r.mailbox_id, r.uidvalidity, r.special_use, r.subscribed, r.low_water, r.low_water_due
+                ))
                 if fresh and source == INBOX:
                     # RFC 3501: renaming INBOX moves its mail and leaves a new, empty INBOX.
-                    batch.add(self.tables.users.reassign_mailbox_statement(key, INBOX, r.mailbox_id, new_message_id(), uidvalidity))
+                    batch.add(users.reassign_mailbox_statement(key, INBOX, r.mailbox_id, new_message_id(), uidvalidity))
                 else:
-                    batch.add(self.tables.users.delete_mailbox_statement(key, source, r.mailbox_id))
+                    batch.add(users.delete_mailbox_statement(key, source, r.mailbox_id))
             applied, _ = await self.cql.conditional(batch)
             if applied:
                 return
@@ -494,7 +496,8 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             raise MailboxNotAllowed("INBOX cannot be deleted")
         for _ in range(LWT_ATTEMPTS):
             row = await self._resolve(key, name, serial=True)
-            applied, _ = await self.cql.conditional(self.tables.users.delete_mailbox_statement(key, name, row.mailbox_id))
+            statement = self.tables.users.delete_mailbox_statement(key, name, row.mailbox_id)
+            applied, _ = await self.cql.conditional(statement)
             if applied:
                 await self._purge_mailbox(row.mailbox_id)
                 return
@@ -642,11 +645,12 @@ class CassandraStore(CassandraSieve, CassandraQueue):
         # Only touch rows that exist: an update of a deleted row would bring a ghost of it back.
         existing = await self.get_summaries(user, mailbox, wanted)
         messages = self.tables.messages
+        flags = values or None if mode == "set" else values
         for group in _groups([i for i in wanted if i in existing], IN_BATCH):
             batch = self.cql.batch(BatchType.UNLOGGED)
             token = new_message_id()
             for message_id in group:
-                batch.add(messages.flags_statement(mode, mailbox_id, message_id, values or None if mode == "set" else values, token))
+                batch.add(messages.flags_statement(mode, mailbox_id, message_id, flags, token))
             await self.cql.run(batch)
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
