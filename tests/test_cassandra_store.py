@@ -235,6 +235,39 @@ async def test_two_nodes_assigning_uids_at_once_never_collide(make_store) -> Non
     assert await node_b.uid_next(user, INBOX) == max(final.values()) + 1
 
 
+async def test_a_paxos_round_that_times_out_under_contention_is_read_again_not_unavailable(make_store,
+                                                                                          monkeypatch) -> None:
+    """Sessions on two coordinators contend for one mailbox's counter: Cassandra then answers a CAS
+    write timeout (the round's outcome unknown). UID assignment and \\Recent claims read the state
+    again and go on; here the first round of each is made to time out after it applied."""
+    from cassandra import ConsistencyLevel as CL, WriteTimeout, WriteType
+
+    store = await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 3)
+    real, timed_out = store.cql.run, []
+
+    async def applies_then_times_out(statement):
+        rows = await real(statement)
+        if isinstance(statement, BatchStatement) and statement.serial_consistency_level is not None \
+                and len(timed_out) < 2:
+            timed_out.append(statement)
+            try:
+                raise WriteTimeout("CAS operation timed out", consistency=CL.SERIAL, required_responses=1,
+                                   received_responses=0, write_type=WriteType.CAS)
+            except WriteTimeout as exc:
+                raise StoreUnavailable(f"Cassandra: {exc}") from exc
+        return rows
+
+    monkeypatch.setattr(store.cql, "run", applies_then_times_out)
+    uids = await store.assign_uids(user, INBOX, ids)
+    assert sorted(uids.values()) == [1, 2, 3] and len(timed_out) == 1
+    assert await store.claim_recent(user, INBOX, 4) == 4  # its own timed-out claim: it claims nothing
+    assert len(timed_out) == 2 and await store.recent_mark(user, INBOX) == 4
+    monkeypatch.undo()
+    assert await store.assign_uids(user, INBOX, ids) == uids
+
+
 async def test_two_nodes_renumbering_one_message_give_it_one_new_uid(make_store) -> None:
     """Sessions on two nodes that both saw a message with a UID below what they had shown renumber
     it at once, while a third assigns new mail: one new UID for it, none handed out twice."""

@@ -811,7 +811,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             for offset, message_id in enumerate(missing):
                 batch.add(messages.set_uid_statement(mailbox_id, message_id, first + offset))
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
-            applied, _ = await self.cql.conditional(batch)
+            applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
             if applied:
                 alive.update({m: first + n for n, m in enumerate(missing)})
                 return {i: alive[i] for i in ids if i in alive}
@@ -841,7 +841,9 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
             batch.add(messages.raise_recent_statement(mailbox_id, below, current))
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
-            applied, _ = await self.cql.conditional(batch)
+            # A timed-out round that did apply is found by the next read: the mark is then past
+            # `below`, and this session claims nothing (no message recent twice, at worst none).
+            applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
             if applied:
                 return mark
             await _backoff()

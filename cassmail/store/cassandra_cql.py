@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cassandra import ConsistencyLevel, DriverException
+from cassandra import ConsistencyLevel, DriverException, WriteTimeout, WriteType
 from cassandra.cluster import NoHostAvailable, ResponseFuture, Session
 from cassandra.connection import ConnectionBusy, ConnectionException
 from cassandra.pool import NoConnectionsAvailable
@@ -134,9 +134,19 @@ class Cql:
             except DriverException as exc:
                 raise StoreUnavailable(f"Cassandra: {brief(exc)}") from exc
 
-    async def conditional(self, statement: Statement) -> tuple[bool, Any]:
-        """Run a conditional statement or batch: (applied, first result row)."""
-        rows = await self.run(statement)
+    async def conditional(self, statement: Statement, contention_not_applied: bool = False) -> tuple[bool, Any]:
+        """Run a conditional statement or batch: (applied, first result row).
+
+        With `contention_not_applied`, a Paxos round that timed out (contention between
+        coordinators: its outcome is unknown) answers "not applied" instead of StoreUnavailable,
+        for callers that read the state again at SERIAL before they retry, and so find out."""
+        try:
+            rows = await self.run(statement)
+        except StoreUnavailable as exc:
+            cause = exc.__cause__
+            if contention_not_applied and isinstance(cause, WriteTimeout) and cause.write_type == WriteType.CAS:
+                return False, None
+            raise
         row = rows[0] if rows else None
         return (bool(row[0]) if row is not None else False), row
 
