@@ -144,3 +144,25 @@ async def test_fetch_of_a_message_another_session_expunged(plain_node, store: St
     assert b"UNAVAILABLE" not in fetched and b"SERVERBUG" not in fetched
     noop = reader.cmd("NOOP")
     assert b"* 2 EXPUNGE\r\n" in noop and noop[-1].endswith(b"OK NOOP completed\r\n")
+
+
+async def test_an_expunge_learned_during_an_append_is_still_announced_at_the_next_noop(plain_node, store: Store,
+                                                                                     users) -> None:
+    """APPEND into the selected mailbox reads the listing without expunging (RFC 3501 7.4.1: no
+    EXPUNGE then); the NOOP after it must still tell of a message another session expunged, even on
+    a store whose changes token says nothing changed since that listing (mbox). The appender has
+    the mailbox read-only, so nothing it writes after that listing (a \\Recent claim) moves the
+    token: as when another session claimed first."""
+    user = users["bob"]
+    await deliver(store, user, [message(1), message(2)], "Drafts")
+    appender = _session(plain_node, user, "bob")
+    assert b"[READ-ONLY]" in appender.cmd("EXAMINE Drafts")[-1]
+    expunger = _session(plain_node, user, "bob", "Drafts")
+    assert expunger.cmd("STORE 1 +FLAGS.SILENT (\\Deleted)")[-1].endswith(b"OK STORE completed\r\n")
+    assert b"* 1 EXPUNGE\r\n" in expunger.cmd("EXPUNGE")
+    appended = appender.cmd(b"APPEND Drafts {%d+}\r\n%s" % (len(message(3)), message(3)))
+    assert b"EXPUNGE" not in b"".join(appended) and b"APPENDUID" in appended[-1]
+    noop = appender.cmd("NOOP")
+    assert b"* 1 EXPUNGE\r\n" in noop and noop[-1].endswith(b"OK NOOP completed\r\n")
+    assert appender.cmd("FETCH 1:* (UID)")[-1].endswith(b"OK FETCH completed\r\n")
+    assert len([line for line in appender.cmd("FETCH 1:* (UID)") if b"FETCH (UID" in line]) == 2

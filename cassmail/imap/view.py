@@ -194,9 +194,13 @@ class MailboxView:
                 current[uid] = MessageSummary(s.id, s.size, s.flags, s.internal_date, uid)
         changes = Changes()
         before = (len(self.uids), len(self.recent))
+        gone = [u for u in self.uids if u not in current]
         if expunge:
-            gone = [u for u in self.uids if u not in current]
             changes.expunged = self.remove(gone)
+        elif gone:
+            # Kept in the view for now: the token must not say this listing was taken in, or the
+            # next refresh that may expunge would find it unchanged and keep them for ever.
+            self.token = None
         for uid in self.uids:
             now = current.get(uid)
             if now is not None and now.flags != self.messages[uid].flags:
