@@ -19,10 +19,22 @@ from cassmail.config import LISTENER_PROTOCOLS, Settings, to_toml
 CASSMAIL = str(Path(sys.executable).parent / "cassmail")
 
 
+#: Every port free_port has handed out in this process. A port is only free when asked for; the
+#: kernel may offer it again before its taker binds it, and cassmail's listeners bind with
+#: SO_REUSEPORT, so two of them given one port would both bind it and share its connections
+#: (an IMAP client greeted by SMTP).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 that no earlier call in this process returned."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class Node:

@@ -39,7 +39,10 @@ def ipv6_loopback() -> bool:
 
 
 def free_port_on(*hosts: str) -> int:
-    """A TCP port free on every one of `hosts` (IPv4 or IPv6 addresses)."""
+    """A TCP port free on every one of `hosts` (IPv4 or IPv6 addresses), never one that this or
+    tests.nodes.free_port handed out before in this process."""
+    from tests.nodes import _HANDED_OUT
+
     while True:
         with socket.socket(_family(hosts[0])) as probe:
             probe.bind((hosts[0], 0))
@@ -52,7 +55,8 @@ def free_port_on(*hosts: str) -> int:
                 except OSError:
                     free = False
                     break
-        if free:
+        if free and port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
             return port
 
 
