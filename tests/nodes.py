@@ -26,14 +26,21 @@ CASSMAIL = str(Path(sys.executable).parent / "cassmail")
 _HANDED_OUT: set[int] = set()
 
 
+def take_port(port: int) -> bool:
+    """Whether `port` is new to this process's port pickers; it is theirs from now on."""
+    if port in _HANDED_OUT:
+        return False
+    _HANDED_OUT.add(port)
+    return True
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 that no earlier call in this process returned."""
+    """A port free on 127.0.0.1 that no earlier pick in this process returned."""
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
+        if take_port(port):
             return port
 
 

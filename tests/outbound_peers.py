@@ -23,6 +23,8 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
+from tests.nodes import take_port
+
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -41,8 +43,6 @@ def ipv6_loopback() -> bool:
 def free_port_on(*hosts: str) -> int:
     """A TCP port free on every one of `hosts` (IPv4 or IPv6 addresses), never one that this or
     tests.nodes.free_port handed out before in this process."""
-    from tests.nodes import _HANDED_OUT
-
     while True:
         with socket.socket(_family(hosts[0])) as probe:
             probe.bind((hosts[0], 0))
@@ -55,8 +55,7 @@ def free_port_on(*hosts: str) -> int:
                 except OSError:
                     free = False
                     break
-        if free and port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
+        if free and take_port(port):
             return port
 
 

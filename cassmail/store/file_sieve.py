@@ -97,9 +97,8 @@ class FileSieve:
     def list(self, key: str) -> list[SieveScriptInfo]:
         base, scripts = self._dirs(key)
         active = self._active(base)
-        files = set(self.fs.listdir(scripts))
         names = []
-        for file in files:
+        for file in self.fs.listdir(scripts):
             if file.startswith("."):
                 continue
             if not file.startswith(_HASHED):
