@@ -272,6 +272,10 @@ class StoreSettings:
     #: Seconds `serve` keeps trying to open a store that is not ready (Cassandra still starting,
     #: keyspace not made yet), logging each retry; 0 gives up at once (exit status 3).
     open_wait: float = 0.0
+    #: Seconds an expunged message's UID is remembered at least, so an IMAP client that
+    #: resynchronises with QRESYNC learns it is gone (VANISHED); a client away for longer
+    #: resynchronises in full.
+    vanished_keep: float = 30 * 86400.0
     cassandra: CassandraSettings = field(default_factory=CassandraSettings)
     mbox: MboxSettings = field(default_factory=MboxSettings)
     wheelfs: WheelFSSettings = field(default_factory=WheelFSSettings)
@@ -284,6 +288,7 @@ class StoreSettings:
         )
         _check(self.max_message_size >= 1024, f"{prefix}.max_message_size", "must be at least 1024 bytes")
         _check(self.open_wait >= 0, f"{prefix}.open_wait", "must be >= 0 seconds")
+        _check(self.vanished_keep >= 3600, f"{prefix}.vanished_keep", "must be at least 3600 seconds")
 
 
 @dataclass

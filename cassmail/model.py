@@ -296,6 +296,9 @@ class MessageSummary:
     flags: frozenset[str]
     internal_date: datetime
     uid: int | None = None
+    #: RFC 7162 MODSEQ of the message's last change (see Store.highest_modseq); None while it has
+    #: no UID, since a message gets its first MODSEQ with its UID.
+    modseq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,12 @@ if TYPE_CHECKING:
 
 def make_store(settings: Settings) -> Store:
     """The configured backend, not yet opened. Backends are imported here only, on demand."""
+    store = _backend(settings)
+    store.vanished_keep = settings.store.vanished_keep
+    return store
+
+
+def _backend(settings: Settings) -> Store:
     backend = settings.store.backend
     if backend == "cassandra":
         from cassmail.store.cassandra import CassandraStore

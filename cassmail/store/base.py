@@ -253,6 +253,8 @@ class Store(abc.ABC):
 
     #: Largest message a store accepts (bytes); 0 means no limit. Set from settings.
     max_message_size: int = 0
+    #: Seconds an expunge is remembered at least, for `vanished_since`. Set from settings.
+    vanished_keep: float = 30 * 86400.0
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> None:  # noqa: B027 - optional hook
@@ -427,13 +429,21 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def store_flags(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
-    ) -> None:
-        """Set, add or remove flags on messages; concurrent adds/removes of different flags both hold."""
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
+        unchanged_since: int | None = None,
+    ) -> set[uuid.UUID]:
+        """Set, add or remove flags on messages; concurrent adds/removes of different flags both hold.
+
+        Each numbered message whose flags this changes gets a new MODSEQ (one for the whole call);
+        one whose flags stay as they were keeps its MODSEQ. With `unchanged_since` (RFC 7162
+        UNCHANGEDSINCE) a message whose MODSEQ is above it is left alone, decided atomically with
+        the change against concurrent callers on any node; the ids left alone are returned (the
+        MODIFIED set; always empty without `unchanged_since`). Ids that do not exist are ignored."""
 
     @abc.abstractmethod
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
-        """Delete messages in one call; ids already gone are ignored."""
+        """Delete messages in one call; ids already gone are ignored. The UID of each numbered
+        message deleted is remembered with a new MODSEQ (see `vanished_since`)."""
 
     async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
         """Copy messages to another mailbox of the same user keeping flags and internal date;
@@ -460,7 +470,9 @@ class Store(abc.ABC):
     ) -> dict[uuid.UUID, int]:
         """Give a new UID, one above every UID ever handed out in this mailbox and in the order
         of `ids`, to every id that has none yet and to every id of `renumber` whose UID is still
-        the value given there; return the UID of every id (old or new) that still exists.
+        the value given there; return the UID of every id (old or new) that still exists. Each
+        message given a UID here gets a new MODSEQ with it, and the UID a renumbered message
+        gives up is remembered as expunged (see `vanished_since`).
 
         Renumbering exists for IMAP: a session that has shown UID 6 must never show UID 5
         afterwards, yet a read at a weak consistency level may have hidden an older message
@@ -483,6 +495,33 @@ class Store(abc.ABC):
         tell that cheaply. Equal tokens mean nothing changed, so a session may skip reading the
         listing; read it before the listing it goes with. Raises NoSuchMailbox."""
         return None
+
+    # ----------------------------------------------------------------- MODSEQs (RFC 7162)
+    # Every change an IMAP client can see gets a MODSEQ from a per-mailbox counter that only
+    # grows: a message's numbering (its first MODSEQ comes with its UID, also when renumbered),
+    # a flag change, an expunge. All changes made by one call may share one MODSEQ; two calls
+    # never share one, on any number of nodes. A message's `MessageSummary.modseq` is that of
+    # its last change. Messages numbered before the store kept MODSEQs have MODSEQ 1, and a
+    # mailbox where nothing was numbered yet has HIGHESTMODSEQ 1, so no change is ever given 1.
+    # Deliveries are not changes yet: a delivered message is unnumbered (uid and modseq None)
+    # until `assign_uids` numbers it, so delivery needs nothing but its own writes.
+
+    @abc.abstractmethod
+    async def highest_modseq(self, user: str, mailbox: str) -> int:
+        """HIGHESTMODSEQ: the largest MODSEQ handed out in the mailbox (1 if none), at or above
+        every message's and every remembered expunge's. Raises NoSuchMailbox."""
+
+    async def changed_since(self, user: str, mailbox: str, modseq: int) -> list[MessageSummary]:
+        """Numbered messages whose MODSEQ is above `modseq`, in arrival order. Backends that keep
+        an index by MODSEQ answer without reading the whole listing. Raises NoSuchMailbox."""
+        return [s async for s in self.list_messages(user, mailbox) if s.modseq is not None and s.modseq > modseq]
+
+    @abc.abstractmethod
+    async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
+        """UIDs expunged (or given up by renumbering) with a MODSEQ above `modseq`, ascending
+        (RFC 7162 VANISHED); None when the store may have forgotten some of them: expunges are
+        remembered for at least `vanished_keep` seconds (a store setting), and a client that
+        last synchronised before that has to resynchronise in full. Raises NoSuchMailbox."""
 
     # ----------------------------------------------------------------- IMAP \Recent
     # RFC 3501 gives \Recent to exactly one session: the first read-write session told of the

@@ -617,6 +617,153 @@ async def test_concurrent_renumbers_of_one_message_give_it_exactly_one_new_uid(s
     assert {s.id: s.uid for s in await listing(store, user)} == {**first, target: 6}
 
 
+# ----------------------------------------------------------------------------- MODSEQs (RFC 7162)
+
+
+async def numbered(store: Store, user: str, count: int, mailbox: str = INBOX) -> list[uuid.UUID]:
+    """`count` messages delivered and given UIDs, in order."""
+    ids = [(await store.deliver(b"m%d" % i, [Target(user, mailbox)]))[0] for i in range(count)]
+    await store.assign_uids(user, mailbox, ids)
+    return ids
+
+
+async def modseqs(store: Store, user: str, mailbox: str = INBOX) -> dict[uuid.UUID, int | None]:
+    return {s.id: s.modseq for s in await listing(store, user, mailbox)}
+
+
+async def test_modseqs_come_with_uids_and_start_above_one(store: Store, user: str) -> None:
+    assert await store.highest_modseq(user, INBOX) == 1
+    ids = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(3)]
+    # a delivery is not a change yet: unnumbered, no MODSEQ, HIGHESTMODSEQ where it was
+    assert set((await modseqs(store, user)).values()) == {None}
+    assert await store.highest_modseq(user, INBOX) == 1
+    await store.assign_uids(user, INBOX, ids[:2])
+    first = await modseqs(store, user)
+    assert first[ids[0]] is not None and first[ids[0]] > 1 and first[ids[2]] is None
+    highest = await store.highest_modseq(user, INBOX)
+    assert highest == max(m for m in first.values() if m is not None)
+    await store.assign_uids(user, INBOX, ids)
+    second = await modseqs(store, user)
+    assert second[ids[2]] > highest and await store.highest_modseq(user, INBOX) == second[ids[2]]
+    assert [second[i] for i in ids[:2]] == [first[i] for i in ids[:2]]  # numbering others changes nothing
+    assert await store.highest_modseq(user, "Drafts") == 1  # each mailbox counts its own
+
+
+async def test_a_flag_change_gives_a_new_modseq_and_a_change_to_nothing_does_not(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 3)
+    before = await modseqs(store, user)
+    highest = await store.highest_modseq(user, INBOX)
+    assert await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add") == set()
+    after = await modseqs(store, user)
+    assert after[ids[1]] > highest and await store.highest_modseq(user, INBOX) == after[ids[1]]
+    assert after[ids[0]] == before[ids[0]] and after[ids[2]] == before[ids[2]]
+    # the same flag again, or removing one it does not have: nothing changed, nothing counted
+    await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add")
+    await store.store_flags(user, INBOX, [ids[1]], ["\\Flagged"], "remove")
+    await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "set")
+    assert await modseqs(store, user) == after
+    assert await store.highest_modseq(user, INBOX) == after[ids[1]]
+    # one call over several messages: each changed one gets a MODSEQ above the last
+    await store.store_flags(user, INBOX, ids, ["\\Answered"], "add")
+    third = await modseqs(store, user)
+    assert all(third[i] > after[ids[1]] for i in ids)
+
+
+async def test_changed_since_gives_the_messages_changed_after_a_modseq(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 5)
+    mark = await store.highest_modseq(user, INBOX)
+    assert await store.changed_since(user, INBOX, mark) == []
+    await store.store_flags(user, INBOX, [ids[3], ids[1]], ["$Label1"], "add")
+    [late] = await store.deliver(MESSAGE, [Target(user)])
+    assert [s.id for s in await store.changed_since(user, INBOX, mark)] == [ids[1], ids[3]]  # unnumbered: not yet
+    await store.assign_uids(user, INBOX, [late])
+    changed = await store.changed_since(user, INBOX, mark)
+    assert [s.id for s in changed] == [ids[1], ids[3], late]
+    assert changed[0].flags == frozenset({"$Label1"}) and changed[0].uid == 2
+    assert [s.id for s in await store.changed_since(user, INBOX, changed[0].modseq)] == [late]
+    assert len(await store.changed_since(user, INBOX, 0)) == 6
+
+
+async def test_unchanged_since_leaves_messages_changed_after_it_alone(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 3)
+    mark = await store.highest_modseq(user, INBOX)
+    await store.store_flags(user, INBOX, [ids[0]], ["\\Flagged"], "add")
+    modified = await store.store_flags(user, INBOX, ids, ["\\Seen"], "add", unchanged_since=mark)
+    assert modified == {ids[0]}
+    flags = {s.id: s.flags for s in await listing(store, user)}
+    assert flags == {ids[0]: {"\\Flagged"}, ids[1]: {"\\Seen"}, ids[2]: {"\\Seen"}}
+    # UNCHANGEDSINCE 0 fails for every message (RFC 7162 3.1.3); a condition met changes as asked
+    assert await store.store_flags(user, INBOX, ids[1:], ["\\Deleted"], "add", unchanged_since=0) == set(ids[1:])
+    now = await store.highest_modseq(user, INBOX)
+    assert await store.store_flags(user, INBOX, ids, [], "set", unchanged_since=now) == set()
+    assert {s.flags for s in await listing(store, user)} == {frozenset()}
+
+
+async def test_concurrent_changes_never_share_a_modseq(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 12)
+    start = await store.highest_modseq(user, INBOX)
+    await asyncio.gather(*(store.store_flags(user, INBOX, [i], ["\\Seen"], "add") for i in ids[:8]),
+                         store.delete_messages(user, INBOX, ids[8:10]),
+                         store.store_flags(user, INBOX, ids[10:], ["$Done"], "add"))
+    after = await modseqs(store, user)
+    flagged = [after[i] for i in ids[:8]]
+    assert len(set(flagged)) == 8 and min(flagged) > start  # eight calls, eight MODSEQs
+    assert after[ids[10]] not in flagged and after[ids[11]] not in flagged
+    vanished = await store.vanished_since(user, INBOX, start)
+    assert vanished == [9, 10]
+    assert await store.highest_modseq(user, INBOX) >= max(m for m in after.values() if m is not None)
+
+
+async def test_expunges_are_remembered_with_their_modseq(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 6)
+    mark = await store.highest_modseq(user, INBOX)
+    assert await store.vanished_since(user, INBOX, mark) == []
+    await store.delete_messages(user, INBOX, [ids[4], ids[1]])
+    middle = await store.highest_modseq(user, INBOX)
+    assert middle > mark
+    [unnumbered] = await store.deliver(MESSAGE, [Target(user)])
+    await store.delete_messages(user, INBOX, [ids[2], unnumbered])  # an unnumbered message had no UID to forget
+    assert await store.vanished_since(user, INBOX, mark) == [2, 3, 5]
+    assert await store.vanished_since(user, INBOX, middle) == [3]
+    assert await store.vanished_since(user, INBOX, await store.highest_modseq(user, INBOX)) == []
+    # the messages left keep their MODSEQs; expunges do not show in changed_since
+    assert [s.uid for s in await store.changed_since(user, INBOX, 0)] == [1, 4, 6]
+
+
+async def test_a_renumbered_message_gives_up_its_old_uid_as_vanished(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 3)
+    mark = await store.highest_modseq(user, INBOX)
+    moved = await store.assign_uids(user, INBOX, [ids[0]], renumber={ids[0]: 1})
+    assert moved[ids[0]] == 4
+    assert await store.vanished_since(user, INBOX, mark) == [1]
+    assert [s.uid for s in await store.changed_since(user, INBOX, mark)] == [4]
+
+
+async def test_expunges_older_than_the_window_are_forgotten_and_said_to_be(store: Store, user: str) -> None:
+    store.vanished_keep = 0.5
+    try:
+        ids = await numbered(store, user, 4)
+        for message_id in ids[:3]:
+            before = await store.highest_modseq(user, INBOX)
+            await store.delete_messages(user, INBOX, [message_id])
+            await asyncio.sleep(0.7)
+        # the last expunge is remembered; the first, three windows ago, is no longer promised
+        assert await store.vanished_since(user, INBOX, before) == [3]
+        assert await store.vanished_since(user, INBOX, 1) is None
+    finally:
+        store.vanished_keep = Store.vanished_keep
+
+
+async def test_copies_and_their_sources_keep_separate_modseqs(store: Store, user: str) -> None:
+    ids = await numbered(store, user, 2)
+    before = await modseqs(store, user)
+    [copy] = await store.copy_messages(user, INBOX, [ids[0]], "Archive")
+    assert (await modseqs(store, user, "Archive")) == {copy: None}  # a copy is new mail there
+    assert await modseqs(store, user) == before
+    await store.assign_uids(user, "Archive", [copy])
+    assert (await modseqs(store, user, "Archive"))[copy] > 1
+
+
 # ----------------------------------------------------------------------------- IMAP \Recent
 
 
