@@ -591,7 +591,8 @@ class MboxStore(FileQueueStore):
                 if not box.exists():
                     self._make_mailbox(user_dir, INBOX, None, self._next_uidvalidity(user_dir))
         try:
-            mf = MailboxFile(box / "mbox", box / "index", self.settings, self._uidvalidity_source(user_dir), self._collapse)
+            mf = MailboxFile(box / "mbox", box / "index", self.settings, self._uidvalidity_source(user_dir),
+                             self._collapse, lambda: self.vanished_keep)
         except FileNotFoundError:
             raise NoSuchMailbox(key, name) from None
         evicted = []
@@ -700,8 +701,9 @@ class MboxStore(FileQueueStore):
     # ================================================================= flags, deletion, UIDs
 
     async def store_flags(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
-    ) -> None:
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
+        unchanged_since: int | None = None,
+    ) -> set[uuid.UUID]:
         mode = check_flag_mode(mode)
         values = flag_set(flags)
         wanted = list(ids)
@@ -710,7 +712,7 @@ class MboxStore(FileQueueStore):
             "add": lambda current: current | values,
             "remove": lambda current: current - values,
         }
-        await self._on_mailbox(user, mailbox, lambda mf: mf.store_flags(wanted, changes[mode]))
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.store_flags(wanted, changes[mode], unchanged_since))
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
         wanted = list(ids)
@@ -731,6 +733,15 @@ class MboxStore(FileQueueStore):
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.changes_token())
+
+    async def highest_modseq(self, user: str, mailbox: str) -> int:
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.highest_modseq())
+
+    async def changed_since(self, user: str, mailbox: str, modseq: int) -> list[MessageSummary]:
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.changed_since(modseq))
+
+    async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.vanished_since(modseq))
 
     async def recent_mark(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.recent_mark())

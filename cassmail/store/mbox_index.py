@@ -28,6 +28,23 @@ That is chosen over guessing a mark from the UID counter, which would take
 \\Recent away from messages numbered by COPY but never yet claimed; and the
 index of a mailbox no session has claimed stays as older versions wrote it.
 
+MODSEQs (RFC 7162, see Store.highest_modseq) live in the index too, changed in
+the record of the change itself, under the write lock, so two processes never
+hand out one MODSEQ: FLAGS_AT, DELETE_AT and UIDS_AT are FLAGS, DELETE and UIDS
+with a prefix (the call's MODSEQ, the time, the vanished floor). Replaying one
+gives the MODSEQ to each numbered message it changes (a deletion: to the UIDs it
+makes vanish, as does a renumbering to the UID given up) and raises the
+mailbox's counter to it; an ENTRY carries its message's MODSEQ, since a flag
+change may move a message to the end. The vanished list keeps, per call, its
+MODSEQ, time and UIDs; each change record names the floor, the highest MODSEQ
+of the calls older than `vanished_keep` that its writer dropped, so every
+process forgets the same ones (`vanished_since` below the floor is None). A
+checkpoint writes the counter, the floor and the list as one MODSEQS record
+after STATE. Messages numbered before MODSEQs existed have MODSEQ 0 in the index,
+which reads as 1, and an index without a MODSEQS record has HIGHESTMODSEQ 1.
+Such an index (magic CMIDX01) is read as it is and checkpointed to the current
+format (CMIDX02) by the first writer that takes it, which is the upgrade.
+
 The index models the mbox as a tiling: every byte belongs to one segment, a
 live message, a deleted one (marked, not yet reclaimed) or dead space (bytes a
 crash left behind). Message ids are version-1 timeuuids; listings go by id.
@@ -124,7 +141,9 @@ from cassmail.store.mbox_format import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CMIDX01\n"
+MAGIC = b"CMIDX02\n"
+#: The magic of indexes written before MODSEQs: read as they are, checkpointed by the first writer.
+MAGIC_V1 = b"CMIDX01\n"
 _HEADER = struct.Struct(">8sQII")  # magic, generation, uidvalidity, reserved; then CRC32 and 4 spare bytes
 HEADER_SIZE = 32
 _FRAME = struct.Struct(">IIB")  # payload length, CRC32 of type and payload, type
@@ -133,6 +152,12 @@ _ID = struct.Struct(">16s")
 ZERO_ID = b"\0" * 16
 
 ENTRY, STATE, FLAGS, DELETE, UIDS, COMPACT_BEGIN, COMPACT_END, RECENT = 1, 2, 3, 4, 5, 6, 7, 8
+#: FLAGS, DELETE and UIDS with a _CHANGE prefix (written since MODSEQs; the three above are only read),
+#: and the checkpoint's MODSEQ state.
+FLAGS_AT, DELETE_AT, UIDS_AT, MODSEQS = 9, 10, 11, 12
+_CHANGE = struct.Struct(">QQQ")  # the call's MODSEQ (0: none), time (us since 1970), vanished floor
+_MODSEQ = struct.Struct(">Q")
+_VANISHED = struct.Struct(">QQI")  # one call's MODSEQ, time (us) and number of UIDs, then the UIDs
 RUN_COLLAPSE, RUN_TRUNCATE, RUN_REWRITE = 1, 2, 3
 
 #: Bytes read per step when streaming a body: the unit of read_chunks and of lock hold time.
@@ -175,12 +200,18 @@ class Segment:
     flags: frozenset[str] = frozenset()
     uid: int = 0
     deleted: bool = False
+    modseq: int = 0  # of its last change; 0 while unnumbered or numbered before MODSEQs (reads as 1)
     made: MessageSummary | None = field(default=None, repr=False)
     made_us: int = field(default=0, repr=False)
 
     @property
     def live(self) -> bool:
         return self.id is not None and not self.deleted
+
+    @property
+    def shown_modseq(self) -> int | None:
+        """The MODSEQ a listing shows: None while unnumbered, at least 1 once numbered."""
+        return (self.modseq or 1) if self.uid else None
 
     @property
     def slot_off(self) -> int:
@@ -195,17 +226,21 @@ class Segment:
         return _SEG.pack(
             self.id.bytes if self.id else ZERO_ID, self.off, self.length, self.head, self.from_len, self.meta,
             self.capacity, self.stored, self.raw, self.date_us, self.uid, self.deleted,
-        ) + struct.pack(">H", len(flags)) + flags
+        ) + struct.pack(">H", len(flags)) + flags + _MODSEQ.pack(self.modseq)
 
     @classmethod
     def decode(cls, payload: bytes) -> Segment:
         fields = _SEG.unpack_from(payload)
         (n,) = struct.unpack_from(">H", payload, _SEG.size)
         flags = payload[_SEG.size + 2 : _SEG.size + 2 + n].decode()
+        end = _SEG.size + 2 + n
+        if len(payload) not in (end, end + _MODSEQ.size):  # an entry written before MODSEQs ends at its flags
+            raise ValueError(f"index entry of {len(payload)} bytes, not {end} or {end + _MODSEQ.size}")
+        modseq = _MODSEQ.unpack_from(payload, end)[0] if len(payload) > end else 0
         raw_id, *rest = fields
         return cls(
             rest[0], rest[1], uuid.UUID(bytes=raw_id) if raw_id != ZERO_ID else None, *rest[2:9],
-            frozenset(flags.split()) if flags else frozenset(), rest[9], bool(rest[10]),
+            frozenset(flags.split()) if flags else frozenset(), rest[9], bool(rest[10]), modseq,
         )
 
     def summary(self) -> MessageSummary:
@@ -213,11 +248,13 @@ class Segment:
         same (a listing of a large mailbox would otherwise build every summary anew)."""
         assert self.id is not None
         made = self.made
+        modseq = self.shown_modseq
         if made is not None and made.id is self.id and made.flags is self.flags and made.size == self.raw \
-                and (made.uid or 0) == self.uid and self.date_us == self.made_us:
+                and (made.uid or 0) == self.uid and made.modseq == modseq and self.date_us == self.made_us:
             return made
         when = datetime.fromtimestamp(self.date_us / 1_000_000, tz=timezone.utc)
-        self.made, self.made_us = MessageSummary(self.id, self.raw, self.flags, when, self.uid or None), self.date_us
+        self.made = MessageSummary(self.id, self.raw, self.flags, when, self.uid or None, modseq)
+        self.made_us = self.date_us
         return self.made
 
 
@@ -286,6 +323,15 @@ class CompactReport:
         self.seconds += other.seconds
 
 
+@dataclass(frozen=True, slots=True)
+class Vanished:
+    """The UIDs one call expunged or gave up (renumbering), with its MODSEQ and time (us)."""
+
+    modseq: int
+    time_us: int
+    uids: tuple[int, ...]
+
+
 @dataclass
 class ReadState:
     """Where a streaming read stands between two chunks (no lock is held in between)."""
@@ -314,11 +360,13 @@ class MailboxFile:
         settings: MboxSettings,
         new_uidvalidity: Callable[[], int],
         collapse_ok: bool,
+        vanished_keep: Callable[[], float] = lambda: 30 * 86400.0,
     ) -> None:
         self.mbox_path, self.index_path = Path(mbox_path), Path(index_path)
         self.lock_path = str(self.mbox_path) + ".lock"
         self.settings = settings
         self._new_uidvalidity = new_uidvalidity
+        self._vanished_keep = vanished_keep  # read at each change (the store's setting may change)
         self._collapse = collapse_ok and settings.method in ("auto", "collapse")
         self._defrag = settings.defrag and self._collapse
         self._thread_lock = threading.RLock()
@@ -335,6 +383,10 @@ class MailboxFile:
         self.uidvalidity = 0
         self.uidnext = 1
         self.recent = 1
+        self.modseq = 1  # HIGHESTMODSEQ
+        self.vanished: list[Vanished] = []  # ascending MODSEQs
+        self.vanished_floor = 0  # the highest MODSEQ forgotten
+        self._format = 2  # 1: an index written before MODSEQs (see MAGIC_V1)
         self.segments: list[Segment] = []
         self.by_id: dict[uuid.UUID, Segment] = {}
         self.end = 0
@@ -385,6 +437,8 @@ class MailboxFile:
                     if not exclusive:
                         raise NeedsRecovery
                     self._recover()
+                if exclusive and self._format < 2:  # written before MODSEQs: upgraded in place, once
+                    self._checkpoint(self.generation + 1, self.uidvalidity)
                 yield
                 if exclusive:
                     self._maybe_checkpoint()
@@ -451,9 +505,11 @@ class MailboxFile:
         self._idx_fd = fd
         self._idx_ino = os.fstat(fd).st_ino
         header = os.pread(fd, HEADER_SIZE, 0)
-        if len(header) < HEADER_SIZE or header[:8] != MAGIC or struct.unpack_from(">I", header, 24)[0] != zlib.crc32(header[:24]):
+        if len(header) < HEADER_SIZE or header[:8] not in (MAGIC, MAGIC_V1) \
+                or struct.unpack_from(">I", header, 24)[0] != zlib.crc32(header[:24]):
             self._damaged = "bad index header"
             return
+        self._format = 2 if header[:8] == MAGIC else 1
         _, self.generation, self.uidvalidity, _ = _HEADER.unpack_from(header)
         self._replay(os.fstat(fd).st_size)
         self._snapshot_size = max(self._log_pos, HEADER_SIZE)
@@ -486,7 +542,9 @@ class MailboxFile:
 
     def _apply_record(self, kind: int, body: bytes) -> None:
         if kind == ENTRY:
-            self._add_segment(Segment.decode(body))
+            seg = Segment.decode(body)
+            self._add_segment(seg)
+            self.modseq = max(self.modseq, seg.modseq)  # a message moved by a flag change: the call's MODSEQ
         elif kind == STATE:
             self.uidnext, end = struct.unpack(">IQ", body)
             if end != self.end:
@@ -508,6 +566,39 @@ class MailboxFile:
                 seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
                 if seg is not None:
                     (seg.uid,) = struct.unpack_from(">I", body, i + 16)
+        elif kind == FLAGS_AT:
+            modseq = self._apply_change(body)
+            for message_id, flags in _decode_id_flags(body[_CHANGE.size :]):
+                seg = self.by_id.get(message_id)
+                if seg is not None:
+                    seg.flags = flags
+                    if seg.uid:
+                        seg.modseq = modseq
+        elif kind == DELETE_AT:
+            modseq = self._apply_change(body)
+            gone = []
+            for i in range(_CHANGE.size, len(body), 16):
+                seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
+                if seg is not None and not seg.deleted:
+                    seg.deleted = True
+                    self._order = None
+                    if seg.uid:
+                        gone.append(seg.uid)
+            self._remember_vanished(body, gone)
+        elif kind == UIDS_AT:
+            modseq = self._apply_change(body)
+            (self.uidnext,) = struct.unpack_from(">I", body, _CHANGE.size)
+            given_up = []
+            for i in range(_CHANGE.size + 4, len(body), 20):
+                seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
+                if seg is not None:
+                    (uid,) = struct.unpack_from(">I", body, i + 16)
+                    if seg.uid and seg.uid != uid:
+                        given_up.append(seg.uid)
+                    seg.uid, seg.modseq = uid, modseq
+            self._remember_vanished(body, given_up)
+        elif kind == MODSEQS:
+            self._apply_modseqs(body)
         elif kind == RECENT:
             (self.recent,) = struct.unpack(">Q", body)
         elif kind == COMPACT_BEGIN:
@@ -520,6 +611,63 @@ class MailboxFile:
             self._pending = None
         else:
             raise ValueError(f"unknown index record type {kind}")
+
+    def _apply_change(self, body: bytes) -> int:
+        """The MODSEQ of a change record, after raising the counter to it and forgetting the
+        vanished UIDs its writer dropped."""
+        modseq, _, floor = _CHANGE.unpack_from(body)
+        self.modseq = max(self.modseq, modseq)
+        if floor > self.vanished_floor:
+            self.vanished_floor = floor
+            del self.vanished[: bisect.bisect_right(self.vanished, floor, key=lambda v: v.modseq)]
+        return int(modseq)
+
+    def _remember_vanished(self, body: bytes, uids: list[int]) -> None:
+        modseq, when_us, _ = _CHANGE.unpack_from(body)
+        if uids and modseq > self.vanished_floor:
+            if self.vanished and modseq <= self.vanished[-1].modseq:
+                raise ValueError(f"vanished UIDs at MODSEQ {modseq} after MODSEQ {self.vanished[-1].modseq}")
+            self.vanished.append(Vanished(modseq, when_us, tuple(sorted(uids))))
+
+    def _apply_modseqs(self, body: bytes) -> None:
+        """A checkpoint's MODSEQ state: the counter, the floor and the vanished list."""
+        highest, floor, count = struct.unpack_from(">QQI", body)
+        pos = struct.calcsize(">QQI")
+        vanished = []
+        for _ in range(count):
+            modseq, when_us, n = _VANISHED.unpack_from(body, pos)
+            pos += _VANISHED.size
+            uids = struct.unpack_from(f">{n}I", body, pos)
+            pos += 4 * n
+            if modseq <= floor or modseq > highest or (vanished and modseq <= vanished[-1].modseq):
+                raise ValueError(f"vanished UIDs at MODSEQ {modseq} out of order")
+            vanished.append(Vanished(modseq, when_us, uids))
+        if pos != len(body):
+            raise ValueError("MODSEQ state longer than its vanished list")
+        self.modseq, self.vanished_floor, self.vanished = max(self.modseq, highest), floor, vanished
+
+    def _encode_modseqs(self, floor: int) -> bytes:
+        kept = [v for v in self.vanished if v.modseq > floor]
+        out = bytearray(struct.pack(">QQI", self.modseq, floor, len(kept)))
+        for v in kept:
+            out += _VANISHED.pack(v.modseq, v.time_us, len(v.uids)) + struct.pack(f">{len(v.uids)}I", *v.uids)
+        return bytes(out)
+
+    def _change(self, modseq: int) -> bytes:
+        """The prefix of a change record: its MODSEQ (0: it changes no numbered message), the time
+        and the vanished floor, dropping the calls older than `vanished_keep` (oldest first, so
+        none is dropped before its time even if clocks disagree)."""
+        now_us = time.time_ns() // 1000
+        return _CHANGE.pack(modseq, now_us, self._expired_floor(now_us))
+
+    def _expired_floor(self, now_us: int) -> int:
+        cutoff = now_us - int(self._vanished_keep() * 1_000_000)
+        floor = self.vanished_floor
+        for v in self.vanished:
+            if v.time_us >= cutoff:
+                break
+            floor = v.modseq
+        return floor
 
     def _add_segment(self, seg: Segment) -> None:
         if seg.off != self.end:
@@ -559,6 +707,7 @@ class MailboxFile:
         records.append(_frame(STATE, struct.pack(">IQ", self.uidnext, self.end)))
         if self.recent > 1:
             records.append(_frame(RECENT, struct.pack(">Q", self.recent)))
+        records.append(_frame(MODSEQS, self._encode_modseqs(self._expired_floor(time.time_ns() // 1000))))
         body = _header(generation, uidvalidity) + b"".join(records)
         mbox_fs.crash_point("checkpoint.before")
         mbox_fs.atomic_write(self.index_path, body, self.settings.fsync)
@@ -694,6 +843,7 @@ class MailboxFile:
         flags: frozenset[str],
         capacity: int,
         uid: int,
+        modseq: int = 0,
     ) -> None:
         head = record_head(first_line, message_id, when_us, raw_len, stored_len, flags, capacity)
         meta_len = len(head) - len(first_line) - slot_length(capacity)
@@ -710,7 +860,7 @@ class MailboxFile:
         mbox_fs.crash_point("append.synced")
         seg = Segment(
             off, pos + trail - off, message_id, len(first_line), len(first_line), meta_len, capacity, stored_len,
-            raw_len, when_us, flags, uid,
+            raw_len, when_us, flags, uid, modseq=modseq,
         )
         self._commit([(ENTRY, seg.encode())])
 
@@ -783,33 +933,45 @@ class MailboxFile:
 
     # ----------------------------------------------------------------- flags
 
-    def store_flags(self, ids: Iterable[uuid.UUID], change: Callable[[frozenset[str]], frozenset[str]]) -> None:
+    def store_flags(
+        self, ids: Iterable[uuid.UUID], change: Callable[[frozenset[str]], frozenset[str]],
+        unchanged_since: int | None = None,
+    ) -> set[uuid.UUID]:
+        """Change flags; the numbered messages changed share one new MODSEQ. With `unchanged_since`,
+        a numbered message whose MODSEQ is above it is left alone and returned (MODIFIED), as
+        decided under the write lock."""
         with self.writing():
             changes = []
+            modified = set()
             for message_id in dict.fromkeys(ids):
                 seg = self.by_id.get(message_id)
                 if seg is None or not seg.live:
+                    continue
+                if unchanged_since is not None and seg.uid and (seg.modseq or 1) > unchanged_since:
+                    modified.add(message_id)
                     continue
                 new = change(seg.flags)
                 if new != seg.flags:
                     changes.append((seg, new))
             if not changes:
-                return
+                return modified
+            modseq = self.modseq + 1 if any(s.uid for s, _ in changes) else 0
             in_place = [(s, f) for s, f in changes if s.capacity >= len(keywords_text(f))]
             moved = [(s, f) for s, f in changes if s.capacity < len(keywords_text(f))]
             for seg, new in moved:
-                self._relocate(seg, new)
+                self._relocate(seg, new, modseq if seg.uid else seg.modseq)
             if in_place:
                 mbox_fs.crash_point("flags.before")
                 for seg, new in in_place:
                     mbox_fs.pwrite_all(self.fd, encode_slot(new, False, seg.capacity), seg.slot_off)
                 mbox_fs.crash_point("flags.written")
                 self._sync_files()
-                self._commit([(FLAGS, _encode_id_flags(in_place))])
+                self._commit([(FLAGS_AT, self._change(modseq) + _encode_id_flags(in_place))])
             if moved and self.settings.compact_on_delete:  # reclaim the old copies as a deletion would
                 self._compact(self.settings.compact_budget, self.settings.compact_seconds, defrag_all=False)
+            return modified
 
-    def _relocate(self, seg: Segment, flags: frozenset[str]) -> None:
+    def _relocate(self, seg: Segment, flags: frozenset[str], modseq: int) -> None:
         """Move a message to the end with a larger flag slot (its keywords outgrew the old one)."""
         assert seg.id is not None
         old_slot, old_capacity = seg.slot_off, seg.capacity
@@ -821,7 +983,7 @@ class MailboxFile:
         self._truncate_dead_tail()
         self._append_record(
             first_line, seg.id, seg.date_us, seg.raw, parts, stored_len, trail, flags,
-            keyword_capacity(flags, self.settings.keyword_reserve), seg.uid,
+            keyword_capacity(flags, self.settings.keyword_reserve), seg.uid, modseq,
         )
         if old_capacity >= 0:  # so a rebuild never takes the old copy for the current one
             mbox_fs.pwrite_all(self.fd, encode_slot(frozenset(), True, old_capacity), old_slot)
@@ -840,7 +1002,8 @@ class MailboxFile:
     ) -> dict[uuid.UUID, int]:
         """See Store.assign_uids. The check is repeated under the write lock, so of two
         processes renumbering one message only the first moves it; a renumbered message's new
-        UID is one UIDS record, like a first one, and its old UID stays below uidnext forever."""
+        UID is one UIDS_AT record, like a first one, and its old UID stays below uidnext forever
+        (and vanishes with the call's MODSEQ, which every message numbered gets)."""
         wanted = uid_work(ids, renumber)
 
         def live(i: uuid.UUID) -> Segment | None:
@@ -856,10 +1019,10 @@ class MailboxFile:
         with self.writing():
             missing = todo()
             if missing:
-                body = struct.pack(">I", self.uidnext + len(missing)) + b"".join(
+                body = self._change(self.modseq + 1) + struct.pack(">I", self.uidnext + len(missing)) + b"".join(
                     i.bytes + struct.pack(">I", self.uidnext + n) for n, i in enumerate(missing)
                 )
-                self._commit([(UIDS, body)])
+                self._commit([(UIDS_AT, body)])
             return {i: s.uid for i in wanted if (s := live(i)) is not None}
 
     def uid_next(self) -> int:
@@ -889,6 +1052,29 @@ class MailboxFile:
                 self._commit([(RECENT, struct.pack(">Q", below))])
             return before
 
+    def highest_modseq(self) -> int:
+        with self.reading():
+            return self.modseq
+
+    def changed_since(self, modseq: int) -> list[MessageSummary]:
+        """Numbered live messages whose MODSEQ is above `modseq`, in arrival order (one pass over
+        the index in memory, no summary made for the others)."""
+        with self.reading():
+            out = []
+            for _, _, message_id in self._ordered():
+                seg = self.by_id[message_id]
+                if seg.uid and (seg.modseq or 1) > modseq:
+                    out.append(seg.summary())
+            return out
+
+    def vanished_since(self, modseq: int) -> list[int] | None:
+        """UIDs that vanished with a MODSEQ above `modseq`, ascending; None when some may be forgotten."""
+        with self.reading():
+            if modseq < self.vanished_floor:
+                return None
+            start = bisect.bisect_right(self.vanished, modseq, key=lambda v: v.modseq)
+            return sorted(uid for v in self.vanished[start:] for uid in v.uids)
+
     def info(self) -> int:
         """The UIDVALIDITY (read under the lock, so a rebuild's new one is seen)."""
         with self.reading():
@@ -897,13 +1083,16 @@ class MailboxFile:
     # ----------------------------------------------------------------- deletion and compaction
 
     def delete(self, ids: Iterable[uuid.UUID]) -> CompactReport | None:
-        """Mark messages deleted (durable before anything else), then compact within the budget."""
+        """Mark messages deleted (durable before anything else), then compact within the budget.
+        The UIDs of the numbered ones vanish with one new MODSEQ."""
         with self.writing():
             victims = [s for i in dict.fromkeys(ids) if (s := self.by_id.get(i)) is not None and s.live]
             if not victims:
                 return None
             mbox_fs.crash_point("delete.before")
-            self._commit([(DELETE, b"".join(s.id.bytes for s in victims))])  # type: ignore[union-attr]
+            modseq = self.modseq + 1 if any(s.uid for s in victims) else 0
+            gone = b"".join(s.id.bytes for s in victims)  # type: ignore[union-attr]
+            self._commit([(DELETE_AT, self._change(modseq) + gone)])
             for seg in victims:
                 if seg.capacity >= 0:
                     mbox_fs.pwrite_all(self.fd, encode_slot(seg.flags, True, seg.capacity), seg.slot_off)
