@@ -161,7 +161,7 @@ async def test_consistency_levels_come_from_settings(make_store) -> None:
     assert tables.messages.prepared["page"].consistency_level == ConsistencyLevel.LOCAL_ONE
     assert tables.body_chunks.prepared["insert"].consistency_level == ConsistencyLevel.QUORUM
     assert tables.messages.prepared["insert"].consistency_level == ConsistencyLevel.QUORUM
-    assert tables.messages.prepared["uids"].consistency_level == ConsistencyLevel.LOCAL_SERIAL
+    assert tables.messages.prepared["state"].consistency_level == ConsistencyLevel.LOCAL_SERIAL
     assert tables.users.prepared["create"].serial_consistency_level == ConsistencyLevel.LOCAL_SERIAL
 
 
@@ -365,7 +365,7 @@ async def test_a_deletion_whose_tidying_up_fails_is_still_done_and_says_so(make_
     async def contended(*args, **kw):
         raise StoreUnavailable("Cassandra: CAS operation timed out (contention)")
 
-    monkeypatch.setattr(store.cql, "conditional", contended)
+    monkeypatch.setattr(store.tables.users, "set_low_water", contended)
     monkeypatch.setattr(store, "_release_bodies", contended)
     await store.delete_messages(user, INBOX, ids[:2])
     monkeypatch.undo()
@@ -403,7 +403,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
         rows = await store.cql.run(store.session.prepare(query).bind(()))
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
-                       (6, "outbound"), (7, "sieve")]
+                       (6, "outbound"), (7, "sieve"), (8, "modseq")]
 
 
 def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:
@@ -601,3 +601,39 @@ async def test_a_changes_token_is_none_while_an_older_write_could_still_land(mak
         assert token is not None and await store.changes_token(user, "INBOX") == token
     finally:
         cassandra.CHANGES_SETTLE = settled
+
+
+async def test_a_keyspace_from_before_modseqs_is_upgraded_and_its_numbered_mail_has_modseq_1(
+    cassandra_settings, tmp_path
+) -> None:
+    """Schema 008 (MODSEQs) goes onto a keyspace at version 7 with `schema apply`; mail numbered
+    before it (UIDs, no MODSEQ, no counter) reads as MODSEQ 1 and changes from there on."""
+    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmold_{uuid.uuid4().hex[:8]}")
+    old = tmp_path / "schema"
+    old.mkdir()
+    for path in sorted(cassandra_schema.SCHEMA_DIR.glob("*.cql")):
+        if int(path.name[:3]) < 8:
+            (old / path.name).write_bytes(path.read_bytes())
+    try:
+        cassandra_schema.apply(settings, old)
+        assert cassandra_schema.apply(settings) == ["applied schema 008_modseq"]
+        async with CassandraStore(settings) as store:
+            user = await new_user(store)
+            ids = [(await store.deliver(b"Subject: %d\r\n\r\nx\r\n" % i, [Target(user)]))[0] for i in range(3)]
+            await store.assign_uids(user, INBOX, ids)
+            # what version 7 left: UIDs and their counter, no MODSEQ anywhere
+            mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
+            for message_id in ids:
+                await store.cql.run(store.session.prepare(
+                    f"UPDATE {settings.keyspace}.messages SET modseq = null WHERE mailbox_id = ? AND id = ?").bind((mailbox_id, message_id)))
+            await store.cql.run(store.session.prepare(
+                f"UPDATE {settings.keyspace}.messages SET highest_modseq = null WHERE mailbox_id = ?").bind((mailbox_id,)))
+            assert [(s.uid, s.modseq) async for s in store.list_messages(user, INBOX)] == [(1, 1), (2, 1), (3, 1)]
+            assert await store.highest_modseq(user, INBOX) == 1
+            await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add")
+            await store.delete_messages(user, INBOX, [ids[2]])
+            assert [(s.uid, s.modseq) async for s in store.list_messages(user, INBOX)] == [(1, 1), (2, 2)]
+            assert await store.vanished_since(user, INBOX, 1) == [3]
+            assert await store.highest_modseq(user, INBOX) == 3
+    finally:
+        cassandra_schema.drop(settings)

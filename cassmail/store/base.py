@@ -851,6 +851,27 @@ def check_flag_mode(mode: str) -> FlagMode:
     return mode  # type: ignore[return-value]
 
 
+def changed_flags(current: frozenset[str], values: frozenset[str], mode: FlagMode) -> frozenset[str]:
+    """A message's flags after a `store_flags` change of `values` in `mode`."""
+    if mode == "set":
+        return values
+    return current | values if mode == "add" else current - values
+
+
+def expunge_floor(mark: int | None, mark_at: float | None, floor: int | None, highest: int, now: float,
+                  keep: float) -> tuple[int | None, int, float] | None:
+    """The trim of remembered expunges that an expunge at `now` makes, given the last trim (the
+    counter `mark` then, at `mark_at`) and the `floor` (expunges at or below it may be
+    forgotten): None for no trim; else the new (floor, mark, mark_at). A trim older than `keep`
+    seconds raises the floor to its mark, so every expunge is remembered at least `keep`
+    seconds and at most about twice that; `highest` is the counter before this expunge."""
+    if mark_at is None or mark is None:
+        return floor, highest, now
+    if now - mark_at < keep:
+        return None
+    return max(mark, floor or 0), highest, now
+
+
 def body_view(body: Body) -> memoryview:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise InvalidInput(f"message body must be bytes, got {type(body).__name__}")

@@ -26,7 +26,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -69,10 +69,12 @@ from cassmail.store.base import (
     Target,
     UserExists,
     check_alias,
+    changed_flags,
     check_flag_mode,
     check_recent_below,
     check_rename,
     checked_password_hash,
+    expunge_floor,
     internal_date as internal_date_utc,
     needs_uid,
     prepare_delivery,
@@ -636,49 +638,121 @@ class CassandraStore(CassandraSieve, CassandraQueue):
     # ================================================================= flags and deletion
 
     async def store_flags(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
-    ) -> None:
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
+        unchanged_since: int | None = None,
+    ) -> set[uuid.UUID]:
+        """Flags are written whole, in a conditional batch decided on the flags and MODSEQs read at
+        SERIAL (`_change`): every flag change goes through it, so none is lost to another."""
         mode = check_flag_mode(mode)
-        values = set(flag_set(flags))
+        values = flag_set(flags)
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
-        # Only touch rows that exist: an update of a deleted row would bring a ghost of it back.
-        existing = await self.get_summaries(user, mailbox, wanted)
+        modified: set[uuid.UUID] = set()
         messages = self.tables.messages
-        flags = values or None if mode == "set" else values
-        for group in _groups([i for i in wanted if i in existing], IN_BATCH):
-            batch = self.cql.batch(BatchType.UNLOGGED)
-            token = new_message_id()
-            for message_id in group:
-                batch.add(messages.flags_statement(mode, mailbox_id, message_id, flags, token))
-            await self.cql.run(batch)
+
+        def plan(rows: list[Any], modseq: int) -> list[Any]:
+            modified.clear()
+            statements = []
+            for r in rows:
+                if r.size is None:
+                    continue  # a ghost: an update would bring the deleted message back
+                if unchanged_since is not None and r.uid is not None and (r.modseq or 1) > unchanged_since:
+                    modified.add(r.id)
+                    continue
+                old = frozenset(r.flags or ())
+                new = changed_flags(old, values, mode)
+                if new != old:
+                    statements.append(messages.set_flags_statement(
+                        mailbox_id, r.id, set(new) or None, modseq if r.uid is not None else None))
+            return statements
+
+        for group in _groups([i for i in dict.fromkeys(ids) if i != ANCHOR], UID_BATCH):
+            await self._change(mailbox_id, group, plan)
+        return set(modified)
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
         key, name = address_key(user), mailbox_name(mailbox)
         row = await self._resolve(key, name)
         mailbox_id = row.mailbox_id
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
-        if not wanted:
-            return
         newest: uuid.UUID | None = None
+        messages = self.tables.messages
         for group in _groups(wanted, IN_BATCH):
-            rows = [r for r in await self.tables.messages.body_infos(mailbox_id, group) if r.body_id is not None]
-            batch = self.cql.batch(BatchType.UNLOGGED)
-            batch.add(self.tables.messages.delete_statement(mailbox_id, group))
-            batch.add(self.tables.messages.changed_statement(mailbox_id, new_message_id()))
-            await self.cql.run(batch)
-            for r in rows:
+            gone: list[Any] = []
+            forget: list[int] = []
+
+            def plan(rows: list[Any], modseq: int) -> list[Any]:
+                gone[:] = [r for r in rows if r.body_id is not None]
+                forget.clear()
+                statements = [messages.expunge_statement(mailbox_id, r.id) for r in rows]
+                numbered = [r.uid for r in rows if r.size is not None and r.uid]
+                statements += [messages.vanish_statement(mailbox_id, uid, modseq) for uid in numbered]
+                if numbered:
+                    read = rows[0]
+                    at = read.vanished_mark_at.replace(tzinfo=timezone.utc).timestamp() if read.vanished_mark_at else None
+                    trim = expunge_floor(read.vanished_mark, at, read.vanished_floor, read.highest_modseq or 1,
+                                         time.time(), self.vanished_keep)
+                    if trim is not None:
+                        floor, mark, now = trim
+                        statements.append(messages.trim_statement(
+                            mailbox_id, floor, mark, datetime.fromtimestamp(now, timezone.utc)))
+                        if floor is not None and floor != read.vanished_floor:
+                            forget.append(floor)
+                return statements
+
+            await self._change(mailbox_id, group, plan)
+            for r in gone:
                 newest = _later(newest, r.id)
             # The messages are gone from here on: what follows only tidies up, and a failure of it
             # must not turn a done deletion into an error the client would retry or report.
             try:
-                await self._release_bodies(mailbox_id, rows)
+                if forget:
+                    await messages.forget_vanished(mailbox_id, forget[0])
+                await self._release_bodies(mailbox_id, gone)
             except StoreUnavailable as exc:
-                log.info("bodies of %d deleted messages in %s %r not released: %s", len(rows), key, name, exc)
+                log.info("bodies of %d deleted messages in %s %r not released: %s", len(gone), key, name, exc)
+        if newest is None:
+            return
         try:
             await self._advance_low_water(key, name, row, newest)
         except StoreUnavailable as exc:  # contention on the mailbox row; the next delete or listing moves it
             log.info("low-water mark of %s %r not moved: %s", key, name, exc)
+
+    async def _change(
+        self, mailbox_id: uuid.UUID, ids: list[uuid.UUID],
+        plan: Callable[[list[Any], int], list[Any]],
+        uids: Callable[[list[Any]], int] | None = None,
+    ) -> bool:
+        """Apply a change to messages of one mailbox in one conditional batch: `plan` gets the
+        rows of `ids` read at SERIAL (with the counters, static columns on every row) and the
+        MODSEQ this change gets, and returns its statements; `uids` (numbering) returns how many
+        UIDs it hands out. The batch applies only if both counters are still as read, and it
+        moves the MODSEQ counter (also for a change to unnumbered messages only, which needs no
+        MODSEQ: it still must not apply over a concurrent change decided on the same read), so
+        no change is lost to another and no MODSEQ or UID is handed out twice. Retried on
+        contention. False when there was nothing to do."""
+        messages = self.tables.messages
+        for _ in range(LWT_ATTEMPTS):
+            rows = await messages.state(mailbox_id, ids)
+            if not rows:
+                return False
+            read = rows[0]
+            highest = read.highest_modseq or 1
+            statements = plan(rows, highest + 1)
+            if not statements:
+                return False
+            uidnext = read.uidnext
+            if uids is not None:
+                uidnext = (uidnext or 1) + uids(rows)
+            batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
+            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, read))
+            for statement in statements:
+                batch.add(statement)
+            batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
+            applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
+            if applied:
+                return True
+            await _backoff()
+        raise StoreUnavailable("could not change messages: too much contention")
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""
@@ -792,31 +866,48 @@ class CassandraStore(CassandraSieve, CassandraQueue):
     async def _assign_group(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None
     ) -> dict[uuid.UUID, int]:
-        for _ in range(LWT_ATTEMPTS):
-            # One SERIAL read gives the UIDs and the counter (a static column, returned with every
-            # row) as one snapshot that sees every committed assignment. The batch below applies only
-            # if the counter is unchanged, i.e. nobody assigned anything since this snapshot. Every
-            # renumbering moves the counter too, so a renumber raced by another one fails here, and
-            # its retry reads the message's new UID, no longer the one it was asked to replace.
-            rows = await self.tables.messages.uids(mailbox_id, ids)
-            alive = {r.id: r.uid for r in rows if r.size is not None}
-            missing = [i for i in ids if i in alive and needs_uid(alive[i], i, renumber)]
-            if not missing:
-                return {i: alive[i] for i in ids if i in alive}
-            uidnext = rows[0].uidnext
-            first = uidnext or 1
-            messages = self.tables.messages
-            batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-            batch.add(messages.bump_uidnext_statement(mailbox_id, first + len(missing), uidnext))
-            for offset, message_id in enumerate(missing):
-                batch.add(messages.set_uid_statement(mailbox_id, message_id, first + offset))
-            batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
-            applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
-            if applied:
-                alive.update({m: first + n for n, m in enumerate(missing)})
-                return {i: alive[i] for i in ids if i in alive}
-            await _backoff()
-        raise StoreUnavailable("could not assign UIDs: too much contention")
+        """Numbering through `_change`: the batch applies only if the counters are unchanged, i.e.
+        nobody numbered or changed anything since the SERIAL read. Every renumbering moves the
+        counters too, so a renumber raced by another one fails there, and its retry reads the
+        message's new UID, no longer the one it was asked to replace."""
+        messages = self.tables.messages
+        result: dict[uuid.UUID, int] = {}
+
+        def missing(rows: list[Any]) -> list[Any]:
+            alive = {r.id: r for r in rows if r.size is not None}
+            return [alive[i] for i in ids if i in alive and needs_uid(alive[i].uid, i, renumber)]
+
+        def plan(rows: list[Any], modseq: int) -> list[Any]:
+            todo = missing(rows)
+            first = rows[0].uidnext or 1
+            result.clear()
+            result.update({r.id: r.uid for r in rows if r.size is not None and r.uid})
+            statements = []
+            for offset, r in enumerate(todo):
+                statements.append(messages.set_uid_statement(mailbox_id, r.id, first + offset, modseq))
+                if r.uid:  # renumbered: the UID it gives up is gone for clients that saw it
+                    statements.append(messages.vanish_statement(mailbox_id, r.uid, modseq))
+                result[r.id] = first + offset
+            return statements
+
+        await self._change(mailbox_id, ids, plan, uids=lambda rows: len(missing(rows)))
+        return {i: result[i] for i in ids if i in result}
+
+    async def highest_modseq(self, user: str, mailbox: str) -> int:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        anchor = await self._anchor(mailbox_id)
+        return (anchor.highest_modseq if anchor else None) or 1
+
+    async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        anchor = await self._anchor(mailbox_id)
+        if anchor is None:
+            return []
+        if anchor.vanished_floor is not None and modseq < anchor.vanished_floor:
+            return None
+        if modseq >= (anchor.highest_modseq or 1):
+            return []
+        return sorted(set(await self.tables.messages.vanished(mailbox_id, max(modseq, 0))))
 
     # ================================================================= IMAP \Recent
 
@@ -861,7 +952,9 @@ def _summary(row: Any) -> MessageSummary:
     when = row.internal_date
     if when is not None and when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return MessageSummary(row.id, row.size, frozenset(row.flags or ()), when, row.uid)
+    # A message numbered before MODSEQs (schema 008) has none: MODSEQ 1 (see Store.highest_modseq).
+    modseq = (row.modseq or 1) if row.uid else None
+    return MessageSummary(row.id, row.size, frozenset(row.flags or ()), when, row.uid or None, modseq)
 
 
 def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:

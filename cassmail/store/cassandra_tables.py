@@ -18,13 +18,38 @@ from typing import Any, ClassVar
 from cassandra import ConsistencyLevel
 from cassandra.query import BoundStatement, PreparedStatement
 
-from cassmail.store.base import FlagMode, QueuedRecipient
+from cassmail.store.base import QueuedRecipient
 from cassmail.store.cassandra_cql import Cql, Kind
 
 READ, WRITE, SERIAL_READ, CONDITIONAL = Kind.READ, Kind.WRITE, Kind.SERIAL_READ, Kind.CONDITIONAL
 
 #: The anchor row of every mailbox partition: the largest timeuuid, written with the UID counter.
 ANCHOR = uuid.UUID(fields=(0xFFFFFFFF, 0xFFFF, 0x1FFF, 0xBF, 0xFF, 0xFFFFFFFFFFFF))
+#: Below every real message id (1970): listings start here, above the expunge records (schema 008).
+FIRST_REAL = uuid.UUID(fields=(0x13814000, 0xD211, 0x11B2, 0x80, 0x00, 0))
+
+
+_MAX_MODSEQ_TICKS = 0x01B21DD213814000  # 1970 in 100 ns ticks since 1582: where FIRST_REAL is
+
+
+def _timeuuid(ticks: int, clock_seq: int, node: int) -> uuid.UUID:
+    return uuid.UUID(fields=(ticks & 0xFFFFFFFF, (ticks >> 32) & 0xFFFF, ((ticks >> 48) & 0x0FFF) | 0x1000,
+                             clock_seq >> 8, clock_seq & 0xFF, node))
+
+
+def vanished_id(modseq: int, uid: int) -> uuid.UUID:
+    """The clustering id of the record of UID `uid` expunged at MODSEQ `modseq` (schema 008): a
+    timeuuid whose time is the MODSEQ (so records sort by it, below FIRST_REAL) and whose node
+    field is the UID (so one MODSEQ may record many UIDs)."""
+    if not 0 < modseq < _MAX_MODSEQ_TICKS:
+        raise ValueError(f"MODSEQ out of range for an expunge record: {modseq}")
+    return _timeuuid(modseq, 0x8000, uid)
+
+
+def _after_modseq(modseq: int) -> uuid.UUID:
+    """Above every expunge record of `modseq`: Cassandra orders timeuuids of one time by their
+    remaining bytes taken as signed, so the largest is 0xBF7F 7F7F7F7F7F7F (cf. maxTimeuuid)."""
+    return _timeuuid(modseq, 0xBF7F, 0x7F7F7F7F7F7F)
 
 
 class Table:
@@ -272,7 +297,10 @@ class Messages(Table):
     the UID counter, the \\Recent mark and the changes token are static columns, read and
     written through the anchor row (ANCHOR)."""
 
-    _SUMMARY = "id, size, flags, internal_date, uid"
+    _SUMMARY = "id, size, flags, internal_date, uid, modseq"
+    #: What a change decides on (read at SERIAL): the rows and the counters and trim state.
+    _STATE = ("id, uid, size, flags, modseq, body_id, chunk_size, shared, "
+              "uidnext, highest_modseq, vanished_floor, vanished_mark, vanished_mark_at")
     _BODY = "id, body_id, size, chunk_size, shared"
     STATEMENTS = {
         "insert": (
@@ -281,26 +309,33 @@ class Messages(Table):
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         ),
         "page": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
-        "page_first": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? LIMIT ?"),
-        "anchor": (SERIAL_READ, "SELECT uidnext, recent_mark, uid FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "anchor": (
+            SERIAL_READ,
+            "SELECT uidnext, recent_mark, uid, highest_modseq, vanished_floor FROM messages WHERE mailbox_id = ? AND id = ?",
+        ),
         "first_live": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16"),
-        "first_live_all": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? LIMIT 16"),
         "body_info": (READ, "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?"),
         "body_infos": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "walk": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
-        "walk_first": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? LIMIT ?"),
         "summaries": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
-        "delete": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "purge": (WRITE, "DELETE FROM messages WHERE mailbox_id = ?"),
-        "flags_set": (WRITE, "UPDATE messages SET flags = ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
-        "flags_add": (WRITE, "UPDATE messages SET flags = flags + ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
-        "flags_remove": (WRITE, "UPDATE messages SET flags = flags - ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
-        "changed": (WRITE, "UPDATE messages SET changed = ? WHERE mailbox_id = ?"),
         "changes_token": (READ, "SELECT changed, uid FROM messages WHERE mailbox_id = ? AND id = ?"),
-        "uids": (SERIAL_READ, "SELECT id, uid, size, uidnext FROM messages WHERE mailbox_id = ? AND id IN ?"),
-        "bump_uidnext": (CONDITIONAL, "UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = ?"),
-        "bump_uidnext_first": (CONDITIONAL, "UPDATE messages SET uidnext = ? WHERE mailbox_id = ? IF uidnext = null"),
-        "set_uid": (CONDITIONAL, "UPDATE messages SET uid = ? WHERE mailbox_id = ? AND id = ?"),
+        "state": (SERIAL_READ, f"SELECT {_STATE} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "advance": (
+            CONDITIONAL,
+            "UPDATE messages SET uidnext = ?, highest_modseq = ? WHERE mailbox_id = ? IF uidnext = ? AND highest_modseq = ?",
+        ),
+        "set_uid": (CONDITIONAL, "UPDATE messages SET uid = ?, modseq = ? WHERE mailbox_id = ? AND id = ?"),
+        "set_flags": (CONDITIONAL, "UPDATE messages SET flags = ?, modseq = ? WHERE mailbox_id = ? AND id = ?"),
+        "set_flags_unnumbered": (CONDITIONAL, "UPDATE messages SET flags = ? WHERE mailbox_id = ? AND id = ?"),
+        "expunge": (CONDITIONAL, "DELETE FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "vanish": (CONDITIONAL, "INSERT INTO messages (mailbox_id, id, uid) VALUES (?, ?, ?)"),
+        "trim": (
+            CONDITIONAL,
+            "UPDATE messages SET vanished_floor = ?, vanished_mark = ?, vanished_mark_at = ? WHERE mailbox_id = ?",
+        ),
+        "vanished": (SERIAL_READ, "SELECT uid FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
+        "forget_vanished": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
         "touch_anchor": (CONDITIONAL, "UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?"),
         "raise_recent": (CONDITIONAL, "UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?"),
         "raise_recent_first": (
@@ -324,20 +359,16 @@ class Messages(Table):
                                                  chunk_size, shared, changed))
 
     async def page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> list[Any]:
-        """Summary rows after `after` (from the start of the partition when None)."""
-        if after:
-            return await self._run("page", mailbox_id, after, limit)
-        return await self._run("page_first", mailbox_id, limit)
+        """Summary rows after `after` (from the first real message id when None)."""
+        return await self._run("page", mailbox_id, after or FIRST_REAL, limit)
 
     async def anchor(self, mailbox_id: uuid.UUID) -> Any:
         """The anchor row (uidnext, recent_mark) at SERIAL; None before it was first written."""
         return _first(await self._run("anchor", mailbox_id, ANCHOR))
 
     async def first_live(self, mailbox_id: uuid.UUID, after: uuid.UUID | None) -> list[Any]:
-        """Up to 16 rows (id, size) after `after` (from the start when None)."""
-        if after:
-            return await self._run("first_live", mailbox_id, after)
-        return await self._run("first_live_all", mailbox_id)
+        """Up to 16 rows (id, size) after `after` (from the first real message id when None)."""
+        return await self._run("first_live", mailbox_id, after or FIRST_REAL)
 
     async def body_info(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> Any:
         """(body_id, size, chunk_size) of a message; None when there is no row."""
@@ -347,44 +378,58 @@ class Messages(Table):
         return await self._run("body_infos", mailbox_id, ids)
 
     async def walk(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> list[Any]:
-        """Body rows after `after` (from the start when None)."""
-        if after:
-            return await self._run("walk", mailbox_id, after, limit)
-        return await self._run("walk_first", mailbox_id, limit)
+        """Body rows after `after` (from the first real message id when None)."""
+        return await self._run("walk", mailbox_id, after or FIRST_REAL, limit)
 
     async def summaries(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
         return await self._run("summaries", mailbox_id, ids)
-
-    def delete_statement(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> BoundStatement:
-        return self.bind("delete", mailbox_id, ids)
 
     async def purge(self, mailbox_id: uuid.UUID) -> None:
         """The whole partition, with one tombstone."""
         await self._run("purge", mailbox_id)
 
-    def flags_statement(
-        self, mode: FlagMode, mailbox_id: uuid.UUID, message_id: uuid.UUID, flags: set[str] | None, changed: uuid.UUID
-    ) -> BoundStatement:
-        return self.bind(f"flags_{mode}", flags, changed, mailbox_id, message_id)
-
-    def changed_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
-        return self.bind("changed", changed, mailbox_id)
-
     async def changes_token(self, mailbox_id: uuid.UUID) -> Any:
         """The anchor row's (changed, uid); None before it was first written."""
         return _first(await self._run("changes_token", mailbox_id, ANCHOR))
 
-    async def uids(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
-        """(id, uid, size, uidnext) of these messages, at SERIAL."""
-        return await self._run("uids", mailbox_id, ids)
+    async def state(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+        """The rows of these ids with the counters and trim state (static columns, on every row),
+        at SERIAL: what a conditional batch decides on. No rows when none of the ids is there."""
+        return await self._run("state", mailbox_id, ids)
 
-    def bump_uidnext_statement(self, mailbox_id: uuid.UUID, new: int, expected: int | None) -> BoundStatement:
-        if expected is None:
-            return self.bind("bump_uidnext_first", new, mailbox_id)
-        return self.bind("bump_uidnext", new, mailbox_id, expected)
+    def advance_statement(
+        self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None, read: Any
+    ) -> BoundStatement:
+        """Set both counters, if both are still what `read` (a row of `state`) saw."""
+        return self.bind("advance", uidnext, modseq, mailbox_id, read.uidnext, read.highest_modseq)
 
-    def set_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int) -> BoundStatement:
-        return self.bind("set_uid", uid, mailbox_id, message_id)
+    def set_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int, modseq: int) -> BoundStatement:
+        return self.bind("set_uid", uid, modseq, mailbox_id, message_id)
+
+    def set_flags_statement(
+        self, mailbox_id: uuid.UUID, message_id: uuid.UUID, flags: set[str] | None, modseq: int | None
+    ) -> BoundStatement:
+        if modseq is None:
+            return self.bind("set_flags_unnumbered", flags, mailbox_id, message_id)
+        return self.bind("set_flags", flags, modseq, mailbox_id, message_id)
+
+    def expunge_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> BoundStatement:
+        return self.bind("expunge", mailbox_id, message_id)
+
+    def vanish_statement(self, mailbox_id: uuid.UUID, uid: int, modseq: int) -> BoundStatement:
+        return self.bind("vanish", mailbox_id, vanished_id(modseq, uid), uid)
+
+    def trim_statement(self, mailbox_id: uuid.UUID, floor: int | None, mark: int, at: datetime) -> BoundStatement:
+        return self.bind("trim", floor, mark, at, mailbox_id)
+
+    async def vanished(self, mailbox_id: uuid.UUID, above: int) -> list[int]:
+        """UIDs of the expunge records with a MODSEQ above `above`, at SERIAL."""
+        rows = await self._run("vanished", mailbox_id, _after_modseq(above), FIRST_REAL)
+        return [r.uid for r in rows if r.uid is not None]
+
+    async def forget_vanished(self, mailbox_id: uuid.UUID, upto: int) -> None:
+        """Drop the expunge records with a MODSEQ at or below `upto` (one range tombstone)."""
+        await self._run("forget_vanished", mailbox_id, _after_modseq(0), _after_modseq(upto))
 
     def touch_anchor_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
         return self.bind("touch_anchor", changed, mailbox_id, ANCHOR)
