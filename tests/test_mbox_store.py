@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +269,8 @@ async def test_the_index_is_rebuilt_from_the_mbox_alone(tmp_path: Path, damage: 
         assert await store.read_message(USER, INBOX, summary.id) == bodies[summary.id]
     # UIDs could not be kept: a new UIDVALIDITY says so, and UIDs start again.
     assert (await store.mailbox_info(USER, INBOX)).uidvalidity != validity
-    assert all(s.uid is None for s in after) and await store.uid_next(USER, INBOX) == 1
+    assert all(s.uid is None and s.modseq is None for s in after) and await store.uid_next(USER, INBOX) == 1
+    assert await store.highest_modseq(USER, INBOX) == 1 and await store.vanished_since(USER, INBOX, 0) == []
     await store.close()
 
 
@@ -307,6 +309,150 @@ async def test_a_torn_last_index_record_is_cut_off_without_a_rebuild(tmp_path: P
     store = await open_store(tmp_path / "data")
     assert [s.id for s in await listing(store)] == list(bodies)
     assert (await store.mailbox_info(USER, INBOX)).uidvalidity == validity
+    await store.close()
+
+
+# ----------------------------------------------------------------------------- MODSEQs in the index
+
+#: A store written by cassmail before MODSEQs (index magic CMIDX01), kept as it was: anne@example.org
+#: got four messages in INBOX, numbered 1-4; 1 and 3 were given \Seen and $Label1; 2 was deleted.
+V1_STORE = REPO / "tests" / "fixtures" / "mbox-store-v1"
+V1_UIDVALIDITY = 1795685387
+
+
+def v1_body(n: int) -> bytes:
+    return b"From: sender%d@example.net\r\nSubject: message %d\r\n\r\nFrom the body of message %d\r\n" % (n, n, n)
+
+
+def index_magic(root: Path, mailbox_name: str = INBOX) -> bytes:
+    return (root / "users" / USER / "mail" / encode_name(mailbox_name) / "index").read_bytes()[:8]
+
+
+async def test_a_store_written_before_modseqs_works_and_is_upgraded_in_place(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(V1_STORE, root)
+    assert index_magic(root) == mbox_index.MAGIC_V1
+    store = await open_store(root)
+    items = await listing(store)
+    labelled = {"\\Seen", "$Label1"}
+    assert [(s.uid, s.flags, s.internal_date.day, s.size, s.modseq) for s in items] == [
+        (1, labelled, 1, 77, 1), (3, labelled, 3, 77, 1), (4, set(), 4, 77, 1),
+    ]
+    for summary, n in zip(items, (1, 3, 4)):
+        assert await store.read_message(USER, INBOX, summary.id) == v1_body(n)
+    assert await store.highest_modseq(USER, INBOX) == 1 and await store.uid_next(USER, INBOX) == 5
+    assert await store.changed_since(USER, INBOX, 1) == [] and len(await store.changed_since(USER, INBOX, 0)) == 3
+    assert await store.vanished_since(USER, INBOX, 1) == []  # UID 2 went before expunges had MODSEQs
+    assert index_magic(root) == mbox_index.MAGIC_V1  # reading leaves the index as it was
+
+    # the first change upgrades the index in place: same UIDVALIDITY, UIDs, flags, MODSEQ counter from 1
+    assert await store.store_flags(USER, INBOX, [items[2].id], ["\\Flagged"], "add", unchanged_since=1) == set()
+    assert index_magic(root) == mbox_index.MAGIC
+    assert {s.uid: s.modseq for s in await listing(store)} == {1: 1, 3: 1, 4: 2}
+    await store.delete_messages(USER, INBOX, [items[0].id])
+    [late] = await store.deliver(b"Subject: after the upgrade\r\n\r\nhi\r\n", [Target(USER)])
+    assert await store.assign_uids(USER, INBOX, [late]) == {late: 5}
+    expected = {3: (labelled, 1), 4: ({"\\Flagged"}, 2), 5: (set(), 4)}
+    assert {s.uid: (s.flags, s.modseq) for s in await listing(store)} == expected
+    assert await store.highest_modseq(USER, INBOX) == 4 and await store.vanished_since(USER, INBOX, 1) == [1]
+    # another mailbox of the old store: read as it is, numbered from MODSEQ 2 when first changed
+    assert await store.highest_modseq(USER, "Drafts") == 1 and index_magic(root, "Drafts") == mbox_index.MAGIC_V1
+    await store.close()
+
+    store = await open_store(root)
+    assert {s.uid: (s.flags, s.modseq) for s in await listing(store)} == expected
+    assert await store.highest_modseq(USER, INBOX) == 4
+    assert await store.vanished_since(USER, INBOX, 1) == [1] and await store.vanished_since(USER, INBOX, 3) == []
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity == V1_UIDVALIDITY  # not rebuilt
+    assert [s.uid for s in await store.changed_since(USER, INBOX, 1)] == [4, 5]
+    await store.close()
+
+
+async def test_a_store_written_before_modseqs_without_its_index_is_rebuilt_from_the_mbox(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(V1_STORE, root)
+    (root / "users" / USER / "mail" / INBOX / "index").unlink()
+    store = await open_store(root)
+    items = await listing(store)
+    labelled = {"\\Seen", "$Label1"}
+    assert [(s.flags, s.uid, s.modseq) for s in items] == [(labelled, None, None), (labelled, None, None),
+                                                          (set(), None, None)]
+    assert [await store.read_message(USER, INBOX, s.id) for s in items] == [v1_body(1), v1_body(3), v1_body(4)]
+    assert (await store.mailbox_info(USER, INBOX)).uidvalidity != V1_UIDVALIDITY
+    assert await store.highest_modseq(USER, INBOX) == 1 and await store.vanished_since(USER, INBOX, 0) == []
+    assert index_magic(root) == mbox_index.MAGIC
+    await store.assign_uids(USER, INBOX, [s.id for s in items])
+    assert [(s.uid, s.modseq) for s in await listing(store)] == [(1, 2), (2, 2), (3, 2)]
+    await store.close()
+
+
+async def test_modseqs_and_expunges_survive_checkpoints_and_reopening(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(mbox_index, "CHECKPOINT_MIN", 0)
+    store = await store_with_user(tmp_path / "data")
+    mf = store.mailbox_file(USER, INBOX)
+    ids = list(await deliver_some(store, 6))
+    await store.assign_uids(USER, INBOX, ids)  # MODSEQ 2
+    await store.store_flags(USER, INBOX, ids[1:3], ["$A"], "add")  # 3
+    await store.delete_messages(USER, INBOX, [ids[0]])  # 4: UID 1
+    await store.assign_uids(USER, INBOX, [], renumber={ids[5]: 6})  # 5: UID 6 becomes 7
+    await store.delete_messages(USER, INBOX, ids[3:5])  # 6: UIDs 4, 5
+    generation = mf.generation
+    while mf.generation == generation:
+        await store.deliver(body_for(9, 200), [Target(USER)])
+    expected = {ids[1]: (2, 3), ids[2]: (3, 3), ids[5]: (7, 5)}
+    for reopened in (False, True):
+        items = {s.id: (s.uid, s.modseq) for s in await listing(store) if s.uid}
+        assert items == expected, reopened
+        assert await store.highest_modseq(USER, INBOX) == 6
+        assert await store.vanished_since(USER, INBOX, 1) == [1, 4, 5, 6]
+        assert await store.vanished_since(USER, INBOX, 4) == [4, 5, 6]
+        assert await store.vanished_since(USER, INBOX, 5) == [4, 5]
+        await store.close()
+        store = await open_store(tmp_path / "data")
+    await store.close()
+
+
+async def test_expunges_are_forgotten_after_the_window_by_every_process_alike(tmp_path: Path, monkeypatch) -> None:
+    """The floor is written in the change records, so a process that replays the log forgets what
+    the writer forgot, and a checkpoint keeps the floor."""
+    store = await store_with_user(tmp_path / "data")
+    ids = list(await deliver_some(store, 4))
+    await store.assign_uids(USER, INBOX, ids)  # MODSEQ 2
+    store.vanished_keep = 0.3
+    await store.delete_messages(USER, INBOX, [ids[0]])  # 3
+    await asyncio.sleep(0.4)
+    await store.delete_messages(USER, INBOX, [ids[1]])  # 4: forgets UID 1 (MODSEQ 3, the floor)
+    store.vanished_keep = 3600.0
+    other = await open_store(tmp_path / "data")
+    for each in (store, other):
+        assert await each.vanished_since(USER, INBOX, 2) is None
+        assert await each.vanished_since(USER, INBOX, 3) == [2]
+    await other.close()
+    monkeypatch.setattr(mbox_index, "CHECKPOINT_MIN", 0)
+    mf = store.mailbox_file(USER, INBOX)
+    generation = mf.generation
+    await store.deliver(body_for(9, 200), [Target(USER)])
+    assert mf.generation > generation  # checkpointed
+    await store.close()
+    store = await open_store(tmp_path / "data")
+    assert await store.vanished_since(USER, INBOX, 2) is None and await store.vanished_since(USER, INBOX, 3) == [2]
+    await store.close()
+
+
+async def test_processes_changing_flags_at_once_never_share_a_modseq(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    store = await store_with_user(root)
+    ids = list(await deliver_some(store, 60))
+    await store.assign_uids(USER, INBOX, ids)
+    start = await store.highest_modseq(USER, INBOX)
+    await store.close()
+    scripts = [[{"do": "flags", "ids": [str(i)], "flags": [f"$w{w}"], "mode": "add"} for i in ids[w::3]]
+               for w in range(3)]
+    run_workers_at_once(root, scripts, {"_checkpoint_min": 0})
+    store = await open_store(root)
+    modseqs = [s.modseq for s in await listing(store)]
+    assert len(set(modseqs)) == 60 and min(modseqs) > start  # sixty calls, sixty MODSEQs
+    assert await store.highest_modseq(USER, INBOX) == max(modseqs) == start + 60
     await store.close()
 
 
@@ -462,13 +608,28 @@ def run_worker(root: Path, script: list[dict[str, Any]], settings: dict[str, Any
     return proc.returncode, events, crashed[-1].removeprefix("cassmail: crash point ") if crashed else ""
 
 
+@dataclass
+class Numbering:
+    """The base state's UIDs and MODSEQs (every base message is numbered, at one MODSEQ)."""
+
+    uidvalidity: int
+    uids: dict[uuid.UUID, int]
+    modseq: int  # every base message's, and HIGHESTMODSEQ then
+
+
 class Model:
     """What the mailbox must hold: every acknowledged operation applied; the one in flight when
-    the writer died may have happened or not (but wholly: a deletion is one index record)."""
+    the writer died may have happened or not (but wholly: a deletion is one index record).
+    MODSEQs too: a base message keeps its MODSEQ until an acknowledged flag change changes its
+    flags, and then has one above the base's; the UIDs of deleted base messages are remembered
+    as vanished (the deletion in flight: all of them or none)."""
 
-    def __init__(self, messages: dict[uuid.UUID, tuple[bytes, frozenset[str]]]) -> None:
+    def __init__(self, messages: dict[uuid.UUID, tuple[bytes, frozenset[str]]], numbering: Numbering) -> None:
         self.messages = dict(messages)
         self.in_flight: dict[str, Any] | None = None
+        self.numbering = numbering
+        self.touched: set[uuid.UUID] = set()  # base messages an acknowledged flag change changed
+        self.vanished: set[int] = set()  # UIDs of base messages deleted by acknowledged deletions
 
     def replay(self, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -480,10 +641,13 @@ class Model:
             if op["do"] == "deliver":
                 self.messages[uuid.UUID(event["id"])] = (body_for(op["n"]), frozenset())
             elif op["do"] == "flags":
+                before = dict(self.messages)
                 self.apply_flags(self.messages, op)
+                self.touched |= {i for i in before if i in self.numbering.uids and before[i] != self.messages[i]}
             elif op["do"] == "delete":
                 for i in op["ids"]:
-                    self.messages.pop(uuid.UUID(i), None)
+                    if self.messages.pop(uuid.UUID(i), None) is not None and uuid.UUID(i) in self.numbering.uids:
+                        self.vanished.add(self.numbering.uids[uuid.UUID(i)])
 
     @staticmethod
     def apply_flags(messages: dict[uuid.UUID, tuple[bytes, frozenset[str]]], op: dict[str, Any]) -> None:
@@ -517,17 +681,56 @@ class Model:
             body, flags = expected[message_id]
             assert summary.flags in (flags, flagged_alternative[message_id][1]), (message_id, summary.flags, flags)
             assert await store.read_message(USER, INBOX, message_id) == body
+        await self.check_modseqs(store, found, op)
+
+    async def check_modseqs(self, store: MboxStore, found: dict[uuid.UUID, Any], op: dict[str, Any]) -> None:
+        highest = await store.highest_modseq(USER, INBOX)
+        if (await store.mailbox_info(USER, INBOX)).uidvalidity != self.numbering.uidvalidity:
+            # an index rebuilt from the mbox alone: UIDs, MODSEQs and expunges start again
+            assert highest == 1 and await store.vanished_since(USER, INBOX, 0) == []
+            assert all(s.uid is None and s.modseq is None for s in found.values())
+            return
+        base = self.numbering
+        maybe = {uuid.UUID(i) for i in op.get("ids", ())} if op.get("do") == "flags" else set()
+        for message_id, summary in found.items():
+            if message_id not in base.uids:
+                assert summary.uid is None and summary.modseq is None, summary
+            elif message_id in self.touched:
+                assert summary.uid == base.uids[message_id] and base.modseq < summary.modseq <= highest, summary
+            else:
+                assert summary.uid == base.uids[message_id], summary
+                assert summary.modseq == base.modseq or (message_id in maybe and base.modseq < summary.modseq <= highest)
+        vanished = await store.vanished_since(USER, INBOX, base.modseq)
+        assert vanished is not None and vanished == sorted(vanished)
+        extra = set(vanished) - self.vanished
+        doomed = {base.uids[uuid.UUID(i)] for i in op["ids"] if uuid.UUID(i) in base.uids} if op.get("do") == "delete" else set()
+        assert self.vanished <= set(vanished) and extra in (set(), doomed - self.vanished), (vanished, self.vanished, op)
+        assert not set(vanished) & {s.uid for s in found.values()}
+        assert highest >= base.modseq + bool(self.touched or self.vanished)
+
+    async def settle(self, store: MboxStore) -> None:
+        """Take what the store holds as the model, deciding the operation in flight."""
+        found = await listing(store)
+        self.messages = {s.id: (await store.read_message(USER, INBOX, s.id), s.flags) for s in found}
+        self.touched = {s.id for s in found if s.modseq is not None and s.modseq > self.numbering.modseq}
+        self.vanished = set(await store.vanished_since(USER, INBOX, self.numbering.modseq) or ())
+        self.in_flight = None
 
 
-async def base_state(root: Path, settings: dict[str, Any]) -> dict[uuid.UUID, tuple[bytes, frozenset[str]]]:
+async def base_state(root: Path, settings: dict[str, Any]) -> Model:
+    """24 messages, numbered (the script's deliveries are not)."""
     store = await store_with_user(root, **settings)
     messages = {}
     for n in range(1000, 1024):
         body = body_for(n)
         [message_id] = await store.deliver(body, [Target(USER)])
         messages[message_id] = (body, frozenset())
+    uids = await store.assign_uids(USER, INBOX, list(messages))
+    numbering = Numbering((await store.mailbox_info(USER, INBOX)).uidvalidity, uids,
+                          await store.highest_modseq(USER, INBOX))
+    assert {s.modseq for s in await listing(store)} == {numbering.modseq}
     await store.close()
-    return messages
+    return Model(messages, numbering)
 
 
 async def verify_everywhere(root: Path, model: Model, settings: dict[str, Any]) -> None:
@@ -563,8 +766,8 @@ async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path
         require_collapse(tmp_path)  # the collapse steps are among the crash points it must reach
     settings = CRASH_SETTINGS[method]
     base = tmp_path / "base"
-    messages = await base_state(base, settings)
-    ids = [str(i) for i in messages]
+    start = await base_state(base, settings)
+    ids = [str(i) for i in start.messages]
     script = [
         {"do": "deliver", "n": 1},
         {"do": "flags", "ids": ids[0:6], "flags": ["\\Seen", "$A"], "mode": "add"},
@@ -581,7 +784,7 @@ async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path
         root = tmp_path / f"run{crash_at}"
         shutil.copytree(base, root)
         code, events, label = run_worker(root, script, settings, crash_at=crash_at)
-        model = Model(messages)
+        model = Model(start.messages, start.numbering)
         model.replay(events)
         await verify_everywhere(root, model, settings)
         shutil.rmtree(root)
@@ -607,7 +810,7 @@ async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path
 async def test_a_compactor_killed_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) -> None:
     settings = CRASH_SETTINGS["collapse"]
     root = tmp_path / "data"
-    model = Model(await base_state(root, settings))
+    model = await base_state(root, settings)
     rnd = random.Random(11)
     for round_ in range(8):
         code, events, _ = run_worker(root, [{"do": "loop", "n": 2000 + 1000 * round_}], settings,
@@ -616,9 +819,7 @@ async def test_a_compactor_killed_at_random_moments_loses_nothing_acknowledged(t
         model.replay(events)
         store = await open_store(root, **settings)
         await model.check(store)
-        # settle the operation in flight so the next round starts from a known state
-        model.messages = {s.id: (await store.read_message(USER, INBOX, s.id), s.flags) for s in await listing(store)}
-        model.in_flight = None
+        await model.settle(store)  # the operation in flight decided, the next round starts from a known state
         await store.close()
     await verify_everywhere(root, model, settings)
 
@@ -626,13 +827,12 @@ async def test_a_compactor_killed_at_random_moments_loses_nothing_acknowledged(t
 async def test_deliveries_and_deletions_from_several_processes_interleave_safely(tmp_path: Path) -> None:
     settings = CRASH_SETTINGS["collapse"]
     root = tmp_path / "data"
-    messages = await base_state(root, settings)
+    model = await base_state(root, settings)
     scripts = [
         [{"do": "deliver", "n": 100 * w + n} for n in range(25)] for w in range(3)
     ]
-    ids = [str(i) for i in messages]
+    ids = [str(i) for i in model.messages]
     scripts.append([{"do": "delete", "ids": [i]} for i in ids[:20]] + [{"do": "compact"}])
-    model = Model(messages)
     for events in run_workers_at_once(root, scripts, settings):
         model.replay(events)
     assert len(model.messages) == 24 - 20 + 75
