@@ -740,13 +740,13 @@ async def test_a_renumbered_message_gives_up_its_old_uid_as_vanished(store: Stor
 
 
 async def test_expunges_older_than_the_window_are_forgotten_and_said_to_be(store: Store, user: str) -> None:
-    store.vanished_keep = 0.5
+    store.vanished_keep = 0.2
     try:
         ids = await numbered(store, user, 4)
         for message_id in ids[:3]:
             before = await store.highest_modseq(user, INBOX)
             await store.delete_messages(user, INBOX, [message_id])
-            await asyncio.sleep(0.7)
+            await asyncio.sleep(0.3)
         # the last expunge is remembered; the first, three windows ago, is no longer promised
         assert await store.vanished_since(user, INBOX, before) == [3]
         assert await store.vanished_since(user, INBOX, 1) is None
