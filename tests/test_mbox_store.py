@@ -699,12 +699,14 @@ class Model:
                 assert summary.uid == base.uids[message_id] and base.modseq < summary.modseq <= highest, summary
             else:
                 assert summary.uid == base.uids[message_id], summary
-                assert summary.modseq == base.modseq or (message_id in maybe and base.modseq < summary.modseq <= highest)
+                changed = message_id in maybe and base.modseq < summary.modseq <= highest  # by the change in flight
+                assert summary.modseq == base.modseq or changed, summary
         vanished = await store.vanished_since(USER, INBOX, base.modseq)
         assert vanished is not None and vanished == sorted(vanished)
         extra = set(vanished) - self.vanished
-        doomed = {base.uids[uuid.UUID(i)] for i in op["ids"] if uuid.UUID(i) in base.uids} if op.get("do") == "delete" else set()
-        assert self.vanished <= set(vanished) and extra in (set(), doomed - self.vanished), (vanished, self.vanished, op)
+        deleting = [uuid.UUID(i) for i in op["ids"]] if op.get("do") == "delete" else []
+        doomed = {base.uids[i] for i in deleting if i in base.uids} - self.vanished
+        assert self.vanished <= set(vanished) and extra in (set(), doomed), (vanished, self.vanished, op)
         assert not set(vanished) & {s.uid for s in found.values()}
         assert highest >= base.modseq + bool(self.touched or self.vanished)
 
