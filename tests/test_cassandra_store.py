@@ -637,3 +637,23 @@ async def test_a_keyspace_from_before_modseqs_is_upgraded_and_its_numbered_mail_
             assert await store.highest_modseq(user, INBOX) == 3
     finally:
         cassandra_schema.drop(settings)
+
+
+async def test_changes_since_a_modseq_are_read_from_the_modseq_records_not_the_listing(make_store) -> None:
+    """CONDSTORE/QRESYNC resynchronisation reads what changed, not the mailbox: 300 messages, 3
+    changed and 2 expunged since the client's MODSEQ, and the reads see a handful of rows."""
+    store = await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 300)
+    await store.assign_uids(user, INBOX, ids)
+    mark = await store.highest_modseq(user, INBOX)
+    await store.store_flags(user, INBOX, [ids[10], ids[200]], ["\\Seen"], "add")
+    await store.store_flags(user, INBOX, [ids[10], ids[250]], ["$Done"], "add")  # ids[10] changes twice
+    await store.delete_messages(user, INBOX, [ids[5], ids[6]])
+    with store.tracing() as cost:
+        changed = await store.changed_since(user, INBOX, mark)
+        vanished = await store.vanished_since(user, INBOX, mark)
+    assert [s.id for s in changed] == [ids[10], ids[200], ids[250]]
+    assert changed[0].flags == {"\\Seen", "$Done"} and changed[0].modseq == await store.highest_modseq(user, INBOX) - 1
+    assert vanished == [6, 7]
+    assert 5 <= cost.live_rows <= 20, cost  # records and rows of what changed, and the counters

@@ -662,7 +662,9 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                 new = changed_flags(old, values, mode)
                 if new != old:
                     statements.append(messages.set_flags_statement(
-                        mailbox_id, r.id, set(new) or None, modseq if r.uid is not None else None))
+                        mailbox_id, r.id, set(new) or None, modseq if r.uid else None))
+                    if r.uid:
+                        statements += messages.record_statements(mailbox_id, r.uid, modseq, r.id, r.uid, r.modseq)
             return statements
 
         for group in _groups([i for i in dict.fromkeys(ids) if i != ANCHOR], UID_BATCH):
@@ -684,8 +686,9 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                 gone[:] = [r for r in rows if r.body_id is not None]
                 forget.clear()
                 statements = [messages.expunge_statement(mailbox_id, r.id) for r in rows]
-                numbered = [r.uid for r in rows if r.size is not None and r.uid]
-                statements += [messages.vanish_statement(mailbox_id, uid, modseq) for uid in numbered]
+                numbered = [r for r in rows if r.size is not None and r.uid]
+                for r in numbered:
+                    statements += messages.record_statements(mailbox_id, r.uid, modseq, None, r.uid, r.modseq)
                 if numbered:
                     read = rows[0]
                     at = read.vanished_mark_at.replace(tzinfo=timezone.utc).timestamp() if read.vanished_mark_at else None
@@ -706,7 +709,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             # must not turn a done deletion into an error the client would retry or report.
             try:
                 if forget:
-                    await messages.forget_vanished(mailbox_id, forget[0])
+                    await messages.forget_records(mailbox_id, forget[0])
                 await self._release_bodies(mailbox_id, gone)
             except StoreUnavailable as exc:
                 log.info("bodies of %d deleted messages in %s %r not released: %s", len(gone), key, name, exc)
@@ -885,8 +888,9 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             statements = []
             for offset, r in enumerate(todo):
                 statements.append(messages.set_uid_statement(mailbox_id, r.id, first + offset, modseq))
+                statements += messages.record_statements(mailbox_id, first + offset, modseq, r.id, r.uid, r.modseq)
                 if r.uid:  # renumbered: the UID it gives up is gone for clients that saw it
-                    statements.append(messages.vanish_statement(mailbox_id, r.uid, modseq))
+                    statements += messages.record_statements(mailbox_id, r.uid, modseq, None)
                 result[r.id] = first + offset
             return statements
 
@@ -898,6 +902,24 @@ class CassandraStore(CassandraSieve, CassandraQueue):
         anchor = await self._anchor(mailbox_id)
         return (anchor.highest_modseq if anchor else None) or 1
 
+    async def changed_since(self, user: str, mailbox: str, modseq: int) -> list[MessageSummary]:
+        """From the MODSEQ records (schema 008), without the listing: their slice above `modseq`,
+        then the rows they name. Below what the records can answer (MODSEQ 1: mail numbered
+        before schema 008 has none; or a trimmed range) the listing is read instead."""
+        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        anchor = await self._anchor(mailbox_id)
+        if anchor is None:
+            return []
+        if modseq < max(anchor.vanished_floor or 1, 1):
+            return await super().changed_since(user, mailbox, modseq)
+        if modseq >= (anchor.highest_modseq or 1):
+            return []
+        records = await self.tables.messages.records(mailbox_id, modseq)
+        ids = [r.changed_id for r in records if r.changed_id is not None]
+        found = await self.get_summaries(user, mailbox, ids)
+        changed = [s for s in found.values() if s.modseq is not None and s.modseq > modseq]
+        return sorted(changed, key=lambda s: (s.id.time, s.id.bytes))
+
     async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
         anchor = await self._anchor(mailbox_id)
@@ -907,7 +929,8 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             return None
         if modseq >= (anchor.highest_modseq or 1):
             return []
-        return sorted(set(await self.tables.messages.vanished(mailbox_id, max(modseq, 0))))
+        records = await self.tables.messages.records(mailbox_id, max(modseq, 0))
+        return sorted({r.uid for r in records if r.changed_id is None and r.uid is not None})
 
     # ================================================================= IMAP \Recent
 

@@ -25,7 +25,7 @@ READ, WRITE, SERIAL_READ, CONDITIONAL = Kind.READ, Kind.WRITE, Kind.SERIAL_READ,
 
 #: The anchor row of every mailbox partition: the largest timeuuid, written with the UID counter.
 ANCHOR = uuid.UUID(fields=(0xFFFFFFFF, 0xFFFF, 0x1FFF, 0xBF, 0xFF, 0xFFFFFFFFFFFF))
-#: Below every real message id (1970): listings start here, above the expunge records (schema 008).
+#: Below every real message id (1970): listings start here, above the MODSEQ records (schema 008).
 FIRST_REAL = uuid.UUID(fields=(0x13814000, 0xD211, 0x11B2, 0x80, 0x00, 0))
 
 
@@ -37,17 +37,17 @@ def _timeuuid(ticks: int, clock_seq: int, node: int) -> uuid.UUID:
                              clock_seq >> 8, clock_seq & 0xFF, node))
 
 
-def vanished_id(modseq: int, uid: int) -> uuid.UUID:
-    """The clustering id of the record of UID `uid` expunged at MODSEQ `modseq` (schema 008): a
-    timeuuid whose time is the MODSEQ (so records sort by it, below FIRST_REAL) and whose node
-    field is the UID (so one MODSEQ may record many UIDs)."""
+def record_id(modseq: int, uid: int) -> uuid.UUID:
+    """The clustering id of the MODSEQ record (schema 008) of UID `uid` changed or expunged at
+    MODSEQ `modseq`: a timeuuid whose time is the MODSEQ (so records sort by it, below
+    FIRST_REAL) and whose node field is the UID (so one MODSEQ may record many UIDs)."""
     if not 0 < modseq < _MAX_MODSEQ_TICKS:
-        raise ValueError(f"MODSEQ out of range for an expunge record: {modseq}")
+        raise ValueError(f"MODSEQ out of range for a MODSEQ record: {modseq}")
     return _timeuuid(modseq, 0x8000, uid)
 
 
 def _after_modseq(modseq: int) -> uuid.UUID:
-    """Above every expunge record of `modseq`: Cassandra orders timeuuids of one time by their
+    """Above every MODSEQ record of `modseq`: Cassandra orders timeuuids of one time by their
     remaining bytes taken as signed, so the largest is 0xBF7F 7F7F7F7F7F7F (cf. maxTimeuuid)."""
     return _timeuuid(modseq, 0xBF7F, 0x7F7F7F7F7F7F)
 
@@ -329,13 +329,14 @@ class Messages(Table):
         "set_flags": (CONDITIONAL, "UPDATE messages SET flags = ?, modseq = ? WHERE mailbox_id = ? AND id = ?"),
         "set_flags_unnumbered": (CONDITIONAL, "UPDATE messages SET flags = ? WHERE mailbox_id = ? AND id = ?"),
         "expunge": (CONDITIONAL, "DELETE FROM messages WHERE mailbox_id = ? AND id = ?"),
-        "vanish": (CONDITIONAL, "INSERT INTO messages (mailbox_id, id, uid) VALUES (?, ?, ?)"),
+        "record": (CONDITIONAL, "INSERT INTO messages (mailbox_id, id, uid, changed_id) VALUES (?, ?, ?, ?)"),
+        "unrecord": (CONDITIONAL, "DELETE FROM messages WHERE mailbox_id = ? AND id = ?"),
         "trim": (
             CONDITIONAL,
             "UPDATE messages SET vanished_floor = ?, vanished_mark = ?, vanished_mark_at = ? WHERE mailbox_id = ?",
         ),
-        "vanished": (SERIAL_READ, "SELECT uid FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
-        "forget_vanished": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
+        "records": (SERIAL_READ, "SELECT uid, changed_id FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
+        "forget_records": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
         "touch_anchor": (CONDITIONAL, "UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?"),
         "raise_recent": (CONDITIONAL, "UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?"),
         "raise_recent_first": (
@@ -416,20 +417,28 @@ class Messages(Table):
     def expunge_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> BoundStatement:
         return self.bind("expunge", mailbox_id, message_id)
 
-    def vanish_statement(self, mailbox_id: uuid.UUID, uid: int, modseq: int) -> BoundStatement:
-        return self.bind("vanish", mailbox_id, vanished_id(modseq, uid), uid)
+    def record_statements(
+        self, mailbox_id: uuid.UUID, uid: int, modseq: int, message_id: uuid.UUID | None,
+        old_uid: int | None = None, old_modseq: int | None = None,
+    ) -> list[BoundStatement]:
+        """The MODSEQ record of a change: message `message_id` now has UID `uid` and MODSEQ
+        `modseq` (None: UID `uid` was expunged at `modseq`); its record of its last change
+        (`old_uid` at `old_modseq`, if any: none for mail numbered before schema 008) goes."""
+        statements = [self.bind("record", mailbox_id, record_id(modseq, uid), uid, message_id)]
+        if old_uid and old_modseq and old_modseq > 1:
+            statements.append(self.bind("unrecord", mailbox_id, record_id(old_modseq, old_uid)))
+        return statements
 
     def trim_statement(self, mailbox_id: uuid.UUID, floor: int | None, mark: int, at: datetime) -> BoundStatement:
         return self.bind("trim", floor, mark, at, mailbox_id)
 
-    async def vanished(self, mailbox_id: uuid.UUID, above: int) -> list[int]:
-        """UIDs of the expunge records with a MODSEQ above `above`, at SERIAL."""
-        rows = await self._run("vanished", mailbox_id, _after_modseq(above), FIRST_REAL)
-        return [r.uid for r in rows if r.uid is not None]
+    async def records(self, mailbox_id: uuid.UUID, above: int) -> list[Any]:
+        """The MODSEQ records (uid, changed_id: None for an expunge) above `above`, at SERIAL."""
+        return await self._run("records", mailbox_id, _after_modseq(above), FIRST_REAL)
 
-    async def forget_vanished(self, mailbox_id: uuid.UUID, upto: int) -> None:
-        """Drop the expunge records with a MODSEQ at or below `upto` (one range tombstone)."""
-        await self._run("forget_vanished", mailbox_id, _after_modseq(0), _after_modseq(upto))
+    async def forget_records(self, mailbox_id: uuid.UUID, upto: int) -> None:
+        """Drop the MODSEQ records at or below `upto` (one range tombstone)."""
+        await self._run("forget_records", mailbox_id, _after_modseq(0), _after_modseq(upto))
 
     def touch_anchor_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
         return self.bind("touch_anchor", changed, mailbox_id, ANCHOR)
