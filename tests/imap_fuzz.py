@@ -35,6 +35,10 @@ CORPUS = [
     b"EXPUNGE", b"UID EXPUNGE 1:3", b"CLOSE", b"UNSELECT", b"SELECT INBOX",
     b'APPEND INBOX (\\Seen) "04-Jul-2026 10:02:01 +0000" {18+}\r\nSubject: x\r\n\r\nhi\r\n',
     b"APPEND Junk {5+}\r\nhello", b"LOGIN {3+}\r\nabc pw", b"SEARCH SUBJECT {4+}\r\nr\xc3\xa9s",
+    b"ENABLE QRESYNC", b"SELECT INBOX (CONDSTORE)", b"EXAMINE INBOX (QRESYNC (1 5 1:9 (1:2,5 1,3:4)))",
+    b"FETCH 1:* (FLAGS MODSEQ) (CHANGEDSINCE 3)", b"UID FETCH 1:* (FLAGS) (CHANGEDSINCE 1 VANISHED)",
+    b"STORE 1:2 (UNCHANGEDSINCE 7) +FLAGS.SILENT (\\Seen)", b'SEARCH MODSEQ "/flags/\\\\seen" all 4',
+    b"STATUS INBOX (HIGHESTMODSEQ UIDNEXT)",
 ]
 #: A literal announced at the end of a line (RFC 3501, LITERAL+, BINARY's literal8).
 _LITERAL = re.compile(rb"(~?)\{(\d{1,20})(\+?)\}\Z")

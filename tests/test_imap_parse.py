@@ -114,6 +114,84 @@ def test_list_extended_and_status_items() -> None:
             command(bad)
 
 
+# ----------------------------------------------------------------------------- RFC 7162
+
+
+def test_condstore_and_qresync_select_parameters() -> None:
+    assert command(b"s SELECT INBOX (CONDSTORE)").args == c.Select(b"INBOX", False, condstore=True)
+    assert command(b"s EXAMINE INBOX (qresync (67890007 20050715194045000))").args == \
+        c.Select(b"INBOX", True, qresync=c.QResync(67890007, 20050715194045000))
+    # RFC 7162 3.2.5.2's example: known UIDs, then sequence numbers paired with the UIDs at them;
+    # each UID range gives its two ends (never expanded), with the sequence numbers at their places
+    cmd = command(b"s SELECT INBOX (QRESYNC (67890007 90060115194045000 41:211,214:541 "
+                  b"(1:5,10 41:44,101,211)) CONDSTORE)")
+    assert cmd.args.condstore and cmd.args.qresync == c.QResync(
+        67890007, 90060115194045000, ((41, 211), (214, 541)), ((1, 41), (4, 44), (5, 101), (10, 211)))
+    assert command(b"s SELECT INBOX (QRESYNC (1 2 (3:4 7:8)))").args.qresync == \
+        c.QResync(1, 2, None, ((3, 7), (4, 8)))
+
+
+@pytest.mark.parametrize("params", [
+    b"()", b"(CONDSTORE", b"(CONDSTORE CONDSTORE)", b"(FOO)", b"CONDSTORE", b"(QRESYNC)", b"(QRESYNC ())",
+    b"(QRESYNC (1))", b"(QRESYNC (0 5))", b"(QRESYNC (4294967296 5))", b"(QRESYNC (1 0))", b"(QRESYNC (1 -5))",
+    b"(QRESYNC (1 9223372036854775808))", b"(QRESYNC (x 5))", b"(QRESYNC (1 5 1:*))", b"(QRESYNC (1 5 *))",
+    b"(QRESYNC (1 5 1:5 (1:2 3)))", b"(QRESYNC (1 5 1:5 (1:2)))", b"(QRESYNC (1 5 1:5 (1:* 1:2)))",
+    b"(QRESYNC (1 5 1:5 (1:2 3:4) 7))", b"(QRESYNC (1 5 1:5 1:6))", b"(QRESYNC (1 5)", b"(QRESYNC (1 5) QRESYNC (1 5))",
+])
+def test_malformed_select_parameters_are_syntax_errors(params: bytes) -> None:
+    with pytest.raises(ParseError):
+        command(b"s SELECT INBOX " + params)
+
+
+def test_fetch_modseq_and_its_modifiers() -> None:
+    cmd = command(b"f FETCH 1:* (FLAGS) (CHANGEDSINCE 12345)")
+    assert cmd.args.changedsince == 12345 and not cmd.args.vanished
+    assert [a.name for a in cmd.args.atts] == ["FLAGS", "MODSEQ"]  # CHANGEDSINCE answers the MODSEQ
+    cmd = command(b"f UID FETCH 300:500 FLAGS (vanished changedsince 9223372036854775807)")
+    assert (cmd.args.changedsince, cmd.args.vanished) == ((1 << 63) - 1, True)
+    assert [a.name for a in cmd.args.atts] == ["FLAGS", "UID", "MODSEQ"]
+    assert [a.name for a in command(b"f FETCH 1 (MODSEQ UID)").args.atts] == ["MODSEQ", "UID"]
+    assert command(b"f FETCH 1 FAST (CHANGEDSINCE 1)").args.changedsince == 1
+
+
+@pytest.mark.parametrize("modifiers", [
+    b"()", b"(CHANGEDSINCE)", b"(CHANGEDSINCE 0)", b"(CHANGEDSINCE -1)", b"(CHANGEDSINCE 1.5)", b"(CHANGEDSINCE x)",
+    b"(CHANGEDSINCE 9223372036854775808)", b"(CHANGEDSINCE 99999999999999999999999)", b"(CHANGEDSINCE 5",
+    b"(CHANGEDSINCE 5 CHANGEDSINCE 6)", b"(VANISHED)", b"(CHANGEDSINCE 5 VANISHED VANISHED)", b"(UNCHANGEDSINCE 5)",
+    b"CHANGEDSINCE 5", b"(CHANGEDSINCE 5) x",
+])
+def test_malformed_fetch_modifiers_are_syntax_errors(modifiers: bytes) -> None:
+    for uid in (b"", b"UID "):
+        with pytest.raises(ParseError):
+            command(b"f " + uid + b"FETCH 1:* (FLAGS) " + modifiers)
+    with pytest.raises(ParseError, match="VANISHED goes with UID FETCH"):
+        command(b"f FETCH 1 (FLAGS) (CHANGEDSINCE 5 VANISHED)")  # QRESYNC's modifier is for UID FETCH only
+
+
+def test_store_unchangedsince() -> None:
+    assert command(b"s STORE 7,5,9 (UNCHANGEDSINCE 320162338) +FLAGS.SILENT (\\Deleted)").args == \
+        c.Store(((7, 7), (5, 5), (9, 9)), "add", True, ("\\Deleted",), unchangedsince=320162338)
+    assert command(b"s UID STORE 1 (unchangedsince 0) FLAGS ()").args.unchangedsince == 0  # always fails, but valid
+    for bad in (b"s STORE 1 (UNCHANGEDSINCE) FLAGS ()", b"s STORE 1 (UNCHANGEDSINCE -1) FLAGS ()",
+                b"s STORE 1 (UNCHANGEDSINCE 9223372036854775808) FLAGS ()", b"s STORE 1 (UNCHANGEDSINCE 5 FLAGS ()",
+                b"s STORE 1 (CHANGEDSINCE 5) FLAGS ()", b"s STORE 1 () FLAGS ()", b"s STORE 1 (UNCHANGEDSINCE 5)",
+                b"s STORE 1 (UNCHANGEDSINCE 5)(UNCHANGEDSINCE 5) FLAGS ()", b"s STORE 1 FLAGS () (UNCHANGEDSINCE 5)"):
+        with pytest.raises(ParseError):
+            command(bad)
+
+
+def test_search_modseq_and_status_highestmodseq() -> None:
+    assert command(b"s SEARCH MODSEQ 620162338").args.program == c.And((c.Key("MODSEQ", (620162338,)),))
+    assert command(b's SEARCH OR NOT MODSEQ "/flags/\\\\draft" all 0 modseq "/flags/$Work" PRIV 5').args.program == \
+        c.And((c.Or(c.Not(c.Key("MODSEQ", (0,))), c.Key("MODSEQ", (5,))),))
+    for bad in (b"s SEARCH MODSEQ", b"s SEARCH MODSEQ -1", b"s SEARCH MODSEQ 9223372036854775808",
+                b's SEARCH MODSEQ "/flags/\\\\draft" 5', b's SEARCH MODSEQ "/flags/\\\\draft" mine 5',
+                b's SEARCH MODSEQ "/flags/" all 5', b's SEARCH MODSEQ "flags" all 5', b's SEARCH MODSEQ "/flags/x" all'):
+        with pytest.raises(ParseError):
+            command(bad)
+    assert command(b"s STATUS INBOX (HIGHESTMODSEQ UIDNEXT)").args.items == ("HIGHESTMODSEQ", "UIDNEXT")
+
+
 def test_tags_and_names() -> None:
     for frame in (b"", b" NOOP", b"a+b NOOP", b"(x NOOP", b"\xff\xfe NOOP"):
         assert parse.parse_tag(Frame((frame,)))[0] is None
@@ -134,7 +212,9 @@ def test_the_append_literal_is_the_message_and_every_other_a_string() -> None:
 _TOKENS = st.sampled_from([b"a", b"FETCH", b"UID", b"SEARCH", b"LIST", b"APPEND", b"STORE", b"1:*", b"*", b"(", b")",
                            b"[", b"]", b"<", b">", b"BODY", b"BODY.PEEK[", b"HEADER.FIELDS", b'"', b"\\", b" ", b" ",
                            b"NOT", b"OR", b"FLAGS", b"+FLAGS", b"%", b"{", b"}", b"0", b"4294967296", b".", b"\x00",
-                           b"\xff", b"INBOX", b"RETURN", b"CHARSET", b"SINCE", b"1-Feb-2026"])
+                           b"\xff", b"INBOX", b"RETURN", b"CHARSET", b"SINCE", b"1-Feb-2026", b"SELECT",
+                           b"CONDSTORE", b"QRESYNC", b"CHANGEDSINCE", b"UNCHANGEDSINCE", b"VANISHED", b"MODSEQ",
+                           b"9223372036854775808"])
 
 
 @settings(max_examples=3000, deadline=None)

@@ -53,9 +53,24 @@ class Mailbox:
 
 
 @dataclass(frozen=True, slots=True)
+class QResync:
+    """SELECT's QRESYNC parameter (RFC 7162 3.2.5): what the client knew of the mailbox, its
+    UIDs when it says (None: all up to its last), and its sequence match data (sequence numbers
+    and the UIDs it had at them, paired in order)."""
+
+    uidvalidity: int
+    modseq: int
+    known_uids: SequenceSet | None = None
+    seq_match: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Select:
     name: bytes
     readonly: bool
+    #: RFC 7162 SELECT parameters: (CONDSTORE) and (QRESYNC (...)).
+    condstore: bool = False
+    qresync: QResync | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +136,7 @@ class FetchAtt:
     """One FETCH item. `name` is the item as answered: FLAGS, UID, INTERNALDATE, RFC822.SIZE,
     ENVELOPE, BODYSTRUCTURE, BODY (the structure), RFC822, RFC822.HEADER, RFC822.TEXT, or BODY
     with a `section` (peek: BODY.PEEK); BINARY and BINARY.SIZE with a section of part numbers
-    (RFC 3516; peek: BINARY.PEEK)."""
+    (RFC 3516; peek: BINARY.PEEK); MODSEQ (RFC 7162)."""
 
     name: str
     section: Section | None = None
@@ -148,6 +163,9 @@ class Fetch:
     messages: SequenceSet
     atts: tuple[FetchAtt, ...]
     uid: bool = False
+    #: RFC 7162 modifiers: (CHANGEDSINCE n) and, with UID FETCH, VANISHED.
+    changedsince: int | None = None
+    vanished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +175,8 @@ class Store:
     silent: bool
     flags: tuple[str, ...]
     uid: bool = False
+    #: RFC 7162 (UNCHANGEDSINCE n): only messages whose MODSEQ is at most n are changed.
+    unchangedsince: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +195,8 @@ class Copy:
 @dataclass(frozen=True, slots=True)
 class Key:
     """A search key with its arguments: `("FROM", "anne")`, `("SEEN",)`, `("LARGER", 100)`,
-    `("UID", set)`, `("SET", set)` for a bare sequence set, `("SINCE", date)`."""
+    `("UID", set)`, `("SET", set)` for a bare sequence set, `("SINCE", date)`, `("MODSEQ", n)`
+    (RFC 7162; an entry name and type given with it are read and left aside)."""
 
     name: str
     args: tuple[object, ...] = ()

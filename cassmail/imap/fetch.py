@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cassmail.imap import commands as c
-from cassmail.imap import mime, wire
+from cassmail.imap import condstore, mime, wire
 from cassmail.imap.connection import Closed
-from cassmail.imap.errors import No
+from cassmail.imap.errors import Bad, No
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
 from cassmail.store.base import NoSuchMessage, StoreError, StoreUnavailable
@@ -73,8 +73,19 @@ def _needs_entity(att: c.FetchAtt) -> bool:
 
 async def fetch(session: Session, args: c.Fetch) -> str:
     view = session.selected()
-    uids = session.uids(args.messages, args.uid)
     atts = list(args.atts)
+    modseqs = any(a.name == "MODSEQ" for a in atts)  # CHANGEDSINCE added it (parse)
+    if args.vanished and not session.qresync:
+        raise Bad("VANISHED needs ENABLE QRESYNC first")
+    if modseqs:
+        condstore.enable(session)  # RFC 7162 3.1: FETCH MODSEQ, CHANGEDSINCE
+    uids = session.uids(args.messages, args.uid)
+    if args.vanished and args.changedsince is not None:
+        await condstore.vanished_earlier(session, args.messages, args.changedsince)
+    if modseqs:
+        await condstore.fill(session, uids)
+    if args.changedsince is not None:
+        uids = [u for u in uids if view.changed_since(u, args.changedsince)]
     if not view.readonly and any(a.sets_seen for a in atts):
         unseen = [u for u in uids if "\\Seen" not in view.messages[u].flags]
         if unseen:
@@ -83,6 +94,9 @@ async def fetch(session: Session, args: c.Fetch) -> str:
                 view.set_flags(u, view.messages[u].flags | {"\\Seen"})
             if not any(a.name == "FLAGS" for a in atts):
                 atts.append(c.FetchAtt("FLAGS"))
+            if session.condstore:  # RFC 7162 3.1: the \\Seen it set is told with UID and MODSEQ
+                await condstore.learn(session, unseen, flags=True)
+                atts += [c.FetchAtt(name) for name in ("UID", "MODSEQ") if not any(a.name == name for a in atts)]
     shows_flags = any(a.name == "FLAGS" for a in atts)
     missing = 0
     for message_uid in uids:
@@ -150,6 +164,8 @@ def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, 
         return b"FLAGS " + wire.flag_list(session.selected().flags(uid))
     if name == "UID":
         return b"UID %d" % uid
+    if name == "MODSEQ":
+        return b"MODSEQ (%d)" % session.selected().modseq(uid)
     if name == "INTERNALDATE":
         return b"INTERNALDATE " + wire.format_datetime(summary.internal_date)
     if name == "RFC822.SIZE":

@@ -92,7 +92,8 @@ class Watcher:
         while True:
             await asyncio.sleep(settings.idle_poll)
             try:
-                listing = await read_listing(store, self.key[0], self.key[1], settings.page_size)
+                # with the HIGHESTMODSEQ, for the sessions that have CONDSTORE on
+                listing = await read_listing(store, self.key[0], self.key[1], settings.page_size, highest=True)
             except StoreError as exc:
                 log.warning(kv("imap-idle", user=self.key[0], mailbox=self.key[1], error=exc))
                 continue

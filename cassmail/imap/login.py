@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from cassmail import auth
 from cassmail.imap import commands as c
+from cassmail.imap import condstore
 from cassmail.imap.connection import Closed, LineTooLong
 from cassmail.imap.errors import Bad, No
 
@@ -108,8 +109,12 @@ async def compress(session: Session, args: c.Compress) -> str:
 
 
 async def enable(session: Session, args: c.Enable) -> str:
-    enabled = [name for name in dict.fromkeys(args.capabilities) if name == "UTF8=ACCEPT"]
-    if enabled:
+    """ENABLE (RFC 5161) of UTF8=ACCEPT, CONDSTORE and QRESYNC (which implies CONDSTORE, RFC 7162);
+    the others asked for are left out of the ENABLED answer."""
+    enabled = [name for name in dict.fromkeys(args.capabilities) if name in ("UTF8=ACCEPT", "CONDSTORE", "QRESYNC")]
+    if "UTF8=ACCEPT" in enabled:
         session.utf8 = True
+    if "CONDSTORE" in enabled or "QRESYNC" in enabled:
+        condstore.enable(session, qresync="QRESYNC" in enabled)
     session.untagged(b"ENABLED" + b"".join(b" " + name.encode() for name in enabled))
     return "ENABLE completed"

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cassmail.imap import commands as c
-from cassmail.imap import wire
-from cassmail.imap.errors import No
+from cassmail.imap import condstore, wire
+from cassmail.imap.errors import Bad, No
 from cassmail.imap.view import MailboxView, read_listing
 from cassmail.logs import kv
 from cassmail.model import HIERARCHY_DELIMITER, INBOX, MailboxInfo, flag_set
@@ -30,14 +30,21 @@ log = logging.getLogger("cassmail.imap")
 
 
 async def select(session: Session, args: c.Select) -> str:
+    if args.qresync is not None and not session.qresync:
+        raise Bad("SELECT (QRESYNC ...) needs ENABLE QRESYNC first")  # RFC 7162 3.2.5
+    if session.view is not None:
+        session.untagged(b"OK [CLOSED] Previous mailbox closed")  # RFC 7162 3.2.11
     session.close_view()  # a SELECT that fails leaves no mailbox selected (RFC 3501 6.3.1)
+    if args.condstore:
+        condstore.enable(session)  # with no mailbox selected: the SELECT tells its HIGHESTMODSEQ
     user = session.user
     assert user is not None
     name = session.mailbox(args.name)
     store, settings = session.store, session.settings
     info = await store.mailbox_info(user, name)
     view = MailboxView(store, user, name, info.uidvalidity, args.readonly, settings.page_size)
-    listing = await read_listing(store, user, name, settings.page_size)
+    view.condstore = session.condstore
+    listing = await read_listing(store, user, name, settings.page_size, highest=True)
     await view.refresh(expunge=True, listing=listing)
     uid_next = await view.select_uid_next(listing.uid_next())
     view.keywords = {f for s in view.messages.values() for f in s.flags if not f.startswith("\\")}
@@ -50,6 +57,10 @@ async def select(session: Session, args: c.Select) -> str:
         session.untagged(b"OK [UNSEEN %d] First unseen" % unseen)
     session.untagged(b"OK [UIDVALIDITY %d] UIDs valid" % view.uidvalidity)
     session.untagged(b"OK [UIDNEXT %d] Predicted next UID" % uid_next)
+    view.told = max(view.highest, 1)
+    session.untagged(b"OK [HIGHESTMODSEQ %d] Highest" % view.told)  # RFC 7162 3.1.2.1: every SELECT
+    if args.qresync is not None:
+        await condstore.resync(session, args.qresync)
     return ("[READ-ONLY] EXAMINE" if args.readonly else "[READ-WRITE] SELECT") + " completed"
 
 
@@ -223,6 +234,8 @@ async def list_(session: Session, args: c.ListCommand) -> str:
         if not args.lsub:
             session.untagged(b'LIST (\\Noselect) "/" ""')
         return done
+    if "HIGHESTMODSEQ" in args.status:
+        condstore.enable(session)  # LIST-STATUS is STATUS (RFC 7162 3.1)
     mailboxes = await session.store.list_mailboxes(user)
     for name, attrs, extended in list_matches(mailboxes, patterns, args):
         encoded = session.encode_name(name)
@@ -248,6 +261,8 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
         values = known[1]  # nothing changed since it was counted
     else:
         info = await store.mailbox_info(user, name)
+        # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the listing (asked for only when wanted)
+        highest = await store.highest_modseq(user, name) if "HIGHESTMODSEQ" in items else None
         messages = unseen = unnumbered = recent = size = 0
         mark = await store.recent_mark(user, name)
         async for s in store.list_messages(user, name, session.settings.page_size):
@@ -264,8 +279,12 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
             "UIDVALIDITY": info.uidvalidity,
             "UNSEEN": unseen,
         }
+        if highest is not None:
+            values["HIGHESTMODSEQ"] = highest
         if token is not None:
             session.listener.statuses.put((user, name), (token, values))
+    if "HIGHESTMODSEQ" in items and "HIGHESTMODSEQ" not in values:  # counted for a STATUS without it
+        values["HIGHESTMODSEQ"] = await store.highest_modseq(user, name)
     limit = store.max_message_size
     line = " ".join(f"{item} {limit or 'NIL'}" if item == "APPENDLIMIT" else f"{item} {values[item]}"
                     for item in items).encode()
@@ -273,6 +292,8 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
 
 
 async def status(session: Session, args: c.Status) -> str:
+    if "HIGHESTMODSEQ" in args.items:
+        condstore.enable(session)  # RFC 7162 3.1
     await _status_response(session, session.mailbox(args.name), args.items)
     return "STATUS completed"
 

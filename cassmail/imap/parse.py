@@ -8,6 +8,7 @@ client's bytes), or `LimitExceeded` for input that is valid but larger than cass
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable
 from datetime import datetime
@@ -25,6 +26,8 @@ MAX_SEARCH_DEPTH = 64
 MAX_SEARCH_KEYS = 1000
 #: Items in one FETCH, fields in one HEADER.FIELDS list, ID parameters.
 MAX_LIST_ITEMS = 1000
+#: RFC 7162 mod-sequence values are positive 63-bit numbers.
+MAX_MODSEQ = (1 << 63) - 1
 
 _TAG = re.compile(rb'[\x21-\x7e]+\Z')
 _TAG_SPECIALS = re.compile(rb'[(){%*"\\+]')
@@ -123,6 +126,13 @@ class Cursor:
             raise ParseError(what)
         return int(digits)
 
+    def modseq(self, what: str, zero: bool = False) -> int:
+        """An RFC 7162 mod-sequence-value (1 to 2^63-1), or mod-sequence-valzer with `zero`."""
+        digits = self.take(_ATOM_STOP)
+        if not digits.isdigit() or len(digits) > 19 or int(digits) > MAX_MODSEQ or (int(digits) == 0 and not zero):
+            raise ParseError(what)
+        return int(digits)
+
     def quoted(self) -> bytes:
         self.expect(b'"', "expected a quoted string")
         text, out, i = self.text, bytearray(), self.pos
@@ -210,6 +220,13 @@ class Cursor:
     def sequence_set(self) -> c.SequenceSet:
         text = self.take(_SET_STOP)
         return tuple(parse_set(text))
+
+    def known_set(self, what: str) -> c.SequenceSet:
+        """A sequence set without `*` (RFC 7162's known-uids and seq-match-data)."""
+        ranges = self.sequence_set()
+        if any(lo is None or hi is None for lo, hi in ranges):
+            raise ParseError(what)
+        return ranges
 
     def date(self) -> datetime:
         if self.peek() == 0x22:
@@ -318,13 +335,85 @@ def _one_mailbox(cursor: Cursor, uid: bool) -> c.Mailbox:
 def _select(readonly: bool) -> Callable[[Cursor, bool], c.Select]:
     def parse(cursor: Cursor, uid: bool) -> c.Select:
         name = _mailbox(cursor)
+        condstore, qresync = False, None
         if cursor.peek() == 0x20 and not cursor.at_end():
             cursor.sp()
-            if not cursor.at_end():
-                raise ParseError("no SELECT parameters are supported")
-        return c.Select(name, readonly)
+            if not cursor.at_end():  # RFC 7162 select-params
+                cursor.expect(b"(", "SELECT parameters are CONDSTORE and QRESYNC, in parentheses")
+                seen: set[bytes] = set()
+                while True:
+                    param = cursor.atom("SELECT parameters are CONDSTORE and QRESYNC, in parentheses").upper()
+                    if param in seen or param not in (b"CONDSTORE", b"QRESYNC"):
+                        raise ParseError("SELECT parameters are CONDSTORE and QRESYNC, once each")
+                    seen.add(param)
+                    if param == b"CONDSTORE":
+                        condstore = True
+                    else:
+                        cursor.sp()
+                        qresync = _qresync(cursor)
+                    if cursor.accept(b")"):
+                        break
+                    cursor.sp()
+        return c.Select(name, readonly, condstore, qresync)
 
     return parse
+
+
+_QRESYNC = "QRESYNC takes (uidvalidity modseq [known-uids] [(known-sequences known-uids)])"
+
+
+def _qresync(cursor: Cursor) -> c.QResync:
+    """`(uidvalidity mod-sequence-value [SP known-uids] [SP seq-match-data])` (RFC 7162 7)."""
+    cursor.expect(b"(", _QRESYNC)
+    uidvalidity = cursor.number(_QRESYNC)
+    if not 0 < uidvalidity <= MAX_NUMBER:
+        raise ParseError(_QRESYNC)
+    cursor.sp()
+    modseq = cursor.modseq(_QRESYNC)
+    known = match = None
+    if cursor.peek() == 0x20:
+        cursor.sp()
+        if cursor.peek() != 0x28:
+            known = cursor.known_set("QRESYNC known UIDs are a sequence set without *")
+            if cursor.peek() == 0x20:
+                cursor.sp()
+                if cursor.peek() != 0x28:
+                    raise ParseError(_QRESYNC)
+        if cursor.peek() == 0x28:
+            match = _seq_match(cursor)
+    cursor.expect(b")", _QRESYNC)
+    return c.QResync(uidvalidity, modseq, known, match)
+
+
+def _seq_match(cursor: Cursor) -> tuple[tuple[int, int], ...]:
+    """seq-match-data, `(known-sequence-set known-uid-set)`, as (sequence number, UID) pairs: the
+    first and last UID of each range of the UID set with the sequence numbers at the same places
+    of the sequence set (the two must hold as many numbers). Ranges are not expanded."""
+    what = "QRESYNC sequence match data is (sequence-set uid-set), as many of each, without *"
+    cursor.expect(b"(", what)
+    seqs = [(min(a, b), max(a, b)) for a, b in cursor.known_set(what)]  # type: ignore[type-var]
+    cursor.sp()
+    uids = [(min(a, b), max(a, b)) for a, b in cursor.known_set(what)]  # type: ignore[type-var]
+    cursor.expect(b")", what)
+    if sum(hi - lo + 1 for lo, hi in seqs) != sum(hi - lo + 1 for lo, hi in uids):
+        raise ParseError(what)
+    starts, total = [], 0  # position of each sequence range's first number
+    for lo, hi in seqs:
+        starts.append(total)
+        total += hi - lo + 1
+
+    def seq_at(position: int) -> int:
+        index = bisect.bisect_right(starts, position) - 1
+        return seqs[index][0] + position - starts[index]
+
+    pairs: list[tuple[int, int]] = []
+    position = 0
+    for lo, hi in uids:
+        pairs.append((seq_at(position), lo))
+        if hi > lo:
+            pairs.append((seq_at(position + hi - lo), hi))
+        position += hi - lo + 1
+    return tuple(pairs)
 
 
 def _rename(cursor: Cursor, uid: bool) -> c.Rename:
@@ -389,13 +478,14 @@ def _lsub(cursor: Cursor, uid: bool) -> c.ListCommand:
     return c.ListCommand(reference, (cursor.list_mailbox(),), lsub=True)
 
 
-STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN", "SIZE", "APPENDLIMIT")
+STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN", "SIZE", "APPENDLIMIT", "HIGHESTMODSEQ")
 
 
 def _status_items(cursor: Cursor) -> tuple[str, ...]:
     items = tuple(cursor.parenthesised(_option, "STATUS takes a list of items", empty=False))
     if not set(items) <= set(STATUS_ITEMS):
-        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY, UNSEEN, SIZE and APPENDLIMIT")
+        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY, UNSEEN, SIZE, APPENDLIMIT and "
+                         "HIGHESTMODSEQ")
     return items
 
 
@@ -448,6 +538,16 @@ def _store(cursor: Cursor, uid: bool) -> c.Store:
     cursor.sp()
     messages = cursor.sequence_set()
     cursor.sp()
+    unchangedsince = None
+    if cursor.peek() == 0x28:  # RFC 7162 store-modifiers: (UNCHANGEDSINCE n)
+        what = "the STORE modifier is (UNCHANGEDSINCE modseq)"
+        cursor.expect(b"(", what)
+        if cursor.atom(what).upper() != b"UNCHANGEDSINCE":
+            raise ParseError(what)
+        cursor.sp()
+        unchangedsince = cursor.modseq(what, zero=True)
+        cursor.expect(b")", what)
+        cursor.sp()
     item = cursor.atom("STORE takes FLAGS, +FLAGS or -FLAGS").upper()
     silent = item.endswith(b".SILENT")
     base = item[: -len(b".SILENT")] if silent else item
@@ -465,7 +565,7 @@ def _store(cursor: Cursor, uid: bool) -> c.Store:
                 break
             flags_list.append(cursor.flag())
         flags = tuple(flags_list)
-    return c.Store(messages, mode, silent, flags, uid)
+    return c.Store(messages, mode, silent, flags, uid, unchangedsince)
 
 
 # ---- FETCH
@@ -476,7 +576,7 @@ _MACROS = {
     b"FULL": ("FLAGS", "INTERNALDATE", "RFC822.SIZE", "ENVELOPE", "BODY"),
 }
 _PLAIN_ATTS = frozenset({"FLAGS", "UID", "INTERNALDATE", "RFC822.SIZE", "ENVELOPE", "BODYSTRUCTURE",
-                         "RFC822", "RFC822.HEADER", "RFC822.TEXT", "BODY"})
+                         "RFC822", "RFC822.HEADER", "RFC822.TEXT", "BODY", "MODSEQ"})
 _ATT_STOP = frozenset(b" ()[<")
 
 
@@ -561,9 +661,38 @@ def _fetch(cursor: Cursor, uid: bool) -> c.Fetch:
         else:
             cursor.pos = start
             atts = [_fetch_att(cursor)]
+    changedsince, vanished = None, False
+    if cursor.peek() == 0x20:
+        cursor.sp()
+        if not cursor.at_end():
+            changedsince, vanished = _fetch_modifiers(cursor, uid)
     if uid and not any(a.name == "UID" for a in atts):
         atts.append(c.FetchAtt("UID"))  # RFC 3501 6.4.8: UID FETCH always answers the UID
-    return c.Fetch(messages, tuple(atts), uid)
+    if changedsince is not None and not any(a.name == "MODSEQ" for a in atts):
+        atts.append(c.FetchAtt("MODSEQ"))  # RFC 7162 3.1.4.1: CHANGEDSINCE answers the MODSEQ
+    return c.Fetch(messages, tuple(atts), uid, changedsince, vanished)
+
+
+def _fetch_modifiers(cursor: Cursor, uid: bool) -> tuple[int | None, bool]:
+    """RFC 7162 fetch-modifiers: `(CHANGEDSINCE n)`, with UID FETCH `(CHANGEDSINCE n VANISHED)`."""
+    what = "FETCH modifiers are (CHANGEDSINCE modseq) and VANISHED, once each"
+    changedsince, vanished = None, False
+    cursor.expect(b"(", what)
+    while True:
+        name = cursor.atom(what).upper()
+        if name == b"CHANGEDSINCE" and changedsince is None:
+            cursor.sp()
+            changedsince = cursor.modseq(what)
+        elif name == b"VANISHED" and not vanished:
+            vanished = True
+        else:
+            raise ParseError(what)
+        if cursor.accept(b")"):
+            break
+        cursor.sp()
+    if vanished and (not uid or changedsince is None):
+        raise ParseError("VANISHED goes with UID FETCH and CHANGEDSINCE")
+    return changedsince, vanished
 
 
 # ---- SEARCH
@@ -640,9 +769,28 @@ class _SearchParser:
         if name == "UID":
             cursor.sp()
             return c.Key(name, (cursor.sequence_set(),))
+        if name == "MODSEQ":
+            cursor.sp()
+            return c.Key(name, (_search_modseq(cursor),))
         if word[:1].isdigit() or word[:1] == b"*":
             return c.Key("SET", (tuple(parse_set(word)),))
         raise ParseError("unknown search key")
+
+
+def _search_modseq(cursor: Cursor) -> int:
+    """`[entry-name SP entry-type-req SP] mod-sequence-valzer` (RFC 7162 3.1.5): cassmail keeps one
+    MODSEQ per message, not one per flag, so the entry is checked for its syntax and left aside,
+    as the RFC lets a server do."""
+    what = 'MODSEQ takes ["/flags/<flag>" priv|shared|all] and a modseq'
+    if cursor.peek() == 0x22:
+        entry = cursor.quoted()
+        if not entry.lower().startswith(b"/flags/") or len(entry) == 7 or any(ch <= 0x20 for ch in entry):
+            raise ParseError(what)
+        cursor.sp()
+        if cursor.atom(what).lower() not in (b"priv", b"shared", b"all"):
+            raise ParseError(what)
+        cursor.sp()
+    return cursor.modseq(what, zero=True)
 
 
 _SEARCH_RETURN = frozenset({"MIN", "MAX", "COUNT", "ALL"})

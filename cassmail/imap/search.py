@@ -17,7 +17,7 @@ from email.utils import getaddresses, parsedate_to_datetime
 from typing import TYPE_CHECKING
 
 from cassmail.imap import commands as c
-from cassmail.imap import mime, wire
+from cassmail.imap import condstore, mime, wire
 from cassmail.imap.errors import No
 from cassmail.imap.fetch import headers_only
 from cassmail.imap.view import MailboxView
@@ -86,16 +86,36 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
 async def search(session: Session, args: c.Search) -> str:
     check_charset(args.charset)
     view = session.selected()
-    hits = [uid if args.uid else view.seq(uid) for uid, _, _ in await matching(session, args.program)]
+    modseq = await condstore_search(session, args.program)
+    found = [uid for uid, _, _ in await matching(session, args.program)]
+    hits = [uid if args.uid else view.seq(uid) for uid in found]
     if args.returns is None:
-        session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits))
+        highest = condstore.modseq_of(view, found) if modseq else None
+        session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits) +
+                         (b" (MODSEQ %d)" % highest if highest is not None else b""))
     else:
-        session.untagged(esearch(session.tag, args.uid, args.returns, hits))
+        # RFC 7162 3.1.5 with RFC 4731: the MODSEQ of what is returned (only MIN or MAX: that message)
+        returned = found
+        if found and not args.returns & {"ALL", "COUNT"}:
+            returned = [found[0]] * ("MIN" in args.returns) + [found[-1]] * ("MAX" in args.returns)
+        highest = condstore.modseq_of(view, returned) if modseq else None
+        session.untagged(esearch(session.tag, args.uid, args.returns, hits, highest))
     return ("UID " if args.uid else "") + "SEARCH completed"
 
 
-def esearch(tag: bytes, uid: bool, returns: frozenset[str], hits: list[int]) -> bytes:
-    """An ESEARCH response (RFC 4731): MIN, MAX and ALL only when something matched, COUNT always."""
+async def condstore_search(session: Session, program: c.And) -> bool:
+    """Whether the program has the MODSEQ key; if so CONDSTORE is on (RFC 7162 3.1) and the
+    view knows every message's MODSEQ before it is compared."""
+    if not condstore.uses_modseq(program):
+        return False
+    condstore.enable(session)
+    await condstore.fill(session, session.selected().uids)
+    return True
+
+
+def esearch(tag: bytes, uid: bool, returns: frozenset[str], hits: list[int], modseq: int | None = None) -> bytes:
+    """An ESEARCH response (RFC 4731): MIN, MAX and ALL only when something matched, COUNT always;
+    RFC 7162's MODSEQ last when the search had the MODSEQ key and something matched."""
     out = b'ESEARCH (TAG "' + tag + b'")' + (b" UID" if uid else b"")
     if hits:
         if "MIN" in returns:
@@ -106,6 +126,8 @@ def esearch(tag: bytes, uid: bool, returns: frozenset[str], hits: list[int]) -> 
             out += b" ALL " + wire.compact_set(hits).encode()
     if "COUNT" in returns:
         out += b" COUNT %d" % len(hits)
+    if modseq is not None:
+        out += b" MODSEQ %d" % modseq
     return out
 
 
@@ -202,6 +224,9 @@ def _compile(key: c.SearchKey, view: MailboxView, needs: dict[str, bool]) -> Pre
         if name == "BODY":
             return lambda u, e: e is not None and raw in e.body_bytes().lower()
         return lambda u, e: e is not None and raw in e.raw.lower()
+    if name == "MODSEQ":  # RFC 7162 3.1.5: changed at or after it
+        least = int(args[0])  # type: ignore[call-overload]
+        return lambda u, e: view.modseq(u) >= least or view.messages[u].modseq is None
     if name == "UID":
         ranges = wire.resolve_set(list(args[0]), view.largest(True))  # type: ignore[call-overload]
         wanted = set(view.by_uid(ranges))

@@ -9,7 +9,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from cassmail.imap import commands as c
-from cassmail.imap import wire
+from cassmail.imap import condstore, wire
 from cassmail.imap.errors import No
 from cassmail.inbound.learn import JUNK_FLAGS, NOT_JUNK_FLAGS
 from cassmail.logs import kv
@@ -54,35 +54,56 @@ async def expunge(session: Session, args: c.Expunge) -> str:
     view = session.selected()
     if view.readonly:
         raise No("Mailbox is read-only", "READ-ONLY")
-    await session.refresh(expunge=True)
+    await session.refresh(expunge=True, highest=False)  # with QRESYNC the answer says it
     candidates = session.uids(args.uids, True) if args.uids is not None else list(view.uids)
     doomed = [u for u in candidates if "\\Deleted" in view.messages[u].flags]
     if doomed:
         await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed])
-        for seq in view.remove(doomed):
-            session.untagged(b"%d EXPUNGE" % seq)
-    return ("UID " if args.uids is not None else "") + "EXPUNGE completed"
+        session.expunged(doomed)
+    done = ("UID " if args.uids is not None else "") + "EXPUNGE completed"
+    if session.qresync:
+        # RFC 7162 3.2.7: the answer carries the HIGHESTMODSEQ, which must cover these expunges:
+        # the view takes in the mailbox again, the store's HIGHESTMODSEQ read first.
+        if doomed:
+            await session.refresh(expunge=True, highest=False)
+        view.told = max(view.told, view.highest)
+        return f"[HIGHESTMODSEQ {max(view.highest, 1)}] {done}"
+    return done
 
 
 async def store(session: Session, args: c.Store) -> str:
     view = session.selected()
+    if args.unchangedsince is not None:
+        condstore.enable(session)  # RFC 7162 3.1: STORE UNCHANGEDSINCE
     if view.readonly:
         raise No("Mailbox is read-only", "READ-ONLY")
     flags = flag_set(f for f in args.flags if f.lower() != "\\recent")
     uids = session.uids(args.messages, args.uid)
+    modified: set[uuid.UUID] = set()
     if uids:
-        await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in uids], flags, args.mode)
+        modified = await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in uids], flags,
+                                                   args.mode, unchanged_since=args.unchangedsince)
+    # RFC 7162 3.1.3: what failed UNCHANGEDSINCE is left as it was and named in [MODIFIED ...]
+    failed = [u for u in uids if view.messages[u].id in modified]
+    uids = [u for u in uids if view.messages[u].id not in modified]
+    expected = {}
     for u in uids:
         old = view.messages[u].flags
         new = flags if args.mode == "set" else (old | flags if args.mode == "add" else old - flags)
         view.set_flags(u, frozenset(new))
+        expected[u] = frozenset(new)
     _learn_from_flags(session, uids, flags, args.mode)
-    if not args.silent:
+    if session.condstore:
+        await condstore.store_responses(session, uids, expected, args.silent)
+    elif not args.silent:
         session.announce_flags(uids)
         for u in uids:
             session.untagged(b"%d FETCH (FLAGS %s%s)" % (
                 view.seq(u), wire.flag_list(view.flags(u)), b" UID %d" % u if args.uid else b""))
-    return ("UID " if args.uid else "") + "STORE completed"
+    code = ""
+    if failed:
+        code = f"[MODIFIED {wire.compact_set(failed if args.uid else [view.seq(u) for u in failed])}] "
+    return code + ("UID " if args.uid else "") + "STORE completed"
 
 
 async def copy(session: Session, args: c.Copy) -> str:
@@ -123,8 +144,7 @@ async def copy(session: Session, args: c.Copy) -> str:
     if args.move:
         await store.delete_messages(view.user, view.name, ids)
         session.untagged(b"OK " + (code + " Moved").strip().encode())
-        for seq in view.remove(uids):
-            session.untagged(b"%d EXPUNGE" % seq)
+        session.expunged(uids)
         code = ""
     if dest == view.name:
         await session.refresh(expunge=False)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from cassmail.config import ImapSettings
 from cassmail.imap import commands as c
-from cassmail.imap import parse, wire
+from cassmail.imap import condstore, parse, wire
 from cassmail.imap.connection import ClientStalled, Closed, Connection, Frame, LineTooLong, LiteralTooLarge
 from cassmail.imap.errors import Bad, No
 from cassmail.imap.view import Changes, Listing, MailboxView
@@ -76,6 +76,10 @@ class Session:
         self.compressed = False
         #: ENABLE UTF8=ACCEPT (RFC 6855): mailbox names in UTF-8 both ways, not modified UTF-7.
         self.utf8 = False
+        #: RFC 7162: a CONDSTORE enabling command was run (MODSEQ in every FETCH response from
+        #: then on), ENABLE QRESYNC (VANISHED instead of EXPUNGE). See `condstore`.
+        self.condstore = False
+        self.qresync = False
         self.closing = False
         #: Run after the tagged answer is written (STARTTLS starts TLS then).
         self.then: Callable[[], Awaitable[None]] | None = None
@@ -210,7 +214,7 @@ class Session:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
                 b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
                 b"STATUS=SIZE", b"COMPRESS=DEFLATE", b"SORT", b"SORT=DISPLAY", b"THREAD=ORDEREDSUBJECT",
-                b"THREAD=REFERENCES", b"BINARY", b"UTF8=ACCEPT"]
+                b"THREAD=REFERENCES", b"BINARY", b"UTF8=ACCEPT", b"CONDSTORE", b"QRESYNC"]
         if self.store.max_message_size:
             caps.append(b"APPENDLIMIT=%d" % self.store.max_message_size)
         if self.user is None:
@@ -257,26 +261,36 @@ class Session:
         if self.state == "selected":
             self.state = "auth"
 
-    async def refresh(self, expunge: bool, listing: Listing | None = None) -> Changes:
-        """Bring the view up to date and tell the client what changed."""
+    async def refresh(self, expunge: bool, listing: Listing | None = None, highest: bool = True) -> Changes:
+        """Bring the view up to date and tell the client what changed (with QRESYNC, and
+        `highest`, a new HIGHESTMODSEQ too)."""
         changes = await self.selected().refresh(expunge, listing)
-        self.tell(changes)
+        self.tell(changes, highest)
         return changes
 
-    def tell(self, changes: Changes) -> None:
+    def tell(self, changes: Changes, highest: bool = True) -> None:
         view = self.view
         if view is None:
             return
-        for seq in changes.expunged:
-            self.untagged(b"%d EXPUNGE" % seq)
+        condstore.tell_expunged(self, changes.expunged, changes.vanished)
         shown = [u for u in changes.flags if u in view.messages]
         self.announce_flags(shown)
+        if self.condstore:  # a MODSEQ that changed alone is news to a CONDSTORE client
+            shown = sorted(shown + [u for u in changes.modseqs if u in view.messages])
         for uid in shown:
-            self.untagged(b"%d FETCH (FLAGS %s UID %d)" % (view.seq(uid), wire.flag_list(view.flags(uid)), uid))
+            self.untagged(condstore.flags_fetch(self, uid))
         if changes.exists is not None:
             self.untagged(b"%d EXISTS" % changes.exists)
         if changes.recent is not None:
             self.untagged(b"%d RECENT" % changes.recent)
+        if highest:
+            condstore.tell_highest(self)
+
+    def expunged(self, uids: list[int]) -> None:
+        """Take messages this session expunged (EXPUNGE, MOVE) out of the view and say so."""
+        view = self.selected()
+        present = [u for u in uids if u in view.messages]
+        condstore.tell_expunged(self, view.remove(present), sorted(present))
 
     def flags_response(self) -> None:
         """FLAGS and PERMANENTFLAGS with every keyword the client has been told of."""

@@ -18,8 +18,8 @@ from email.utils import getaddresses, parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from cassmail.imap import commands as c
-from cassmail.imap import mime
-from cassmail.imap.search import check_charset, matching
+from cassmail.imap import condstore, mime
+from cassmail.imap.search import check_charset, condstore_search, matching
 from cassmail.model import MessageSummary
 
 if TYPE_CHECKING:
@@ -130,6 +130,7 @@ def _key(criterion: str, summary: MessageSummary, entity: mime.Entity | None) ->
 async def sort(session: Session, args: c.Sort) -> str:
     check_charset(args.charset)
     view = session.selected()
+    modseq = await condstore_search(session, args.program)
     found = await matching(session, args.program, headers=True)
     rows = list(enumerate(found))  # (mailbox position, (uid, summary, header))
     # Stable sorts from the last criterion to the first (Python's keeps equal keys in order
@@ -137,7 +138,9 @@ async def sort(session: Session, args: c.Sort) -> str:
     for criterion, reverse in reversed(args.criteria):
         rows.sort(key=lambda row: _key(criterion, row[1][1], row[1][2]), reverse=reverse)
     numbers = [uid if args.uid else view.seq(uid) for _, (uid, _, _) in rows]
-    session.untagged(b"SORT" + b"".join(b" %d" % n for n in numbers))
+    highest = condstore.modseq_of(view, [uid for uid, _, _ in found]) if modseq else None
+    session.untagged(b"SORT" + b"".join(b" %d" % n for n in numbers) +
+                     (b" (MODSEQ %d)" % highest if highest is not None else b""))
     return ("UID " if args.uid else "") + "SORT completed"
 
 
@@ -325,6 +328,7 @@ def render(node: Node) -> str:
 async def thread(session: Session, args: c.Thread) -> str:
     check_charset(args.charset)
     view = session.selected()
+    await condstore_search(session, args.program)
     nodes: list[Node] = []
     links: dict[int, tuple[str | None, list[str]]] = {}
     for uid, summary, entity in await matching(session, args.program, headers=True):

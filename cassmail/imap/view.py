@@ -15,11 +15,19 @@ Showing it under that UID would put it below UIDs a syncing client already has (
 client would never fetch it) or bring an expunged UID back to life. Such a message
 is renumbered (`assign_uids(renumber=...)`): it gets a UID above all others and
 joins the view at the end as a new message.
+
+The view also keeps each message's RFC 7162 MODSEQ (from the listing) and the HIGHESTMODSEQ it
+has taken in (`highest`): every change with a MODSEQ at or below it is in the view (the store's
+HIGHESTMODSEQ is read before the listing that brings the view up to date), so it is what a
+client may be told it is in step with. A message numbered by this view's own listing has no
+MODSEQ in it yet (the listing was read before the numbering); `condstore.fill` learns it when a
+client needs it. What CONDSTORE and QRESYNC tell the client is in `condstore.py`.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 import uuid
@@ -50,6 +58,9 @@ class Listing:
 
     summaries: list[MessageSummary]
     assigned: dict[uuid.UUID, int]
+    #: The store's HIGHESTMODSEQ read before the listing (None: not read): every change up to it
+    #: is in the listing.
+    highest: int | None = None
 
     def uid_next(self) -> int | None:
         """UIDNEXT as the assignment left it (the counter after the UIDs it handed out), when
@@ -57,9 +68,11 @@ class Listing:
         return max(self.assigned.values()) + 1 if self.assigned else None
 
 
-async def read_listing(store: Store, user: str, name: str, page_size: int) -> Listing:
+async def read_listing(store: Store, user: str, name: str, page_size: int, highest: bool = False) -> Listing:
     """Every summary of a mailbox, with UIDs given to those that had none (one conditional
-    write for all of them, whatever their number)."""
+    write for all of them, whatever their number); with `highest`, the store's HIGHESTMODSEQ
+    read first."""
+    modseq = await store.highest_modseq(user, name) if highest else None
     summaries = [s async for s in store.list_messages(user, name, page_size)]
     unnumbered = [s.id for s in summaries if s.uid is None]
     assigned: dict[uuid.UUID, int] = {}
@@ -70,16 +83,20 @@ async def read_listing(store: Store, user: str, name: str, page_size: int) -> Li
             # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
             # session goes on with the numbered mail, and the rest joins, above it, once it can.
             log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
-    return Listing(summaries, assigned)
+    return Listing(summaries, assigned, modseq)
 
 
 @dataclass
 class Changes:
     """What a refresh found, in the order it must be told: expunged sequence numbers
-    (descending, RFC 3501 7.4.1), then flag changes (uid list), then the new EXISTS/RECENT."""
+    (descending, RFC 3501 7.4.1) and their UIDs (ascending, for QRESYNC's VANISHED), then flag
+    changes (uid list) and MODSEQ changes with the same flags (told to CONDSTORE clients), then
+    the new EXISTS/RECENT."""
 
     expunged: list[int] = field(default_factory=list)
+    vanished: list[int] = field(default_factory=list)
     flags: list[int] = field(default_factory=list)
+    modseqs: list[int] = field(default_factory=list)
     exists: int | None = None
     recent: int | None = None
 
@@ -105,6 +122,12 @@ class MailboxView:
         #: or below it that is not in the view may not be shown again, only renumbered.
         self.shown = 0
         self.uid_next = 1
+        #: RFC 7162 HIGHESTMODSEQ of the view (see the module's docstring); `told` is the one the
+        #: client was last given. With `condstore` (the session enabled it) every refresh that
+        #: reads a listing reads the store's HIGHESTMODSEQ first, so `highest` follows it.
+        self.highest = 0
+        self.told = 0
+        self.condstore = False
 
     # ------------------------------------------------------------------ numbers
 
@@ -146,8 +169,20 @@ class MailboxView:
         return flags
 
     def set_flags(self, uid: int, flags: frozenset[str]) -> None:
-        old = self.messages[uid]
-        self.messages[uid] = MessageSummary(old.id, old.size, flags, old.internal_date, old.uid)
+        """Flags this session stored: the change has a MODSEQ the view does not know yet."""
+        if flags != self.messages[uid].flags:
+            self.messages[uid] = dataclasses.replace(self.messages[uid], flags=flags, modseq=None)
+
+    def modseq(self, uid: int) -> int:
+        """The message's MODSEQ; one not learnt yet is answered with the view's HIGHESTMODSEQ,
+        which is below it (a lower MODSEQ only makes a client ask again or an UNCHANGEDSINCE
+        fail; a higher one could let a conflicting STORE through)."""
+        return self.messages[uid].modseq or max(self.highest, 1)
+
+    def changed_since(self, uid: int, modseq: int) -> bool:
+        """Whether the message changed after `modseq` (one whose MODSEQ is not known did)."""
+        known = self.messages[uid].modseq
+        return known is None or known > modseq
 
     def remove(self, uids: list[int]) -> list[int]:
         """Take messages out of the view; their sequence numbers, descending, as EXPUNGE wants them."""
@@ -183,7 +218,7 @@ class MailboxView:
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
                 return Changes()  # nothing changed since the last listing: no need to read it
-            listing = await read_listing(self.store, self.user, self.name, self.page_size)
+            listing = await read_listing(self.store, self.user, self.name, self.page_size, self.condstore)
             self.token, self.listed_at = token, time.monotonic()
         else:
             self.token = None  # a listing read by someone else: the next refresh reads its own
@@ -191,21 +226,27 @@ class MailboxView:
         for s in listing.summaries:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
             if uid is not None:
-                current[uid] = MessageSummary(s.id, s.size, s.flags, s.internal_date, uid)
+                current[uid] = dataclasses.replace(s, uid=uid)
         changes = Changes()
         before = (len(self.uids), len(self.recent))
         gone = [u for u in self.uids if u not in current]
         if expunge:
             changes.expunged = self.remove(gone)
+            changes.vanished = gone
         elif gone:
             # Kept in the view for now: the token must not say this listing was taken in, or the
             # next refresh that may expunge would find it unchanged and keep them for ever.
             self.token = None
         for uid in self.uids:
-            now = current.get(uid)
-            if now is not None and now.flags != self.messages[uid].flags:
+            now, old = current.get(uid), self.messages[uid]
+            if now is None or (now.modseq is not None and old.modseq is not None and now.modseq < old.modseq):
+                continue  # an older state than the view's (a stale read): nothing to take from it
+            if now.flags != old.flags:
                 self.messages[uid] = now
                 changes.flags.append(uid)
+            elif now.modseq is not None and now.modseq != old.modseq:
+                self.messages[uid] = now
+                changes.modseqs.append(uid)
         await self._renumber_late(current)
         newest = self.uids[-1] if self.uids else 0
         fresh = sorted(u for u in current if u > max(newest, self.shown))
@@ -219,6 +260,8 @@ class MailboxView:
             self.uid_next = max(self.uid_next, max(current) + 1)
         if listing.assigned:
             self.uid_next = max(self.uid_next, max(listing.assigned.values()) + 1)
+        if listing.highest is not None and (expunge or not gone):
+            self.highest = max(self.highest, listing.highest)  # everything up to it is taken in
         if (len(self.uids), len(self.recent)) != before or changes.expunged:
             changes.exists, changes.recent = len(self.uids), len(self.recent)
         return changes
