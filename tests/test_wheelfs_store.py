@@ -176,12 +176,16 @@ async def test_mail_lies_under_the_cue_paths_one_write_once_file_per_message(fau
     [account] = list(tmp_path.rglob("account"))
     assert account.relative_to(tmp_path).parts == ("cassmail", "users", ".Site=here", ".KeepTogether", ".RepSites=2",
                                                    ".RepLevel=3", USER, "account")
-    # a flag change is a new file: the message file is never rewritten
+    # a flag change is a new file, a MODSEQ claim in the strong tree: the message file is never rewritten
     before = body.stat()
     await store.store_flags(USER, INBOX, [a], ["\\Flagged"], "add")
     after = body.stat()
     assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
-    assert len(os.listdir(box / "flags")) == 2  # the delivered keyword, the change
+    assert len(os.listdir(box / "flags")) == 1  # the delivered keyword
+    [claims] = [p for p in tmp_path.rglob("modseqs/*") if p.is_dir()]
+    assert claims.relative_to(tmp_path).parts == ("cassmail", "users", ".Site=here", ".KeepTogether", ".RepSites=2",
+                                                  ".RepLevel=3", USER, "modseqs", box.name)
+    assert os.listdir(claims) == ["2"]  # the mailbox's first change: MODSEQ 2
     [summary] = [s async for s in store.list_messages(USER, INBOX)]
     assert summary.flags == {"\\Seen", "$Work", "\\Flagged"}
 
@@ -272,12 +276,12 @@ async def test_a_deleted_message_that_a_stale_replica_brings_back_stays_deleted(
     replica = tmp_path / "stale-replica"
     shutil.copytree(box, replica)  # a replica's copy as of now: it will not hear of the deletion
     await store.delete_messages(USER, INBOX, [a])
-    # the replica comes back and is merged by union: a's marker, body and flag records are listed again
+    # the replica comes back and is merged by union: a's marker, body and keyword record are listed again
     fs.bring_back(box, replica)
     sid = sortable_id(a)
     assert any(n.startswith(sid) for n in fs.listdir(str(box / "msg")))
     assert sid in fs.listdir(str(box / "body"))
-    assert len([n for n in fs.listdir(str(box / "flags")) if n.startswith(sid)]) == 2
+    assert len([n for n in fs.listdir(str(box / "flags")) if n.startswith(sid)]) == 1  # \\Flagged: a MODSEQ claim
     other_node = await opened(tmp_path, fs)  # no memory of the deletion: only the tombstone
     for node in (store, other_node):
         assert await ids_of(node) == [b, c]
@@ -484,6 +488,188 @@ async def test_a_body_read_failing_after_another_node_deleted_the_message_is_no_
         await anext(streams[gone])
     with pytest.raises(StoreUnavailable, match="stale file handle"):  # a live message that cannot be read
         await anext(streams[kept])
+
+
+# ----------------------------------------------------------------------------- MODSEQs (RFC 7162)
+
+
+def _change_flags_in_another_process(root: str, plan: tuple[int, int], barrier: threading.Barrier,
+                                     out: multiprocessing.Queue) -> None:
+    """One 'node': each round, an unconditional flag change of its own message (then the MODSEQ
+    that gave it) and a compare-and-set (UNCHANGEDSINCE the MODSEQ just read) of the shared one."""
+    me, rounds = plan
+
+    async def run() -> tuple[list[int], list[tuple[int, bool]]]:
+        store = WheelFSStore(settings_for(Path(root)))
+        await store.open()
+        mine, cas = [], []
+        try:
+            ids = await ids_of(store)
+            own, shared = ids[me], ids[-1]
+            barrier.wait()
+            for r in range(rounds):
+                await store.store_flags(USER, INBOX, [own], [f"$p{me}r{r}"], "set")
+                mine.append((await store.get_summaries(USER, INBOX, [own]))[own].modseq)
+                seen = (await store.get_summaries(USER, INBOX, [shared]))[shared].modseq
+                modified = await store.store_flags(USER, INBOX, [shared], [f"$p{me}r{r}"], "set", unchanged_since=seen)
+                cas.append((seen, not modified))
+        finally:
+            await store.close()
+        return mine, cas
+
+    out.put(asyncio.run(run()))
+
+
+async def test_two_processes_never_share_a_modseq_and_unchanged_since_lets_one_of_them_win(faulty, tmp_path: Path) -> None:
+    store, _ = faulty
+    ids = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(3)]
+    await store.assign_uids(USER, INBOX, ids)
+    start = await store.highest_modseq(USER, INBOX)
+    results = await in_processes(_change_flags_in_another_process, tmp_path, [(0, 15), (1, 15)])
+    mine = [m for own, _ in results for m in own]
+    # each call on its own message got a MODSEQ of its own, above the last, and no other call got it
+    assert all(own == sorted(set(own)) for own, _ in results)
+    assert len(set(mine)) == len(mine) == 30 and min(mine) > start
+    # compare-and-set: of the calls that read one MODSEQ, one at most changed the message
+    wins = [seen for _, cas in results for seen, won in cas if won]
+    assert wins and len(set(wins)) == len(wins)
+    assert not set(wins) & set(mine)  # a MODSEQ read on the shared message was never one of an own change
+    listed = {s.id: s for s in [s async for s in store.list_messages(USER, INBOX)]}
+    assert await store.highest_modseq(USER, INBOX) == max(s.modseq for s in listed.values())
+    [flag] = listed[ids[2]].flags
+    assert flag.startswith("$p")
+
+
+async def test_a_modseq_claim_its_claimer_left_empty_is_waited_for_then_passed(faulty, tmp_path: Path, opened: Opener) -> None:
+    store, fs = faulty
+    ids = [(await store.deliver(BODY, [Target(USER)]))[0] for _ in range(4)]
+    await store.assign_uids(USER, INBOX, ids)
+    assert await store.highest_modseq(USER, INBOX) == 2
+    [claims] = [p for p in tmp_path.rglob("modseqs/*") if p.is_dir()]
+    # a node took MODSEQ 3 and died before writing what it sequences: readers wait, then skip it
+    FileSystem().write_file(str(claims / "3"), b"", exclusive=True, fsync=True)
+    other_node = await opened(tmp_path, claim_timeout=30.0)
+    with pytest.raises(StoreUnavailable, match="another node is changing messages"):
+        await other_node.highest_modseq(USER, INBOX)
+    with pytest.raises(StoreUnavailable, match="another node is changing messages"):
+        await other_node.store_flags(USER, INBOX, ids[:1], ["\\Seen"], "add")
+    old = time.time() - 60
+    os.utime(claims / "3", (old, old))
+    assert await other_node.highest_modseq(USER, INBOX) == 3
+    await other_node.store_flags(USER, INBOX, ids[:1], ["\\Seen"], "add")
+    assert (await other_node.get_summaries(USER, INBOX, ids[:1]))[ids[0]].modseq == 4
+
+    # A node dies after its change and before writing the claim that says what it was (here: the
+    # write fails, as for a node gone; the claim is left empty, and counted abandoned once old).
+    def abandoned(name: str) -> None:
+        assert (claims / name).read_bytes() == b""
+        os.utime(claims / name, (old, old))
+
+    fs.error = lambda op, path: op == "write" and f"{os.sep}modseqs{os.sep}" in path
+    with pytest.raises(StoreUnavailable):  # a flag change: nothing of it is ever visible
+        await store.store_flags(USER, INBOX, ids[1:2], ["\\Flagged"], "add")
+    abandoned("5")
+    with pytest.raises(StoreUnavailable):  # a deletion: the message is buried, its UID not said to vanish
+        await store.delete_messages(USER, INBOX, ids[2:3])
+    abandoned("6")
+    [late] = await store.deliver(BODY, [Target(USER)])
+    with pytest.raises(StoreUnavailable):  # a numbering: its UID claim names MODSEQ claim 7
+        await store.assign_uids(USER, INBOX, [late])
+    abandoned("7")
+    fs.error = lambda op, path: False
+    for node in (other_node, await opened(tmp_path), store):
+        listed = {s.id: s for s in [s async for s in node.list_messages(USER, INBOX)]}
+        assert list(listed) == [ids[0], ids[1], ids[3], late]
+        assert listed[ids[1]].flags == set() and listed[ids[1]].modseq == 2
+        assert (listed[late].uid, listed[late].modseq) == (5, 7)
+        # the first listing after the abandoned claims gave the buried message's UID a MODSEQ
+        assert await node.vanished_since(USER, INBOX, 4) == [3]
+        assert await node.highest_modseq(USER, INBOX) == 8
+
+
+async def test_a_process_that_starts_reads_the_checkpoint_and_the_claims_after_it(
+    faulty, tmp_path: Path, opened: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cassmail.store import wheelfs_modseq
+
+    monkeypatch.setattr(wheelfs_modseq, "CHECKPOINT_EVERY", 16)
+    store, _ = faulty
+    ids = [(await store.deliver(BODY, [Target(USER, INBOX, frozenset({"$Start"}))]))[0] for _ in range(10)]
+    await store.assign_uids(USER, INBOX, ids)
+    for i in range(60):
+        mode = ("add", "remove", "set")[i % 3]
+        await store.store_flags(USER, INBOX, [ids[i % 10]], [f"$k{i % 4}"], mode)
+        if i in (20, 41):
+            await store.delete_messages(USER, INBOX, [ids[i % 10]])
+        if i == 30:
+            await store.assign_uids(USER, INBOX, [], renumber={ids[3]: 4})
+        await ids_of(store)  # a listing: the checkpoint is written after enough claims
+    [checkpoint] = [p for p in tmp_path.rglob("checkpoints/*") if p.is_file()]
+    highest = await store.highest_modseq(USER, INBOX)
+    assert highest > 40 and highest - 16 <= json.loads(checkpoint.read_bytes())["modseq"] <= highest + 1
+    expected = [(s.id, s.uid, s.flags, s.modseq) async for s in store.list_messages(USER, INBOX)]
+    fs = FileSystem()
+    fresh = await opened(tmp_path, fs)
+    with fs.counting() as ops:
+        assert [(s.id, s.uid, s.flags, s.modseq) async for s in fresh.list_messages(USER, INBOX)] == expected
+    # the mailbox, 8 keyword records, the checkpoint and the claims after it (fewer than 16), not 50 claims
+    assert ops["open"] < 30
+    for node in (store, fresh):
+        assert await node.highest_modseq(USER, INBOX) == max(m for *_, m in expected)
+        assert await node.vanished_since(USER, INBOX, 2) == [1, 2, 4]  # two deletions, one renumbering
+        assert await node.uid_next(USER, INBOX) == 12
+
+
+V1_STORE = Path(__file__).parent / "fixtures" / "wheelfs-store-v1"
+V1_USER = "anne@old.example"
+
+
+def v1_copy(root: Path) -> Path:
+    """A copy of the store written before MODSEQs (fixtures/wheelfs-store-v1.md), with the empty
+    directories git does not keep."""
+    shutil.copytree(V1_STORE, root)
+    for line in (V1_STORE.parent / "wheelfs-store-v1.dirs").read_text().split():
+        (root / line).mkdir(parents=True, exist_ok=True)
+    return root
+
+
+async def test_a_store_written_before_modseqs_opens_with_modseq_1_and_sequences_changes_from_2(
+    tmp_path: Path, opened: Opener
+) -> None:
+    root = v1_copy(tmp_path / "store")
+    [old_claims] = [p for p in root.rglob("uids/*") if p.is_dir()]
+    claims_before = {p.name: p.read_bytes() for p in old_claims.iterdir()}
+    store = await opened(root, cues=False)
+    listed = [s async for s in store.list_messages(V1_USER, INBOX)]
+    assert [(s.uid, s.flags, s.modseq) for s in listed] == [
+        (1, {"\\Seen", "$Work"}, 1), (2, {"\\Flagged"}, 1), (5, set(), 1), (None, set(), None),
+    ]
+    a, b, c, new = (s.id for s in listed)
+    assert await store.read_message(V1_USER, INBOX, a) == b"Subject: old 0\r\n\r\nbody 0\r\n"
+    assert await store.highest_modseq(V1_USER, INBOX) == 1 and await store.uid_next(V1_USER, INBOX) == 6
+    assert await store.changed_since(V1_USER, INBOX, 1) == [] and len(await store.changed_since(V1_USER, INBOX, 0)) == 3
+    # UID 3 (deleted) and 4 (renumbered) went before MODSEQs: not known, and said to be below 1
+    assert await store.vanished_since(V1_USER, INBOX, 1) == []
+    assert await store.vanished_since(V1_USER, INBOX, 0) is None
+    for name in ("Drafts", "Trash"):
+        assert [s async for s in store.list_messages(V1_USER, name)] == []
+        assert await store.highest_modseq(V1_USER, name) == 1
+
+    # changes from now on: MODSEQ 2, 3, 4
+    assert await store.store_flags(V1_USER, INBOX, [b, a], ["\\Flagged"], "remove", unchanged_since=1) == set()
+    assert await store.assign_uids(V1_USER, INBOX, [new]) == {new: 6}
+    await store.delete_messages(V1_USER, INBOX, [c])
+    expected = [(a, 1, {"\\Seen", "$Work"}, 1), (b, 2, set(), 2), (new, 6, set(), 3)]
+    # the same seen by this process, and after reopening by one that has read nothing yet
+    for node in (store, await opened(root, cues=False)):
+        assert [(s.id, s.uid, s.flags, s.modseq) async for s in node.list_messages(V1_USER, INBOX)] == expected
+        assert await node.highest_modseq(V1_USER, INBOX) == 4
+        assert await node.vanished_since(V1_USER, INBOX, 1) == [5]
+        assert await node.vanished_since(V1_USER, INBOX, 4) == []
+        assert [s.id for s in await node.changed_since(V1_USER, INBOX, 2)] == [new]
+        assert await node.store_flags(V1_USER, INBOX, [a, b], ["\\Seen"], "add", unchanged_since=1) == {b}
+    # the old claims are read as they are, never rewritten
+    assert {p.name: p.read_bytes() for p in old_claims.iterdir() if p.name in claims_before} == claims_before
 
 
 # ----------------------------------------------------------------------------- cost in file-system operations

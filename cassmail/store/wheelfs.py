@@ -23,6 +23,14 @@ that keep mail safe on a file system whose replicas may disagree are:
   \\Recent mark is a chain of the same kind of claims: `recent/<mailbox>/<m>`,
   created by the one session that claims the UIDs from m on, holds the mark it
   raised the chain to, where the next claim starts.
+- MODSEQs (RFC 7162) are a third chain, `modseqs/<mailbox>/<n>` (wheelfs_modseq).
+  A change takes the next claim empty, makes the change, then writes what it
+  did into the claim: readers wait for an empty claim, so nobody sees a
+  HIGHESTMODSEQ at or above n before change n is complete, and a flag change
+  decides UNCHANGEDSINCE from the claims below its own, all read, which no
+  later change can alter. Flag changes are the claims themselves (mode, flags,
+  the messages changed); a numbering's UID claims name its MODSEQ claim; an
+  expunge's claim names the UIDs its tombstones made vanish.
 - Every file-system call goes through one `FileSystem` object
   (wheelfs_fs), which counts it and is where tests inject faults; every call
   is bounded by `timeout`, and any failure is a StoreUnavailable (SMTP 451),
@@ -104,20 +112,23 @@ from cassmail.store.wheelfs_layout import (
     file_name,
     flag_record,
     leading_sid,
+    modseq_claim,
     parse_flag_record,
     parse_flag_record_name,
     parse_marker,
+    parse_modseq_claim,
     parse_recent_claim,
     parse_uid_claim,
     recent_claim,
     sid_of,
     uid_claim,
 )
+from cassmail.store.wheelfs_modseq import ABANDONED, Chains, changed_flags
 
 T = TypeVar("T")
 log = logging.getLogger("cassmail.store.wheelfs")
 
-#: Mailboxes whose caches (tombstones seen, flag records read, UID claims walked) a process keeps.
+#: Mailboxes whose caches (tombstones seen, flag records read, claims walked) a process keeps.
 CACHED_MAILBOXES = 1024
 #: Seconds a reader waits for a UID claim another node is writing before answering "try later".
 CLAIM_WAIT = 2.0
@@ -138,8 +149,7 @@ class _MailboxCache:
     markers: dict[str, tuple[Marker, uuid.UUID, datetime] | None] = field(default_factory=dict)
     young: dict[str, float] = field(default_factory=dict)  # tombstone -> when it passes the grace
     flag_records: dict[str, tuple[str, str, str, frozenset[str]]] = field(default_factory=dict)
-    next_uid: int = 1
-    uid_of: dict[uuid.UUID, int] = field(default_factory=dict)
+    chains: Chains = field(default_factory=Chains)  # UID and MODSEQ claims read (under `lock`)
     recent_lock: threading.Lock = field(default_factory=threading.Lock)  # apart: a claim never holds up a listing
     recent: int = 1  # the \Recent mark: the end of the claim chain as far as walked
 
@@ -150,7 +160,17 @@ class _Message:
     id: uuid.UUID
     internal_date: datetime
     marker_name: str
-    flags: frozenset[str]
+    flags: frozenset[str]  # as delivered: the marker's and the keyword record's (and changes made before MODSEQs)
+
+
+@dataclass
+class _OpenClaim:
+    """A claim made by exclusive create and not written yet: its readers wait for it."""
+
+    path: str
+    fd: int
+    started: float  # time.monotonic() before the create
+    n: int = 0
 
 
 class WheelFSStore(FileQueueStore):
@@ -719,6 +739,8 @@ class WheelFSStore(FileQueueStore):
             self.fs.rmtree(self.layout.mailbox(user_file, record["id"]))
             self.fs.rmtree(self.layout.uids(user_file, record["id"]))
             self.fs.rmtree(self.layout.recent(user_file, record["id"]))
+            self.fs.rmtree(self.layout.modseqs(user_file, record["id"]))
+            self.fs.unlink(self.layout.checkpoint(user_file, record["id"]), missing_ok=True)
 
         await self._call(delete)
 
@@ -779,14 +801,24 @@ class WheelFSStore(FileQueueStore):
         return live
 
     def _scan(self, key: str, name: str) -> tuple[list[MessageSummary], list[str]]:
-        """Summaries in arrival order, and their sids."""
+        """Summaries in arrival order, and their sids: the mail tree's three directories, then the
+        UID and MODSEQ claims made since the last look (usually one missing name each)."""
         user_file, mailbox_id, box = self._where(key, name)
         cache = self._cache(mailbox_id)
         live = self._messages(box, cache)
-        with cache.lock:
-            self._walk_claims(user_file, mailbox_id, cache)
         ordered = sorted(live.items())
-        out = [MessageSummary(m.id, m.marker.size, m.flags, m.internal_date, cache.uid_of.get(m.id)) for _, m in ordered]
+        with cache.lock:
+            chains = self._sync(user_file, mailbox_id, cache)
+            if chains.repair:
+                self._repair(user_file, mailbox_id, cache)
+            if len(chains.effects) > 2 * len(live) + 64:
+                chains.prune(cache.dead)
+            self._checkpoint(user_file, mailbox_id, cache)
+            out = []
+            for sid, m in ordered:
+                uid = chains.uid_of.get(m.id)
+                modseq = chains.modseq_of(m.id, sid) if uid is not None else None
+                out.append(MessageSummary(m.id, m.marker.size, chains.flags_of(sid, m.flags), m.internal_date, uid, modseq))
         return out, [sid for sid, _ in ordered]
 
     async def list_page(self, user: str, mailbox: str, after: uuid.UUID | None = None, limit: int = 500) -> Page:
@@ -947,49 +979,75 @@ class WheelFSStore(FileQueueStore):
     # ================================================================= flags and deletion
 
     async def store_flags(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set"
-    ) -> None:
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
+        unchanged_since: int | None = None,
+    ) -> set[uuid.UUID]:
+        """One MODSEQ claim holds the change: taken empty, then decided against every claim below
+        it (all read by then, and no later claim can change them), then written with the messages
+        whose flags it changes. A message whose MODSEQ is above `unchanged_since` is left alone.
+        Nothing is claimed when, as far as this node can tell, nothing would change."""
         mode = check_flag_mode(mode)
         values = flag_set(flags)
-        wanted = list(ids)
+        wanted = list(dict.fromkeys(ids))
         key, name = address_key(user), mailbox_name(mailbox)
 
-        def change() -> None:
-            _, mailbox_id, box = self._where(key, name)
-            live = self._messages(box, self._cache(mailbox_id))
-            data = flag_record(mode, values)
-            written = False
-            for message_id in wanted:
-                sid = sid_of(message_id)
-                if sid not in live:
-                    continue  # gone: a flag change never brings a message back
-                record = os.path.join(box, "flags", f"{sid}.{sid_of(new_message_id())}")
-                self.fs.write_file(record, data, True, self.settings.fsync)
-                written = True
-            if written and self.settings.fsync:
-                self.fs.fsync_dir(os.path.join(box, "flags"))
+        def change() -> set[uuid.UUID]:
+            user_file, mailbox_id, box = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            live = self._messages(box, cache)
+            targets = [(sid, live[sid]) for sid in map(sid_of, wanted) if sid in live]
+            if not targets:
+                return set()  # gone: a flag change never brings a message back
+            with cache.lock:
+                chains = self._sync(user_file, mailbox_id, cache)
+                modified, changing = self._flag_decision(chains, targets, mode, values, unchanged_since)
+                while changing:
+                    claim = self._open_modseq_claim(user_file, mailbox_id, cache)
+                    try:
+                        self._walk_claims(user_file, mailbox_id, cache)  # numberings sequenced below it
+                        modified, changing = self._flag_decision(chains, targets, mode, values, unchanged_since)
+                        done = {"k": "f", "mode": mode, "flags": sorted(values), "ids": changing}
+                    except BaseException:
+                        self._close_quietly(claim, None)
+                        raise
+                    if self._finish_claim(claim, modseq_claim(done), modseq_claim(None)):
+                        chains.take_change(claim.n, done, time.time())
+                        break
+                    chains.take_change(claim.n, None, time.time())  # given up: decide again higher up
+                return modified
 
-        await self._call(change)
+        return await self._call(change)
+
+    @staticmethod
+    def _flag_decision(
+        chains: Chains, targets: list[tuple[str, _Message]], mode: str, values: frozenset[str], unchanged_since: int | None
+    ) -> tuple[set[uuid.UUID], list[str]]:
+        """(ids left alone by UNCHANGEDSINCE, sids whose flags the change alters) given the claims read."""
+        modified: set[uuid.UUID] = set()
+        changing: list[str] = []
+        for sid, message in targets:
+            if unchanged_since is not None and (chains.modseq_of(message.id, sid) or 1) > unchanged_since:
+                modified.add(message.id)
+                continue
+            current = chains.flags_of(sid, message.flags)
+            if changed_flags(current, mode, values) != current:
+                changing.append(sid)
+        return modified, changing
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
         wanted = list(ids)
         key, name = address_key(user), mailbox_name(mailbox)
 
         def delete() -> None:
-            _, mailbox_id, box = self._where(key, name)
+            user_file, mailbox_id, box = self._where(key, name)
             cache = self._cache(mailbox_id)
             live = self._messages(box, cache)
-            doomed = [sid for sid in map(sid_of, wanted) if sid in live]
+            doomed = [(sid, live[sid].id) for sid in dict.fromkeys(map(sid_of, wanted)) if sid in live]
             if not doomed:
                 return
-            # Tombstones first and durable: from here on no replica can bring the message back.
-            for sid in doomed:
-                self.fs.write_file(os.path.join(box, "dead", sid), b"", False, False)
-            if self.settings.fsync:
-                self.fs.fsync_dir(os.path.join(box, "dead"))
             with cache.lock:
-                cache.dead.update(doomed)
-            doomed_set = set(doomed)
+                self._bury(user_file, mailbox_id, box, cache, doomed)
+            doomed_set = {sid for sid, _ in doomed}
             self._remove_entries(box, "msg", self._entries(box, "msg", doomed_set))
             self._remove_entries(box, "body", self._entries(box, "body", doomed_set))
             self._remove_entries(box, "flags", self._entries(box, "flags", doomed_set))
@@ -997,6 +1055,45 @@ class WheelFSStore(FileQueueStore):
                 self._collect_tombstones(box, cache)
 
         await self._call(delete)
+
+    def _bury(self, user_file: str, mailbox_id: str, box: str, cache: _MailboxCache, doomed: list[tuple[str, uuid.UUID]]) -> None:
+        """Tombstones for `doomed`, durable before anything else goes: from then on no replica can
+        bring the messages back. Those that have UIDs are buried under a MODSEQ claim taken before
+        their tombstones and written after them with the UIDs that vanish (a batch per claim, so
+        none stays open long). Caller holds cache.lock."""
+        chains = self._walk_claims(user_file, mailbox_id, cache)
+        dead_dir = os.path.join(box, "dead")
+        at = 0
+        while at < len(doomed):
+            claim = self._open_modseq_claim(user_file, mailbox_id, cache) if any(
+                m in chains.uid_of for _, m in doomed[at:]) else None
+            batch: list[str] = []
+            uids: list[int] = []
+            try:
+                while at < len(doomed) and (claim is None or time.monotonic() - claim.started < self._bracket_seconds()):
+                    sid, message_id = doomed[at]
+                    self.fs.write_file(os.path.join(dead_dir, sid), b"", False, False)
+                    at += 1
+                    batch.append(sid)
+                    if message_id in chains.uid_of:
+                        uids.append(chains.uid_of[message_id])
+                if self.settings.fsync:
+                    self.fs.fsync_dir(dead_dir)
+            except BaseException:
+                if claim is not None:  # say what vanished so far; if even that fails, a listing repairs it
+                    self._close_quietly(claim, chains.expunge(uids, time.time(), self.vanished_keep) if uids else None)
+                raise
+            cache.dead.update(batch)
+            if claim is not None:
+                gone = chains.expunge(uids, time.time(), self.vanished_keep)
+                if self._finish_claim(claim, modseq_claim(gone), modseq_claim(None)):
+                    chains.take_change(claim.n, gone, time.time())
+                else:  # held too long: claimed again, above any HIGHESTMODSEQ read since (the messages are gone)
+                    chains.take_change(claim.n, None, time.time())
+                    self._sequence(user_file, mailbox_id, cache, gone)
+        # A UID given meanwhile to one of them (another node numbering or renumbering it) vanishes too.
+        self._walk_claims(user_file, mailbox_id, cache)
+        self._vanish_lost(user_file, mailbox_id, cache, [m for _, m in doomed])
 
     def _collect_tombstones(self, box: str, cache: _MailboxCache) -> None:
         """Remove tombstones older than `tombstone_grace` (a few per deletion), so a mailbox's
@@ -1045,59 +1142,135 @@ class WheelFSStore(FileQueueStore):
             for name in names:
                 self.fs.unlink(os.path.join(box, part, name), missing_ok=True)
 
-    # ================================================================= IMAP UIDs
+    # ================================================================= claim chains
 
-    def _walk_claims(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> None:
-        """Read the UID claims after the last one this process knows, up to the first missing
-        name (claims are made in order and never removed, so that is the end). A message
-        renumbered (Store.assign_uids) holds several claims; its UID is the highest, the last
-        one walked. Caller holds cache.lock."""
-        directory = self.layout.uids(user_file, mailbox_id)
-        while True:
-            try:
-                claimed = self._settled_claim(
-                    os.path.join(directory, str(cache.next_uid)), parse_uid_claim, "assigning UIDs"
-                )
-            except FileNotFoundError:
-                return
-            if isinstance(claimed, uuid.UUID):  # else given up, or its claimer died: the UID is burnt
-                cache.uid_of[claimed] = cache.next_uid
-            cache.next_uid += 1
-
-    def _settled_claim(self, path: str, parse: Callable[[bytes], object], what: str) -> object:
+    def _settled_claim(
+        self, path: str, parse: Callable[[bytes], object], what: str, read: Callable[[str], bytes] | None = None
+    ) -> object:
         """A claim's content as `parse` reads it (False: not completely written), once its claimer
-        has written it; None for a claim given up, or one still empty after claim_timeout (its
-        claimer died). FileNotFoundError when nobody made that claim."""
+        has written it; None for a claim given up, ABANDONED for one still not written after
+        claim_timeout (its claimer died). FileNotFoundError when nobody made that claim."""
         waited_since: float | None = None
         while True:
-            claimed = parse(self.fs.read_bytes(path, 64))
+            claimed = parse(read(path) if read else self.fs.read_bytes(path, 64))
             if claimed is not False:
                 return claimed
             if time.time() - self.fs.stat(path).st_mtime >= self.settings.claim_timeout:
-                return None
+                return ABANDONED
             waited_since = waited_since or time.monotonic()
             if time.monotonic() - waited_since > CLAIM_WAIT:
                 raise StoreUnavailable(f"another node is {what} in this mailbox; try again")
             time.sleep(0.02)
 
-    def _claim(self, path: str, content: bytes, given_up: bytes) -> bool:
-        """Try to make a claim: an exclusive create that then holds `content`. False if the name
-        was taken (or if this claim took so long that readers may have counted it as abandoned:
-        it then holds `given_up`)."""
+    def _walk_chain(
+        self, directory: str, start: int, parse: Callable[[bytes], object], what: str,
+        take: Callable[[int, object], int], read: Callable[[str], bytes] | None = None,
+    ) -> None:
+        """Read a chain of claims (UIDs, MODSEQs, \\Recent) from name `start` on, each once its
+        claimer wrote it, to the first name nobody created: claims are made in order and never
+        removed, so that is the end. `take(n, content)` records claim n and returns the next name."""
+        n = start
+        while True:
+            try:
+                claimed = self._settled_claim(os.path.join(directory, str(n)), parse, what, read)
+            except FileNotFoundError:
+                return
+            n = take(n, claimed)
+
+    def _create_claim(self, path: str) -> _OpenClaim | None:
+        """Make a claim by exclusive create; None if the name was taken."""
         started = time.monotonic()
         try:
             fd = self.fs.open_write(path, exclusive=True)
         except FileExistsError:
-            return False
+            return None
+        return _OpenClaim(path, fd, started)
+
+    def _finish_claim(self, claim: _OpenClaim, content: bytes, given_up: bytes) -> bool:
+        """Write a claim made by _create_claim. Readers count a claim still empty after
+        claim_timeout as abandoned: a claimer that got here too slowly writes `given_up` instead
+        of racing them, and gets False."""
+        in_time = time.monotonic() - claim.started < self.settings.claim_timeout / 2
         try:
-            # Readers count an empty claim older than claim_timeout as abandoned. A claimer that
-            # got here too slowly gives the claim up explicitly instead of racing them.
-            in_time = time.monotonic() - started < self.settings.claim_timeout / 2
-            self.fs.write_all(fd, path, content if in_time else given_up)
-            self.fs.fsync(fd, path)
+            self.fs.write_all(claim.fd, claim.path, content if in_time else given_up)
+            self.fs.fsync(claim.fd, claim.path)
         finally:
-            self.fs.close(fd, path)
+            self.fs.close(claim.fd, claim.path)
         return in_time
+
+    def _claim(self, path: str, content: bytes, given_up: bytes) -> bool:
+        """Try to make a claim holding `content`. False if the name was taken (or if this claim
+        took so long that readers may have counted it as abandoned: it then holds `given_up`)."""
+        claim = self._create_claim(path)
+        return claim is not None and self._finish_claim(claim, content, given_up)
+
+    def _close_quietly(self, claim: _OpenClaim, change: dict[str, Any] | None) -> None:
+        """Write an open MODSEQ claim on the way out of a failure (what was done, or `-`); if that
+        fails too, the claim stays empty and readers count it as abandoned after claim_timeout."""
+        try:
+            self._finish_claim(claim, modseq_claim(change), modseq_claim(None))
+        except OSError:
+            pass
+
+    def _bracket_seconds(self) -> float:
+        """How long a change keeps a MODSEQ claim open (readers wait for it) before taking another."""
+        return min(CLAIM_WAIT, self.settings.claim_timeout) / 4
+
+    def _chains(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> Chains:
+        """The claims this process read, starting from the mailbox's checkpoint if it has not
+        read any yet. Caller holds cache.lock."""
+        chains = cache.chains
+        if not chains.loaded:
+            path = self.layout.checkpoint(user_file, mailbox_id)
+            try:
+                chains.load(self.fs.read_whole(path))
+            except FileNotFoundError:
+                pass
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("ignoring the unreadable checkpoint %s: %s", path, exc)
+            chains.loaded = True  # not when the read failed: the next call tries again
+        return chains
+
+    def _sync(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> Chains:
+        """Read the UID claims, then the MODSEQ claims, made since this process last looked: a
+        numbering's UID claims are written before its MODSEQ claim, so every MODSEQ a listing
+        shows is at or below the HIGHESTMODSEQ read with it. Caller holds cache.lock."""
+        self._walk_claims(user_file, mailbox_id, cache)
+        return self._walk_modseqs(user_file, mailbox_id, cache)
+
+    def _checkpoint(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> None:
+        """After enough claims were read, sum them up in the mailbox's checkpoint (replaced
+        atomically; any checkpoint is a valid start, so nodes writing one at once do no harm).
+        Best effort: a failure only means later readers read more claims. Caller holds cache.lock."""
+        chains = cache.chains
+        if not chains.checkpoint_due():
+            return
+        chains.prune(cache.dead)
+        data, entries = chains.checkpoint(cache.dead)
+        path = self.layout.checkpoint(user_file, mailbox_id)
+        try:
+            try:
+                self.fs.replace_file(path, data, self.settings.fsync)
+            except FileNotFoundError:
+                self.fs.makedirs(os.path.dirname(path))
+                self.fs.replace_file(path, data, self.settings.fsync)
+        except OSError as exc:
+            log.warning("could not write the checkpoint %s: %s", path, exc)
+        chains.checkpointed, chains.checkpoint_size = chains.next_uid + chains.next_modseq, entries
+
+    # ================================================================= IMAP UIDs
+
+    def _walk_claims(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> Chains:
+        """Read the UID claims after the last one this process knows. A message renumbered
+        (Store.assign_uids) holds several claims; its UID is the highest, the last one walked.
+        Caller holds cache.lock."""
+        chains = self._chains(user_file, mailbox_id, cache)
+        now = time.time()
+        self._walk_chain(
+            self.layout.uids(user_file, mailbox_id), chains.next_uid, parse_uid_claim, "assigning UIDs",
+            lambda n, claimed: chains.take_uid(n, claimed, now),  # given up, or its claimer died: the UID is burnt
+        )
+        return chains
 
     async def assign_uids(
         self,
@@ -1116,27 +1289,62 @@ class WheelFSStore(FileQueueStore):
                 return {}
             cache = self._cache(mailbox_id)
             live = {m.id for m in self._messages(box, cache).values()}
-            directory = self.layout.uids(user_file, mailbox_id)
             with cache.lock:
-                self._walk_claims(user_file, mailbox_id, cache)
-                for message_id in wanted:
-                    if message_id not in live:
-                        continue
-                    # Renumbering claims a new UID for the same id. A lost exclusive create means
-                    # someone claimed that UID first; the walk reads it, and if it was this very
-                    # message (another node renumbering it too), the UID moved: nothing more to do.
-                    while needs_uid(cache.uid_of.get(message_id), message_id, again):
-                        if cache.next_uid == 1:
-                            self.fs.makedirs(directory)
-                        path = os.path.join(directory, str(cache.next_uid))
-                        if self._claim(path, uid_claim(message_id), uid_claim(None)):
-                            cache.uid_of[message_id] = cache.next_uid
-                            cache.next_uid += 1
-                        else:
-                            self._walk_claims(user_file, mailbox_id, cache)  # someone else's: read it, go on
-                return {i: cache.uid_of[i] for i in wanted if i in live and i in cache.uid_of}
+                chains = self._walk_claims(user_file, mailbox_id, cache)
+                todo = [i for i in wanted if i in live and needs_uid(chains.uid_of.get(i), i, again)]
+                if todo:
+                    self._number(user_file, mailbox_id, box, cache, todo, again)
+                return {i: chains.uid_of[i] for i in wanted if i in live and i in chains.uid_of}
 
         return await self._call(assign)
+
+    def _number(
+        self, user_file: str, mailbox_id: str, box: str, cache: _MailboxCache, todo: list[uuid.UUID], again: dict[uuid.UUID, int]
+    ) -> None:
+        """Claim a UID for each of `todo` in order, under a MODSEQ claim taken first (empty) and
+        written after the UID claims that name it; a claim is kept open a fraction of CLAIM_WAIT,
+        then the next batch takes another. Caller holds cache.lock."""
+        chains = cache.chains
+        directory = self.layout.uids(user_file, mailbox_id)
+        claim: _OpenClaim | None = None
+        uids: list[int] = []
+        numbered: list[uuid.UUID] = []
+        try:
+            for message_id in todo:
+                # Renumbering claims a new UID for the same id. A lost exclusive create means
+                # someone claimed that UID first; the walk reads it, and if it was this very
+                # message (another node renumbering it too), the UID moved: nothing more to do.
+                while needs_uid(chains.uid_of.get(message_id), message_id, again):
+                    if claim is not None and time.monotonic() - claim.started > self._bracket_seconds():
+                        self._close_numbering(cache, claim, uids)
+                        claim, uids = None, []
+                    if claim is None:
+                        claim = self._open_modseq_claim(user_file, mailbox_id, cache)
+                        continue  # it read the UID claims again: this one may have got a UID meanwhile
+                    if chains.next_uid == 1:
+                        self.fs.makedirs(directory)
+                    uid = chains.next_uid
+                    if self._claim(os.path.join(directory, str(uid)), uid_claim(message_id, claim.n), uid_claim(None)):
+                        chains.take_uid(uid, (message_id, claim.n), time.time())
+                        uids.append(uid)
+                        numbered.append(message_id)
+                    else:
+                        self._walk_claims(user_file, mailbox_id, cache)  # someone else's: read it, go on
+        except BaseException:
+            if claim is not None:
+                self._close_quietly(claim, {"k": "n", "uids": uids})
+            raise
+        if claim is not None:
+            self._close_numbering(cache, claim, uids)
+        # A message deleted while it was numbered here (its deleter saw no UID to make vanish).
+        dead = {leading_sid(n) for n in self.fs.listdir(os.path.join(box, "dead"))}
+        cache.dead.update(sid for sid in dead if sid)
+        self._vanish_lost(user_file, mailbox_id, cache, [m for m in numbered if sid_of(m) in dead])
+
+    def _close_numbering(self, cache: _MailboxCache, claim: _OpenClaim, uids: list[int]) -> None:
+        numbering = {"k": "n", "uids": uids}
+        done = self._finish_claim(claim, modseq_claim(numbering), modseq_claim(None))
+        cache.chains.take_change(claim.n, numbering if done else None, time.time())  # `-`: its UID claims still name it
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         key, name = address_key(user), mailbox_name(mailbox)
@@ -1145,10 +1353,92 @@ class WheelFSStore(FileQueueStore):
             user_file, mailbox_id, _ = self._where(key, name)
             cache = self._cache(mailbox_id)
             with cache.lock:
-                self._walk_claims(user_file, mailbox_id, cache)
-                return cache.next_uid
+                return self._walk_claims(user_file, mailbox_id, cache).next_uid
 
         return await self._call(next_uid)
+
+    # ================================================================= MODSEQs (RFC 7162)
+
+    def _walk_modseqs(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> Chains:
+        """Read the MODSEQ claims after the last one this process knows, waiting for any still
+        being written (its change is under way). Caller holds cache.lock."""
+        chains = self._chains(user_file, mailbox_id, cache)
+        now = time.time()
+        self._walk_chain(
+            self.layout.modseqs(user_file, mailbox_id), chains.next_modseq, parse_modseq_claim, "changing messages",
+            lambda n, change: chains.take_change(n, change, now), self.fs.read_whole,
+        )
+        return chains
+
+    def _open_modseq_claim(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> _OpenClaim:
+        """Take the next MODSEQ claim, still empty, after reading every claim below it. The caller
+        makes its change, then writes the claim (or `-`) soon: readers wait for it meanwhile.
+        Caller holds cache.lock."""
+        directory = self.layout.modseqs(user_file, mailbox_id)
+        while True:
+            chains = self._sync(user_file, mailbox_id, cache)
+            try:
+                claim = self._create_claim(os.path.join(directory, str(chains.next_modseq)))
+            except FileNotFoundError:
+                self.fs.makedirs(directory)  # the mailbox's first change (or one from before MODSEQs)
+                continue
+            if claim is not None:
+                claim.n = chains.next_modseq
+                return claim
+
+    def _sequence(
+        self, user_file: str, mailbox_id: str, cache: _MailboxCache, change: dict[str, Any] | Callable[[], dict[str, Any]]
+    ) -> int:
+        """Claim a MODSEQ for a change already made (and visible): `change` is what the claim
+        says, or makes it once every claim below is read. Caller holds cache.lock."""
+        while True:
+            claim = self._open_modseq_claim(user_file, mailbox_id, cache)
+            try:
+                made = change() if callable(change) else change
+            except BaseException:
+                self._close_quietly(claim, None)
+                raise
+            done = self._finish_claim(claim, modseq_claim(made), modseq_claim(None))
+            cache.chains.take_change(claim.n, made if done else None, time.time())
+            if done:
+                return claim.n
+
+    def _vanish_lost(self, user_file: str, mailbox_id: str, cache: _MailboxCache, dead: Iterable[uuid.UUID]) -> None:
+        """Give a MODSEQ to the UIDs of deleted messages that no claim says vanished. Caller holds cache.lock."""
+        chains = cache.chains
+        lost = sorted({chains.uid_of[m] for m in dead if m in chains.uid_of} - chains.vanished_uids)
+        if lost:
+            self._sequence(user_file, mailbox_id, cache, lambda: chains.expunge(lost, time.time(), self.vanished_keep))
+
+    def _repair(self, user_file: str, mailbox_id: str, cache: _MailboxCache) -> None:
+        """A MODSEQ claim was abandoned: if it was a deletion's, its messages are buried but their
+        UIDs were never said to vanish. Every deleted message whose UID no claim names gets a
+        MODSEQ for it now. Caller holds cache.lock, after reading the tombstones and the claims."""
+        chains = cache.chains
+        chains.repair = False
+        self._vanish_lost(user_file, mailbox_id, cache, [m for m in chains.uid_of if sid_of(m) in cache.dead])
+
+    async def highest_modseq(self, user: str, mailbox: str) -> int:
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def highest() -> int:
+            user_file, mailbox_id, _ = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            with cache.lock:
+                return self._walk_modseqs(user_file, mailbox_id, cache).highest
+
+        return await self._call(highest)
+
+    async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def vanished() -> list[int] | None:
+            user_file, mailbox_id, _ = self._where(key, name)
+            cache = self._cache(mailbox_id)
+            with cache.lock:
+                return self._sync(user_file, mailbox_id, cache).vanished_since(modseq)
+
+        return await self._call(vanished)
 
     # ================================================================= IMAP \Recent
 
@@ -1156,15 +1446,12 @@ class WheelFSStore(FileQueueStore):
         """Follow the \\Recent claim chain from the last mark this process knows to its end (the
         first name nobody created). A claim given up, or abandoned by a claimer that died, moves
         the chain on by one: nobody owns \\Recent for that UID. Caller holds cache.recent_lock."""
-        directory = self.layout.recent(user_file, mailbox_id)
-        while True:
-            try:
-                raised = self._settled_claim(
-                    os.path.join(directory, str(cache.recent)), parse_recent_claim, "claiming \\Recent"
-                )
-            except FileNotFoundError:
-                return
-            cache.recent = max(raised, cache.recent + 1) if isinstance(raised, int) else cache.recent + 1
+
+        def take(mark: int, raised: object) -> int:
+            cache.recent = max(raised, mark + 1) if isinstance(raised, int) else mark + 1
+            return cache.recent
+
+        self._walk_chain(self.layout.recent(user_file, mailbox_id), cache.recent, parse_recent_claim, "claiming \\Recent", take)
 
     async def recent_mark(self, user: str, mailbox: str) -> int:
         key, name = address_key(user), mailbox_name(mailbox)

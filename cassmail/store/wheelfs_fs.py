@@ -163,6 +163,20 @@ class FileSystem:
         finally:
             self.close(fd, path)
 
+    def read_whole(self, path: str, block: int = 64 * 1024) -> bytes:
+        """A file whole, however large: reads of `block` bytes until one comes back short."""
+        fd = self.open_read(path)
+        try:
+            parts, offset = [], 0
+            while True:
+                data = self.pread(fd, path, block, offset)
+                parts.append(data)
+                offset += len(data)
+                if len(data) < block:
+                    return b"".join(parts)
+        finally:
+            self.close(fd, path)
+
     def open_read(self, path: str) -> int:
         self.before("open", path)
         return os.open(self.where(path), os.O_RDONLY)

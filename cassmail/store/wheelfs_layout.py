@@ -13,7 +13,12 @@ user's files are kept together while users spread over the servers::
         aliases/<alias>                               empty: an alias that may list this user
         boxes/<mailbox>                               mailbox id, UIDVALIDITY, special-use (JSON)
         validity/<n>                                  UIDVALIDITY values ever handed out
-        uids/<mailbox id>/<uid>                       UID claims: the message id (exclusive create)
+        uids/<mailbox id>/<uid>                       UID claims: the message id and the MODSEQ of
+                                                      its numbering (exclusive create)
+        modseqs/<mailbox id>/<n>                      MODSEQ claims from 2 on: the change n sequences
+                                                      (a numbering, flag change or expunge; ditto)
+        checkpoints/<mailbox id>                      both claim chains summed up to a point (JSON),
+                                                      so a process that starts reads few claims
         recent/<mailbox id>/<mark>                    \\Recent claimed from <mark>: the next mark (ditto)
         sieve/...                                     Sieve scripts and vacation records (file_sieve)
     <root>/cassmail/queue/<strong cues>/              the outbound queue (see file_queue)
@@ -22,7 +27,9 @@ user's files are kept together while users spread over the servers::
         body/<sid>                                    the message bytes, written once
         msg/<sid>.<size>.<date>.<flags>               empty commit marker: the message is listed
         dead/<sid>                                    tombstone: the message stays deleted
-        flags/<sid>.<change sid>                      one flag change (JSON), written once
+        flags/<sid>.<change sid>                      keywords a message was delivered with (JSON),
+                                                      written once; stores before MODSEQs wrote every
+                                                      flag change here
 
 `<sid>` is the message id as a version-6 UUID, so a sorted listing is arrival
 order; `<date>` the internal date in microseconds since 1970 and `<flags>` the
@@ -40,6 +47,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from cassmail.model import parse_sortable_id, sortable_id
 from cassmail.store.base import encode_name
@@ -116,21 +124,47 @@ def parse_flag_record(data: bytes) -> tuple[str, frozenset[str]] | None:
     return mode, frozenset(str(f) for f in flags)
 
 
-def uid_claim(message_id: uuid.UUID | None) -> bytes:
-    """A UID claim's content: the message id, or `-` for a claim given up (the UID is burnt)."""
-    return (message_id.hex if message_id else "-").encode() + b"\n"
+def uid_claim(message_id: uuid.UUID | None, modseq: int | None = None) -> bytes:
+    """A UID claim's content: the message id and the MODSEQ claim that sequences its numbering
+    (just the id: a claim of a store before MODSEQs), or `-` for a claim given up (the UID is burnt)."""
+    if message_id is None:
+        return b"-\n"
+    return f"{message_id.hex}\n".encode() if modseq is None else f"{message_id.hex} {modseq}\n".encode()
 
 
-def parse_uid_claim(data: bytes) -> uuid.UUID | None | bool:
-    """The claimed id; None for a burnt claim; False while it is not completely written."""
+def parse_uid_claim(data: bytes) -> tuple[uuid.UUID, int] | None | bool:
+    """(claimed id, MODSEQ of the numbering); None for a burnt claim; False while it is not
+    completely written. A claim made before the store kept MODSEQs holds the id alone: MODSEQ 1."""
     if data == b"-\n":
         return None
-    if len(data) != 33 or not data.endswith(b"\n"):
+    if not data.endswith(b"\n"):
+        return False
+    text, space, modseq = data[:-1].partition(b" ")
+    if len(text) != 32 or space and not (modseq.isdigit() and len(modseq) <= 20):
         return False
     try:
-        return uuid.UUID(hex=data[:32].decode("ascii"))
+        return uuid.UUID(hex=text.decode("ascii")), max(int(modseq or 1), 1)
     except ValueError:
         return False
+
+
+def modseq_claim(change: dict[str, object] | None) -> bytes:
+    """A MODSEQ claim's content: the change it sequences as one JSON line, or `-` for a claim
+    given up (the MODSEQ is burnt: it sequences nothing)."""
+    return json.dumps(change, separators=(",", ":")).encode() + b"\n" if change is not None else b"-\n"
+
+
+def parse_modseq_claim(data: bytes) -> dict[str, Any] | None | bool:
+    """The change; None for a claim given up; False while it is not completely written."""
+    if data == b"-\n":
+        return None
+    if not data.endswith(b"\n"):
+        return False
+    try:
+        change = json.loads(data)
+    except ValueError:
+        return False
+    return change if isinstance(change, dict) and isinstance(change.get("k"), str) else False
 
 
 def recent_claim(mark: int | None) -> bytes:
@@ -196,13 +230,19 @@ class Layout:
     def recent(self, user_file: str, mailbox_id: str) -> str:
         return os.path.join(self.users, user_file, "recent", mailbox_id)
 
+    def modseqs(self, user_file: str, mailbox_id: str) -> str:
+        return os.path.join(self.users, user_file, "modseqs", mailbox_id)
+
+    def checkpoint(self, user_file: str, mailbox_id: str) -> str:
+        return os.path.join(self.users, user_file, "checkpoints", mailbox_id)
+
 
 def sid_of(message_id: uuid.UUID) -> str:
     return sortable_id(message_id)
 
 
 __all__ = [
-    "LAYOUT_FILE", "MAILBOX_PARTS", "Layout", "Marker", "file_name", "flag_record", "leading_sid", "parse_flag_record",
-    "parse_flag_record_name", "parse_marker", "parse_recent_claim", "parse_uid_claim", "recent_claim", "sid_of",
-    "uid_claim",
+    "LAYOUT_FILE", "MAILBOX_PARTS", "Layout", "Marker", "file_name", "flag_record", "leading_sid", "modseq_claim",
+    "parse_flag_record", "parse_flag_record_name", "parse_marker", "parse_modseq_claim", "parse_recent_claim",
+    "parse_uid_claim", "recent_claim", "sid_of", "uid_claim",
 ]
