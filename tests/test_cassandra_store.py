@@ -657,3 +657,39 @@ async def test_changes_since_a_modseq_are_read_from_the_modseq_records_not_the_l
     assert changed[0].flags == {"\\Seen", "$Done"} and changed[0].modseq == await store.highest_modseq(user, INBOX) - 1
     assert vanished == [6, 7]
     assert 5 <= cost.live_rows <= 20, cost  # records and rows of what changed, and the counters
+
+
+async def test_a_flag_change_without_a_paxos_quorum_is_made_without_a_modseq(make_store, monkeypatch) -> None:
+    """Too few replicas up for a Paxos round: STORE still marks mail read (merged at the write
+    level, MODSEQ unchanged), while an UNCHANGEDSINCE, which needs the round, is unavailable."""
+    store = await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 2)
+    await store.assign_uids(user, INBOX, ids)
+    before = {s.id: s.modseq async for s in store.list_messages(user, INBOX)}
+
+    async def no_quorum(*args, **kw):
+        raise StoreUnavailable("Cassandra: not enough replicas for SERIAL")
+
+    monkeypatch.setattr(store, "_change", no_quorum)
+    assert await store.store_flags(user, INBOX, ids, ["\\Seen"], "add") == set()
+    with pytest.raises(StoreUnavailable):
+        await store.store_flags(user, INBOX, ids, ["\\Flagged"], "add", unchanged_since=10)
+    monkeypatch.undo()
+    after = {s.id: (s.flags, s.modseq) async for s in store.list_messages(user, INBOX)}
+    assert after == {i: (frozenset({"\\Seen"}), before[i]) for i in ids}
+
+
+async def test_a_mailbox_never_numbered_is_deleted_from_without_paxos(make_store, monkeypatch) -> None:
+    """POP3-only mail (no UID ever handed out) has no UID to remember: DELE needs no Paxos round."""
+    store = await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 3)
+
+    async def no_quorum(*args, **kw):
+        raise StoreUnavailable("Cassandra: not enough replicas for SERIAL")
+
+    monkeypatch.setattr(store.cql, "conditional", no_quorum)
+    await store.delete_messages(user, INBOX, ids[:2])
+    monkeypatch.undo()
+    assert [s.id async for s in store.list_messages(user, INBOX)] == ids[2:]

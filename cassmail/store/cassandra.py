@@ -642,7 +642,10 @@ class CassandraStore(CassandraSieve, CassandraQueue):
         unchanged_since: int | None = None,
     ) -> set[uuid.UUID]:
         """Flags are written whole, in a conditional batch decided on the flags and MODSEQs read at
-        SERIAL (`_change`): every flag change goes through it, so none is lost to another."""
+        SERIAL (`_change`), so no change is lost to another. When no Paxos round can be had (too
+        few replicas of the mailbox up), a change without `unchanged_since` is still made, merged
+        by Cassandra at the write level, without a MODSEQ: marking mail read keeps working in an
+        outage, and a CONDSTORE client learns of that change with the message's next one."""
         mode = check_flag_mode(mode)
         values = flag_set(flags)
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
@@ -667,9 +670,30 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                         statements += messages.record_statements(mailbox_id, r.uid, modseq, r.id, r.uid, r.modseq)
             return statements
 
-        for group in _groups([i for i in dict.fromkeys(ids) if i != ANCHOR], UID_BATCH):
-            await self._change(mailbox_id, group, plan)
+        wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
+        for n, group in enumerate(_groups(wanted, UID_BATCH)):
+            try:
+                await self._change(mailbox_id, group, plan)
+            except StoreUnavailable as exc:
+                if unchanged_since is not None:
+                    raise
+                log.warning("flags of %d messages in %s changed without a MODSEQ: %s", len(wanted), mailbox_id, exc)
+                await self._plain_flags(user, mailbox, mailbox_id, wanted[n * UID_BATCH :], values, mode)
+                break
         return set(modified)
+
+    async def _plain_flags(
+        self, user: str, mailbox: str, mailbox_id: uuid.UUID, ids: list[uuid.UUID], values: frozenset[str],
+        mode: FlagMode,
+    ) -> None:
+        existing = await self.get_summaries(user, mailbox, ids)  # an update of a deleted row would bring a ghost back
+        flags = set(values) or None if mode == "set" else set(values)
+        for group in _groups([i for i in ids if i in existing], IN_BATCH):
+            batch = self.cql.batch(BatchType.UNLOGGED)
+            token = new_message_id()
+            for message_id in group:
+                batch.add(self.tables.messages.plain_flags_statement(mode, mailbox_id, message_id, flags, token))
+            await self.cql.run(batch)
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
         key, name = address_key(user), mailbox_name(mailbox)
@@ -681,7 +705,6 @@ class CassandraStore(CassandraSieve, CassandraQueue):
         for group in _groups(wanted, IN_BATCH):
             gone: list[Any] = []
             forget: list[int] = []
-
             def plan(rows: list[Any], modseq: int) -> list[Any]:
                 gone[:] = [r for r in rows if r.body_id is not None]
                 forget.clear()
@@ -702,7 +725,19 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                             forget.append(floor)
                 return statements
 
-            await self._change(mailbox_id, group, plan)
+            found = await messages.body_infos(mailbox_id, group)
+            if found and found[0].uidnext is None and found[0].highest_modseq is None:
+                # Never numbered (POP3 only so far): no UID to remember, so a plain deletion, no
+                # Paxos. (An IMAP session numbering one of these messages in the same instant keeps
+                # its UID without an expunge record: it still sees the message go at its next
+                # listing, and only a QRESYNC client reconnecting later would not be told.)
+                batch = self.cql.batch(BatchType.UNLOGGED)
+                batch.add(messages.delete_statement(mailbox_id, group))
+                batch.add(messages.changed_statement(mailbox_id, new_message_id()))
+                await self.cql.run(batch)
+                gone = [r for r in found if r.body_id is not None]
+            elif found:
+                await self._change(mailbox_id, group, plan)
             for r in gone:
                 newest = _later(newest, r.id)
             # The messages are gone from here on: what follows only tidies up, and a failure of it

@@ -302,6 +302,7 @@ class Messages(Table):
     _STATE = ("id, uid, size, flags, modseq, body_id, chunk_size, shared, "
               "uidnext, highest_modseq, vanished_floor, vanished_mark, vanished_mark_at")
     _BODY = "id, body_id, size, chunk_size, shared"
+    _BODY_COUNTERS = f"{_BODY}, uidnext, highest_modseq"
     STATEMENTS = {
         "insert": (
             WRITE,
@@ -315,7 +316,12 @@ class Messages(Table):
         ),
         "first_live": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16"),
         "body_info": (READ, "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?"),
-        "body_infos": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "body_infos": (READ, f"SELECT {_BODY_COUNTERS} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "delete": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "changed": (WRITE, "UPDATE messages SET changed = ? WHERE mailbox_id = ?"),
+        "flags_set": (WRITE, "UPDATE messages SET flags = ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        "flags_add": (WRITE, "UPDATE messages SET flags = flags + ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        "flags_remove": (WRITE, "UPDATE messages SET flags = flags - ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
         "walk": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
         "summaries": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "purge": (WRITE, "DELETE FROM messages WHERE mailbox_id = ?"),
@@ -376,7 +382,21 @@ class Messages(Table):
         return _first(await self._run("body_info", mailbox_id, message_id))
 
     async def body_infos(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+        """Body rows of these ids, with the counters (static: null before the first numbering)."""
         return await self._run("body_infos", mailbox_id, ids)
+
+    def delete_statement(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> BoundStatement:
+        """A plain deletion (a mailbox never numbered: see CassandraStore.delete_messages)."""
+        return self.bind("delete", mailbox_id, ids)
+
+    def changed_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
+        return self.bind("changed", changed, mailbox_id)
+
+    def plain_flags_statement(
+        self, mode: str, mailbox_id: uuid.UUID, message_id: uuid.UUID, flags: set[str] | None, changed: uuid.UUID
+    ) -> BoundStatement:
+        """A flag change merged by Cassandra, without a MODSEQ (see CassandraStore.store_flags)."""
+        return self.bind(f"flags_{mode}", flags, changed, mailbox_id, message_id)
 
     async def walk(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> list[Any]:
         """Body rows after `after` (from the first real message id when None)."""
