@@ -587,6 +587,25 @@ async def test_a_modseq_claim_its_claimer_left_empty_is_waited_for_then_passed(f
         assert await node.highest_modseq(USER, INBOX) == 8
 
 
+async def test_a_message_deleted_by_another_node_while_it_is_numbered_has_its_uid_vanish(
+    faulty, tmp_path: Path, opened: Opener
+) -> None:
+    store, fs = faulty
+    [a] = await store.deliver(BODY, [Target(USER)])
+    other_node = await opened(tmp_path)
+    mark = await store.highest_modseq(USER, INBOX)
+    fs.stall_seconds = 0.4
+    fs.stall = lambda op, path: op == "open" and f"{os.sep}uids{os.sep}" in path  # this node is slow to number it
+    numbering = asyncio.create_task(store.assign_uids(USER, INBOX, [a]))
+    await asyncio.sleep(0.2)
+    await other_node.delete_messages(USER, INBOX, [a])  # no UID yet: nothing to say vanished
+    assert await numbering == {a: 1}  # numbered as it was listed, then found deleted
+    fs.stall = lambda op, path: False
+    for node in (store, other_node):
+        assert await ids_of(node) == []
+        assert await node.vanished_since(USER, INBOX, mark) == [1]
+
+
 async def test_a_process_that_starts_reads_the_checkpoint_and_the_claims_after_it(
     faulty, tmp_path: Path, opened: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:

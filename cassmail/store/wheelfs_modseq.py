@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Container
+from collections.abc import Collection, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,7 @@ class Chains:
     loaded: bool = False  # the checkpoint was looked for
     checkpointed: int = 1 + FIRST_MODSEQ  # next_uid + next_modseq of the last checkpoint read or written
     checkpoint_size: int = 0
+    pruned: int = 0  # tombstones seen when flag changes were last pruned
 
     @property
     def highest(self) -> int:
@@ -165,9 +166,12 @@ class Chains:
             return None
         return sorted({uid for n, uid, _ in self.vanished if n > modseq})
 
-    def prune(self, dead: Container[str]) -> None:
-        """Drop the flag changes of messages deleted (their tombstones seen): never listed again."""
-        self.effects = {sid: e for sid, e in list(self.effects.items()) if sid not in dead}
+    def prune(self, dead: Collection[str]) -> None:
+        """Drop the flag changes of messages deleted (their tombstones seen): never listed again.
+        Nothing to do while no tombstone was seen since the last time."""
+        if len(dead) != self.pruned:
+            self.effects = {sid: e for sid, e in list(self.effects.items()) if sid not in dead}
+            self.pruned = len(dead)
 
     # ------------------------------------------------------------------ checkpoints
 
