@@ -17,10 +17,10 @@ import abc
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, Literal
 
 from cassmail.model import (
     HIERARCHY_DELIMITER,
@@ -150,6 +150,10 @@ class StoreUnavailable(StoreError):
 
 
 # --------------------------------------------------------------------------- contract types
+
+#: Seconds between reports of a watched mailbox whose store gives no changes token (see
+#: Store.changed_mailboxes): such a mailbox is refreshed this often.
+UNTOKENED_REPORT = 2.0
 
 FlagMode = Literal["set", "add", "remove"]
 Body = bytes | bytearray | memoryview
@@ -522,6 +526,37 @@ class Store(abc.ABC):
         (RFC 7162 VANISHED); None when the store may have forgotten some of them: expunges are
         remembered for at least `vanished_keep` seconds (a store setting), and a client that
         last synchronised before that has to resynchronise in full. Raises NoSuchMailbox."""
+
+    # ----------------------------------------------------------------- change notification (IMAP IDLE)
+
+    async def changed_mailboxes(
+        self, watched: Collection[tuple[str, str]], since: Any
+    ) -> tuple[set[tuple[str, str]], Any]:
+        """Which of the `watched` (user, mailbox) pairs changed since `since` (a value this method
+        returned before; None: from now, nothing to report yet), and the value to pass next time.
+
+        One poller per process calls it a few times a second for every mailbox its IDLE sessions
+        watch, so that a change made by any process on any node reaches them within about a
+        second. A pair may be reported when nothing changed (it costs the caller a refresh); a
+        change is never missed. This default asks `changes_token` of each watched mailbox, so
+        its cost grows with their number, and reports a mailbox whose store gives no token every
+        UNTOKENED_REPORT seconds; backends with a cheaper way (a feed of change events,
+        file-system notifications) override it. A mailbox that is gone is reported as changed."""
+        now = time.monotonic()
+        previous: dict[tuple[str, str], tuple[Hashable | None, float]] = since or {}
+        state: dict[tuple[str, str], tuple[Hashable | None, float]] = {}
+        changed: set[tuple[str, str]] = set()
+        for pair in watched:
+            try:
+                token = await self.changes_token(*pair)
+            except NoSuchMailbox:
+                token = None
+            old_token, reported = previous.get(pair, (token, now))
+            if since is not None and (token != old_token or (token is None and now - reported >= UNTOKENED_REPORT)):
+                changed.add(pair)
+                reported = now
+            state[pair] = (token, reported)
+        return changed, state
 
     # ----------------------------------------------------------------- IMAP \Recent
     # RFC 3501 gives \Recent to exactly one session: the first read-write session told of the

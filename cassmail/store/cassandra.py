@@ -82,6 +82,7 @@ from cassmail.store.base import (
 )
 
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief
+from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_sieve import CassandraSieve
 from cassmail.store.cassandra_tables import ANCHOR, Tables
@@ -112,7 +113,7 @@ def _now_100ns() -> int:
     return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
 
 
-class CassandraStore(CassandraSieve, CassandraQueue):
+class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
         #: The one executor of every statement; the tables hold the statements.
         self.cql = Cql(settings)
@@ -185,6 +186,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
         return f"{','.join(self.settings.contact_points)}:{self.settings.port} keyspace {self.settings.keyspace}"
 
     async def close(self) -> None:
+        await self._settle_events()
         if self._cluster is not None:
             cluster, self._cluster, self.cql.session = self._cluster, None, None
             await asyncio.to_thread(cluster.shutdown)
@@ -551,6 +553,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             for params in inserts:
                 batch.add(self.tables.messages.insert_statement(*params))
             await self.cql.run(batch)
+        self._notify(mailbox_ids.values())
         return [ids[(t.user, t.mailbox)] for t in targets]
 
     # ================================================================= listing and reading
@@ -694,6 +697,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             for message_id in group:
                 batch.add(self.tables.messages.plain_flags_statement(mode, mailbox_id, message_id, flags, token))
             await self.cql.run(batch)
+        self._notify([mailbox_id])
 
     async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
         key, name = address_key(user), mailbox_name(mailbox)
@@ -735,6 +739,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
                 batch.add(messages.delete_statement(mailbox_id, group))
                 batch.add(messages.changed_statement(mailbox_id, new_message_id()))
                 await self.cql.run(batch)
+                self._notify([mailbox_id])
                 gone = [r for r in found if r.body_id is not None]
             elif found:
                 await self._change(mailbox_id, group, plan)
@@ -788,6 +793,7 @@ class CassandraStore(CassandraSieve, CassandraQueue):
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
             applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
             if applied:
+                self._notify([mailbox_id])
                 return True
             await _backoff()
         raise StoreUnavailable("could not change messages: too much contention")

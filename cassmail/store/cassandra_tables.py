@@ -37,6 +37,12 @@ def _timeuuid(ticks: int, clock_seq: int, node: int) -> uuid.UUID:
                              clock_seq >> 8, clock_seq & 0xFF, node))
 
 
+def min_timeuuid(unix_seconds: float) -> uuid.UUID:
+    """The smallest timeuuid of a moment, in Cassandra's order (cf. minTimeuuid): a bound for
+    `at > ?` range reads."""
+    return _timeuuid(int(unix_seconds * 10_000_000) + _MAX_MODSEQ_TICKS, 0x8080, 0x808080808080)
+
+
 def record_id(modseq: int, uid: int) -> uuid.UUID:
     """The clustering id of the MODSEQ record (schema 008) of UID `uid` changed or expunged at
     MODSEQ `modseq`: a timeuuid whose time is the MODSEQ (so records sort by it, below
@@ -766,6 +772,25 @@ class SieveVacation(Table):
         return self.bind("purge", user)
 
 
+# ===================================================================== change events (schema/009_events.cql)
+
+
+class MailboxEvents(Table):
+    """`mailbox_events`: a partition per second, a row per change of a mailbox's messages."""
+
+    STATEMENTS = {
+        "insert": (WRITE, "INSERT INTO mailbox_events (second, at, mailbox_id) VALUES (?, ?, ?)"),
+        "since": (READ, "SELECT at, mailbox_id FROM mailbox_events WHERE second = ? AND at > ?"),
+    }
+
+    def insert_statement(self, second: int, at: uuid.UUID, mailbox_id: uuid.UUID) -> BoundStatement:
+        return self.bind("insert", second, at, mailbox_id)
+
+    async def since(self, second: int, after: uuid.UUID) -> list[Any]:
+        """(at, mailbox_id) of the events of one second after `after`."""
+        return await self._run("since", second, after)
+
+
 class Tables:
     """Every table of the keyspace, each with its statements, sharing one executor."""
 
@@ -784,6 +809,7 @@ class Tables:
         self.dkim_keys = DkimKeys(cql)
         self.sieve_scripts = SieveScripts(cql)
         self.sieve_vacation = SieveVacation(cql)
+        self.mailbox_events = MailboxEvents(cql)
 
     def all(self) -> Iterable[Table]:
         return [t for t in vars(self).values() if isinstance(t, Table)]

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -96,6 +96,7 @@ from cassmail.store.base import (
     internal_date_micros,
     prepare_delivery,
 )
+from cassmail.store.mbox_watch import DirectoryWatch
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, MessageGone, NeedsRecovery, ReadState
 
 T = TypeVar("T")
@@ -141,6 +142,9 @@ class MboxStore(FileQueueStore):
                     shutil.rmtree(leftover, ignore_errors=True)
 
     async def close(self) -> None:
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()
+            self._watch = None
         with self._cache_lock:
             files, self._open_files = list(self._open_files.values()), OrderedDict()
         for mf in files:
@@ -730,6 +734,28 @@ class MboxStore(FileQueueStore):
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.uid_next())
+
+    async def changed_mailboxes(
+        self, watched: Collection[tuple[str, str]], since: Any
+    ) -> tuple[set[tuple[str, str]], Any]:
+        """From inotify watches on the watched mailboxes' directories (mbox_watch.py): one read
+        per call however many are watched; the changes tokens where inotify cannot be had."""
+        watch: DirectoryWatch | None = getattr(self, "_watch", None)
+        if watch is None:
+            watch = self._watch = DirectoryWatch()
+        if not watch.available:
+            return await super().changed_mailboxes(watched, since)
+        dirs = {pair: self._mailbox_dir(self._user_dir(address_key(pair[0])), mailbox_name(pair[1]))
+                for pair in watched}
+        for directory in watch.watched() - set(dirs.values()):
+            watch.unwatch(directory)
+        unwatchable = {pair for pair, directory in dirs.items() if not watch.watch(directory)}
+        written, overflow = watch.changed()
+        if since is None:
+            return set(), True
+        if overflow:
+            return set(dirs), True
+        return {pair for pair, directory in dirs.items() if directory in written} | unwatchable, True
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.changes_token())

@@ -764,6 +764,41 @@ async def test_copies_and_their_sources_keep_separate_modseqs(store: Store, user
     assert (await modseqs(store, user, "Archive"))[copy] > 1
 
 
+# ----------------------------------------------------------------------------- change notification
+
+
+async def reported(store: Store, watched: list, cursor: object, wanted: tuple, seconds: float = 3.0) -> tuple:
+    """Poll changed_mailboxes until `wanted` is reported (what else was reported, and the cursor)."""
+    seen: set = set()
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        changed, cursor = await store.changed_mailboxes(watched, cursor)
+        seen |= changed
+        if wanted in changed:
+            return seen, cursor
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{wanted} not reported within {seconds} s (reported: {seen})")
+
+
+async def test_changed_mailboxes_reports_each_change_of_a_watched_mailbox(store: Store, user: str) -> None:
+    watched = [(user, INBOX), (user, "Drafts")]
+    changed, cursor = await store.changed_mailboxes(watched, None)
+    assert changed == set()  # from now on
+    [a] = await store.deliver(MESSAGE, [Target(user)])
+    seen, cursor = await reported(store, watched, cursor, (user, INBOX))
+    [d] = await store.deliver(MESSAGE, [Target(user, "Drafts")])
+    await store.assign_uids(user, "Drafts", [d])
+    _, cursor = await reported(store, watched, cursor, (user, "Drafts"))
+    await store.store_flags(user, "Drafts", [d], ["\\Seen"], "add")
+    _, cursor = await reported(store, watched, cursor, (user, "Drafts"))
+    await store.delete_messages(user, INBOX, [a])
+    _, cursor = await reported(store, watched, cursor, (user, INBOX))
+    # a mailbox that is not watched is not reported
+    [other] = await store.deliver(MESSAGE, [Target(user, "Archive")])
+    changed, cursor = await store.changed_mailboxes(watched, cursor)
+    assert (user, "Archive") not in changed
+
+
 # ----------------------------------------------------------------------------- IMAP \Recent
 
 

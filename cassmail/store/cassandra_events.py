@@ -1,0 +1,107 @@
+"""Change events of the Cassandra backend (schema/009_events.cql): how an IMAP IDLE session
+hears of a change made on any node within about a second, at a cost that follows the number of
+changes, not of sessions or mailboxes watched.
+
+Every change of a mailbox's messages (a delivery, a numbering, a flag change, an expunge) is
+followed by an event row in the partition of its second, written in the background once the
+change itself is stored: a delivery's reply never waits for it, and an event that is lost (the
+write failed) only delays the news to the IDLE sessions' slow fallback refresh. A worker's
+poller reads the partitions of the last few seconds; an event stamped up to EVENT_WINDOW
+seconds before it lands (a slow write, clocks of two nodes apart) is still read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from cassmail.model import address_key, new_message_id, timeuuid_seconds
+from cassmail.store.base import NoSuchMailbox, Store, StoreError
+from cassmail.store.cassandra_cql import Cql
+from cassmail.store.cassandra_tables import Tables, min_timeuuid
+
+log = logging.getLogger(__name__)
+
+#: Seconds an event may land after the time it carries and still be read.
+EVENT_WINDOW = 2.0
+#: Seconds a watched mailbox's id is trusted before it is resolved again (renamed, recreated).
+WATCH_ID_TTL = 60.0
+
+
+class CassandraEvents(Store):
+    """Mixed into CassandraStore: its executor, tables and mailbox lookup are used here."""
+
+    cql: Cql
+    tables: Tables
+    _resolve: Any
+
+    def _event_state(self) -> tuple[set[asyncio.Task[None]], dict[tuple[str, str], tuple[uuid.UUID | None, float]]]:
+        if not hasattr(self, "_event_tasks"):
+            self._event_tasks: set[asyncio.Task[None]] = set()
+            self._watch_ids: dict[tuple[str, str], tuple[uuid.UUID | None, float]] = {}
+        return self._event_tasks, self._watch_ids
+
+    def _notify(self, mailbox_ids: Iterable[uuid.UUID]) -> None:
+        """Write an event for each mailbox, in the background (see the module's docstring)."""
+        tasks, _ = self._event_state()
+        task = asyncio.ensure_future(self._write_events(list(dict.fromkeys(mailbox_ids))))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _write_events(self, mailbox_ids: list[uuid.UUID]) -> None:
+        at = new_message_id()
+        second = int(timeuuid_seconds(at))
+        try:
+            await asyncio.gather(*(self.cql.run(self.tables.mailbox_events.insert_statement(second, at, m))
+                                   for m in mailbox_ids))
+        except StoreError as exc:
+            log.info("change event of %d mailboxes not written: %s", len(mailbox_ids), exc)
+
+    async def _settle_events(self) -> None:
+        """Let the events in flight finish (at close)."""
+        tasks, _ = self._event_state()
+        if tasks:
+            await asyncio.wait(list(tasks), timeout=5)
+
+    async def changed_mailboxes(
+        self, watched: Collection[tuple[str, str]], since: Any
+    ) -> tuple[set[tuple[str, str]], Any]:
+        """From the change events of the last seconds: a few reads however many mailboxes are
+        watched. The value passed on is (time of this read, events already seen), so an event
+        read again within EVENT_WINDOW is not reported twice."""
+        now = time.time()
+        ids = await self._watched_ids(watched)
+        if since is None:
+            return set(), (now, frozenset())
+        last, seen = since
+        start = last - EVENT_WINDOW
+        after = min_timeuuid(start)
+        read: set[tuple[uuid.UUID, uuid.UUID]] = set()
+        for second in range(int(start), int(now) + 1):
+            read.update((r.at, r.mailbox_id) for r in await self.tables.mailbox_events.since(second, after))
+        news = {mailbox_id for (_, mailbox_id) in read - seen}
+        changed = {pair for pair, mailbox_id in ids.items() if mailbox_id is None or mailbox_id in news}
+        return changed, (now, frozenset(read))
+
+    async def _watched_ids(self, watched: Collection[tuple[str, str]]) -> dict[tuple[str, str], uuid.UUID | None]:
+        """The mailbox id of each watched pair (None: the mailbox is gone), resolved again after
+        WATCH_ID_TTL seconds."""
+        _, cache = self._event_state()
+        now = time.monotonic()
+        out: dict[tuple[str, str], uuid.UUID | None] = {}
+        for pair in watched:
+            known = cache.get(pair)
+            if known is None or now - known[1] > WATCH_ID_TTL:
+                try:
+                    mailbox_id = (await self._resolve(address_key(pair[0]), pair[1])).mailbox_id
+                except NoSuchMailbox:
+                    mailbox_id = None
+                known = cache[pair] = (mailbox_id, now)
+            out[pair] = known[0]
+        for pair in set(cache) - set(watched):
+            del cache[pair]
+        return out
