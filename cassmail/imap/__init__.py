@@ -4,7 +4,8 @@
 `connection` reads commands and writes answers, `parse` turns a command's bytes into a typed
 `commands.Command`, `session` is the state machine that runs them, and each command family
 has its module (`login`, `mailboxes`, `selected`, `fetch`, `search`, `idle`) over the
-selected mailbox's `view`, with `mime` and `wire` for the data formats.
+selected mailbox's `view`, with `mime` and `wire` for the data formats; what CONDSTORE and
+QRESYNC (RFC 7162) add to those commands is in `condstore`.
 """
 
 from __future__ import annotations
