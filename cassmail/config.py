@@ -468,9 +468,14 @@ class ImapSettings(MailboxListenerSettings):
     max_line_length: int = 65536
     #: Largest literal other than an APPEND's message (names, passwords, search strings).
     max_string_literal: int = 8192
-    #: Seconds between two looks at the store for changes made elsewhere, while a session IDLEs.
-    #: One look per selected mailbox and worker process, whatever the number of sessions on it.
-    idle_poll: float = 2.0
+    #: Seconds between two questions to the store, while sessions IDLE, of which of their
+    #: mailboxes changed (on any node): one per worker process, whatever the number of sessions
+    #: and mailboxes (a read of recent change events on Cassandra, of inotify on mbox); only a
+    #: mailbox that changed is listed.
+    idle_poll: float = 0.5
+    #: Seconds after which an IDLE session's mailbox is listed even if no change was reported (a
+    #: change whose event was lost is seen then).
+    idle_refresh: float = 60.0
     page_size: int = 1000
     #: Bytes of parsed message headers each worker keeps (ENVELOPE, HEADER.FIELDS and SEARCH on
     #: headers read a message's header from the store once); 0 keeps none.
@@ -482,6 +487,7 @@ class ImapSettings(MailboxListenerSettings):
         _check(1024 <= self.max_line_length <= 1 << 24, f"{prefix}.max_line_length", "must be 1024..16777216 bytes")
         _check(256 <= self.max_string_literal <= 1 << 20, f"{prefix}.max_string_literal", "must be 256..1048576")
         _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
+        _check(1 <= self.idle_refresh <= 3600, f"{prefix}.idle_refresh", "must be 1..3600 seconds")
         _check(0 <= self.header_cache_bytes <= 1 << 34, f"{prefix}.header_cache_bytes", "must be 0..17179869184 bytes")
 
 

@@ -1,9 +1,12 @@
 """IDLE (RFC 2177): the session waits for DONE and tells the client of changes meanwhile.
 
-Changes made elsewhere are found by one `Watcher` per watched mailbox and worker: every
-`idle_poll` seconds it lists the mailbox (giving UIDs to new messages) and hands the same
-listing to every IDLE session on it, so the store is asked once per interval however many
-sessions idle on the mailbox.
+Changes made elsewhere are pushed, not polled per session: one `Poller` per listener and worker
+asks the store every `idle_poll` seconds which of the mailboxes its IDLE sessions watch have
+changed (`Store.changed_mailboxes`: on Cassandra a read of the last seconds' change events, on
+mbox an inotify read), however many sessions and mailboxes there are. Only a mailbox reported
+changed is listed, once, by its `Watcher`, and the listing handed to every IDLE session on it.
+A newly watched mailbox is listed at the first poll, and every watched one at least every
+`idle_refresh` seconds, in case a change's event was lost.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cassmail.imap import commands as c
 from cassmail.imap.connection import LineTooLong
@@ -74,38 +77,96 @@ def watch(listener: Listener, user: str, mailbox: str) -> Watcher:
     found = listener.watchers.get(key)
     if found is None:
         found = listener.watchers[key] = Watcher(listener, key)
+        poller(listener).wake()
     found.users += 1
     return found
 
 
+def poller(listener: Listener) -> Poller:
+    if listener.poller is None:
+        listener.poller = Poller(listener)
+    return listener.poller
+
+
+class Poller:
+    """Asks the store which watched mailboxes changed (see the module's docstring); runs while
+    any mailbox is watched."""
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self._cursor: Any = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        listener, settings = self.listener, self.listener.settings
+        while listener.watchers:
+            watchers = dict(listener.watchers)
+            try:
+                changed, self._cursor = await listener.store.changed_mailboxes(list(watchers), self._cursor)
+            except StoreError as exc:
+                log.warning(kv("imap-idle", error=exc))
+                changed = set(watchers)  # cannot tell: list them all, as a poll would
+            now = asyncio.get_running_loop().time()
+            for key, watcher in watchers.items():
+                if key in changed or watcher.listed_at is None or now - watcher.listed_at >= settings.idle_refresh:
+                    watcher.list()
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), settings.idle_poll)
+        self._cursor = None  # nothing watched: the next start begins from then
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class Watcher:
-    """One reader per watched mailbox and worker (see the module's docstring)."""
+    """What IDLE sessions on one mailbox in one worker share: the listing read when the poller
+    reports the mailbox changed (one at a time; a report during a read asks for one more)."""
 
     def __init__(self, listener: Listener, key: tuple[str, str]) -> None:
         self.listener, self.key = listener, key
         self.users = 0
+        self.listed_at: float | None = None
         self._next: asyncio.Future[Listing] = asyncio.get_running_loop().create_future()
-        self._task = asyncio.ensure_future(self._run())
+        self._reading: asyncio.Task[None] | None = None
+        self._again = False
 
-    async def _run(self) -> None:
+    def list(self) -> None:
+        self.listed_at = asyncio.get_running_loop().time()
+        if self._reading is not None and not self._reading.done():
+            self._again = True
+            return
+        self._reading = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
         settings, store = self.listener.settings, self.listener.store
         while True:
-            await asyncio.sleep(settings.idle_poll)
+            self._again = False
             try:
                 # with the HIGHESTMODSEQ, for the sessions that have CONDSTORE on
                 listing = await read_listing(store, self.key[0], self.key[1], settings.page_size, highest=True)
             except StoreError as exc:
                 log.warning(kv("imap-idle", user=self.key[0], mailbox=self.key[1], error=exc))
-                continue
-            done, self._next = self._next, asyncio.get_running_loop().create_future()
-            done.set_result(listing)
+            else:
+                done, self._next = self._next, asyncio.get_running_loop().create_future()
+                done.set_result(listing)
+            if not self._again:
+                return
 
     async def next(self) -> Listing:
-        """The next listing (waits for the next tick)."""
+        """The next listing (when the mailbox changes)."""
         return await asyncio.shield(self._next)
 
     def release(self) -> None:
         self.users -= 1
         if self.users <= 0:
-            self._task.cancel()
+            if self._reading is not None:
+                self._reading.cancel()
             self.listener.watchers.pop(self.key, None)

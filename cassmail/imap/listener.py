@@ -49,6 +49,8 @@ class Listener(Sessions):
         Sessions.__init__(self, settings.max_connections)
         #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).
         self.watchers: dict[tuple[str, str], Any] = {}
+        #: The Poller that asks the store which watched mailboxes changed (cassmail.imap.idle).
+        self.poller: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     def protocol(self) -> Connection:

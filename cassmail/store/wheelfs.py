@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -134,6 +134,9 @@ CACHED_MAILBOXES = 1024
 CLAIM_WAIT = 2.0
 #: Old tombstones looked at (one stat each) per deletion.
 TOMBSTONES_PER_DELETE = 64
+#: Seconds a directory's modification time must be old before a changes token trusts it (see
+#: WheelFSStore.changes_token).
+TOKEN_SETTLE = 1.0
 
 
 class _Cancelled(Exception):
@@ -1345,6 +1348,30 @@ class WheelFSStore(FileQueueStore):
         numbering = {"k": "n", "uids": uids}
         done = self._finish_claim(claim, modseq_claim(numbering), modseq_claim(None))
         cache.chains.take_change(claim.n, numbering if done else None, time.time())  # `-`: its UID claims still name it
+
+    async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
+        """The modification times of the directories every change adds an entry to or removes one
+        from (markers, tombstones, flag records, UID and MODSEQ claims): a few stats, no listing.
+        None while one of them changed within TOKEN_SETTLE seconds: two changes in one tick of
+        the file system's clock leave one time, so a recent time does not prove nothing followed."""
+        key, name = address_key(user), mailbox_name(mailbox)
+
+        def token() -> Hashable | None:
+            user_file, mailbox_id, box = self._where(key, name)
+            paths = (os.path.join(box, "msg"), os.path.join(box, "dead"), os.path.join(box, "flags"),
+                     self.layout.uids(user_file, mailbox_id), self.layout.modseqs(user_file, mailbox_id))
+            stamps: list[int | None] = []
+            for path in paths:
+                try:
+                    stamps.append(self.fs.stat(path).st_mtime_ns)
+                except FileNotFoundError:
+                    stamps.append(None)
+            newest = max((t for t in stamps if t is not None), default=0)
+            if time.time_ns() - newest < TOKEN_SETTLE * 1e9:
+                return None
+            return (mailbox_id, *stamps)
+
+        return await self._call(token)
 
     async def uid_next(self, user: str, mailbox: str) -> int:
         key, name = address_key(user), mailbox_name(mailbox)
