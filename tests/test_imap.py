@@ -91,7 +91,7 @@ def plain_node(backend_settings, tmp_path_factory) -> Node:
     """A node whose IMAP allows LOGIN in clear text (loopback tests of the protocol itself)."""
     running = Node(
         node_settings(backend_settings), tmp_path_factory.mktemp("imapnode"),
-        imap={"allow_plaintext_auth": True, "idle_poll": 0.3, "auth_failure_delay": 0.0},
+        imap={"allow_plaintext_auth": True, "idle_poll": 0.3, "auth_failure_delay": 0.0}, metrics={"enabled": True},
     ).start()
     yield running
     assert running.stop() == 0
@@ -1253,3 +1253,43 @@ async def test_mbsync_syncs_500_messages_flags_and_deletions_both_ways_and_then_
     assert any("LOGOUT" in line for line in sent)
     assert {f.relative_to(local): f.read_bytes() for f in local.rglob("*") if f.is_file()} == before
     assert len(await _flags_by_subject(store, user)) == 493
+
+
+async def test_idle_sessions_cost_no_listing_until_their_mailbox_changes(plain_node: Node, store: Store, users) -> None:
+    """Push IDLE: twelve sessions idle on three mailboxes. While nothing changes the worker asks
+    the store which watched mailboxes changed, a few times a second whatever the number of
+    sessions, and lists none; a delivery lists only its mailbox, once for all its sessions."""
+    from tests.test_metrics import scrape, value
+
+    user = users["anne"]
+    boxes = ["INBOX", "Sent", "Drafts"]
+    sessions = []
+    for i in range(12):
+        raw = Raw(plain_node.port("imap"))
+        raw.login(user, "anne")
+        raw.cmd(f"SELECT {boxes[i % 3]}")
+        raw.n += 1
+        raw.send(b"t%d IDLE\r\n" % raw.n)
+        assert raw.file.readline().startswith(b"+ ")
+        sessions.append(raw)
+
+    def calls(samples: dict, op: str) -> float:
+        return value(samples, "cassmail_store_seconds_count", op=op) or 0
+
+    # the first poll lists each newly watched mailbox once (WheelFS: and once more when the
+    # directories its \\Recent claims wrote in are a second old, see WheelFSStore.changes_token)
+    time.sleep(2.5)
+    before = scrape(plain_node)
+    time.sleep(2.0)
+    quiet = scrape(plain_node)
+    assert calls(quiet, "list_messages") == calls(before, "list_messages")
+    assert 2 <= calls(quiet, "changed_mailboxes") - calls(before, "changed_mailboxes") <= 2.0 / 0.3 + 2
+    await deliver(store, user, [message(1)], "Sent")
+    await asyncio.sleep(0.5)  # the store's change event is written in the background (of this loop)
+    for raw in sessions[1::3]:
+        assert raw.file.readline().endswith(b" EXISTS\r\n")
+    listed = calls(scrape(plain_node), "list_messages") - calls(quiet, "list_messages")
+    assert 1 <= listed <= 2  # Sent, for its four sessions (twice if a poll fell mid-delivery)
+    for raw in sessions:
+        raw.send(b"DONE\r\n")
+        assert raw.until(b"t%d" % raw.n)[-1].endswith(b"OK IDLE terminated\r\n")
