@@ -415,6 +415,10 @@ class TimedStore(Store):
     def max_message_size(self, value: int) -> None:
         self._inner.max_message_size = value
 
+    @property  # type: ignore[override]
+    def quota_exact(self) -> bool:
+        return self._inner.quota_exact
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)

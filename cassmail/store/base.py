@@ -116,6 +116,16 @@ class MessageTooLarge(StoreError):
         self.size, self.limit = size, limit
 
 
+class QuotaExceeded(StoreError):
+    """Storing would take users past their storage limit (Store.set_quota): nothing was written.
+    `users` names every user of the call that is over (sorted), so a caller delivering to several
+    can leave them out and deliver to the others."""
+
+    def __init__(self, users: Iterable[str]) -> None:
+        self.users = tuple(sorted(set(users)))
+        super().__init__(f"over quota: {', '.join(self.users)}")
+
+
 class NoSuchQueueEntry(StoreError):
     def __init__(self, entry_id: uuid.UUID) -> None:
         super().__init__(f"no such queue entry: {entry_id}")
@@ -166,6 +176,21 @@ class Target:
     user: str
     mailbox: str = "INBOX"
     flags: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A user's storage limit and usage: `limit` in bytes (None: no limit), `used` the bytes and
+    `messages` the number of messages over all their mailboxes, each copy counted at its size
+    (IMAP's RFC822.SIZE; a delivery to two of one user's mailboxes counts twice)."""
+
+    limit: int | None
+    used: int
+    messages: int
+
+    def allows(self, more: int) -> bool:
+        """Whether `more` bytes still fit: used + more at most the limit."""
+        return self.limit is None or self.used + more <= self.limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +284,10 @@ class Store(abc.ABC):
     max_message_size: int = 0
     #: Seconds an expunge is remembered at least, for `vanished_since`. Set from settings.
     vanished_keep: float = 30 * 86400.0
+    #: True when concurrent deliveries and copies never take a user past their limit (the check
+    #: and the write are under one lock); False when those in flight at once may each pass the
+    #: check and overshoot the limit by at most their sizes together (see `set_quota`).
+    quota_exact: bool = False
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> None:  # noqa: B027 - optional hook
@@ -390,8 +419,11 @@ class Store(abc.ABC):
 
         Returns only when every copy is stored at the configured durability
         (for Cassandra: the write consistency level). Raises MessageTooLarge,
-        NoSuchUser / NoSuchMailbox (before anything is written), StoreUnavailable
-        (nothing is visible to a listing).
+        NoSuchUser / NoSuchMailbox (before anything is written), QuotaExceeded naming
+        every target user with a limit that the copies they get (the size once per distinct
+        mailbox of theirs) would pass (before anything is written, for any target: the
+        caller delivers again without them), StoreUnavailable (nothing is visible to a
+        listing).
         """
 
     @abc.abstractmethod
@@ -451,17 +483,71 @@ class Store(abc.ABC):
 
     async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
         """Copy messages to another mailbox of the same user keeping flags and internal date;
-        returns the new ids in the order of `ids`. Backends may do better than read+deliver."""
+        returns the new ids in the order of `ids`. All or nothing for the quota: QuotaExceeded
+        when the copies together would pass the user's limit, with no copy left behind.
+        Backends may do better than read+deliver."""
         summaries = await self.get_summaries(user, source, ids)
-        new_ids = []
         for message_id in ids:
-            summary = summaries.get(message_id)
-            if summary is None:
+            if message_id not in summaries:
                 raise NoSuchMessage(source, message_id)
-            body = await self.read_message(user, source, message_id)
-            [new_id] = await self.deliver(body, [Target(user, dest, summary.flags)], summary.internal_date)
-            new_ids.append(new_id)
+        if await self.quota_allows(user, sum(summaries[i].size for i in ids)) is False:
+            raise QuotaExceeded([user])
+        new_ids: list[uuid.UUID] = []
+        try:
+            for message_id in ids:
+                summary = summaries[message_id]
+                body = await self.read_message(user, source, message_id)
+                [new_id] = await self.deliver(body, [Target(user, dest, summary.flags)], summary.internal_date)
+                new_ids.append(new_id)
+        except QuotaExceeded:
+            # Another delivery took the room meanwhile: the copies made so far go again, so the
+            # call changes nothing (IMAP's NO [OVERQUOTA] promises that).
+            if new_ids:
+                await self.delete_messages(user, dest, new_ids)
+            raise
         return new_ids
+
+    # ----------------------------------------------------------------- storage quotas
+    # A user may have a storage limit in bytes (None, the default: no limit), set by the
+    # administrator (`cassmail user quota`). Usage is the size of every message in every mailbox
+    # of the user. `deliver` and `copy_messages` refuse what would pass the limit with
+    # QuotaExceeded before writing; deletions free room at once. How exact the usage is, and how
+    # far concurrent deliveries may overshoot, is each backend's (`quota_exact`; docs/data-model.md).
+
+    @abc.abstractmethod
+    async def set_quota(self, user: str, limit: int | None) -> None:
+        """Set (bytes, 0 or more) or clear (None) a user's storage limit. Mail already stored
+        stays, also above a lowered limit; only new deliveries and copies are refused. Raises
+        NoSuchUser, InvalidInput (a limit that is not a whole number of bytes >= 0)."""
+
+    @abc.abstractmethod
+    async def get_quota(self, user: str) -> Quota:
+        """The user's limit and usage. Raises NoSuchUser."""
+
+    async def quota_allows(self, user: str, size: int) -> bool | None:
+        """Whether `size` more bytes fit under the user's limit, as far as the store can tell
+        cheaply (an SMTP RCPT asks it): True or False, or None when telling would cost a walk of
+        the user's mail (the delivery itself then decides). Raises NoSuchUser."""
+        return (await self.get_quota(user)).allows(size)
+
+    async def recount_quota(self, user: str) -> Quota:
+        """Count the user's usage again from their mailboxes and repair what the store keeps of
+        it (a counter that drifted); returns the limit and the usage as counted. Raises
+        NoSuchUser."""
+        return await self.get_quota(user)
+
+    async def count_usage(self, user: str) -> tuple[int, int]:
+        """(bytes, messages) of the user's mailboxes as their listings show them now: a walk of
+        every listing, for backends that keep no counter and for recounts. Raises NoSuchUser."""
+        used = messages = 0
+        for info in await self.list_mailboxes(user):
+            try:
+                async for summary in self.list_messages(user, info.name, 1000):
+                    used += summary.size
+                    messages += 1
+            except NoSuchMailbox:
+                continue  # deleted meanwhile: its mail is gone with it
+        return used, messages
 
     # ----------------------------------------------------------------- IMAP UIDs
     @abc.abstractmethod
@@ -819,6 +905,24 @@ def check_alias(alias: str, users: Iterable[str]) -> tuple[str, tuple[str, ...]]
     if not targets:
         raise InvalidInput(f"alias {key} needs at least one user")
     return key, targets
+
+
+def check_quota_limit(limit: int | None) -> int | None:
+    """A storage limit as stores keep it, or InvalidInput: None (no limit) or whole bytes >= 0."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < 2**63:
+        raise InvalidInput(f"a storage limit is a whole number of bytes from 0, or none; not {limit!r}")
+    return limit
+
+
+def quota_needs(unique: Iterable[tuple[str, str]], size: int) -> dict[str, int]:
+    """Bytes a delivery of `size` bytes to these distinct (user, mailbox) targets adds to each
+    user's usage: one copy per mailbox."""
+    needs: dict[str, int] = {}
+    for user, _ in unique:
+        needs[user] = needs.get(user, 0) + size
+    return needs
 
 
 def check_targets(targets: Sequence[Target]) -> list[Target]:

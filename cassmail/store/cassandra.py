@@ -84,6 +84,7 @@ from cassmail.store.base import (
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
+from cassmail.store.cassandra_quota import CassandraQuota
 from cassmail.store.cassandra_sieve import CassandraSieve
 from cassmail.store.cassandra_tables import ANCHOR, Tables
 
@@ -113,7 +114,7 @@ def _now_100ns() -> int:
     return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
 
 
-class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents):
+class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
         #: The one executor of every statement; the tables hold the statements.
         self.cql = Cql(settings)
@@ -503,21 +504,26 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents):
             statement = self.tables.users.delete_mailbox_statement(key, name, row.mailbox_id)
             applied, _ = await self.cql.conditional(statement)
             if applied:
-                await self._purge_mailbox(row.mailbox_id)
+                await self._quota_freed_totals(key, *await self._purge_mailbox(row.mailbox_id))
                 return
             await _backoff()
         raise StoreUnavailable(f"could not delete mailbox {name!r} of {key}: too much contention")
 
-    async def _purge_mailbox(self, mailbox_id: uuid.UUID) -> None:
-        """Release every body of a mailbox, then drop its partition with one tombstone."""
+    async def _purge_mailbox(self, mailbox_id: uuid.UUID) -> tuple[int, int]:
+        """Release every body of a mailbox, then drop its partition with one tombstone; returns
+        the bytes and number of the messages it held."""
         cursor = None
+        size = count = 0
         while True:
             rows = await self.tables.messages.walk(mailbox_id, cursor, 1000)
-            await self._release_bodies(mailbox_id, [r for r in rows if r.body_id is not None])
+            held = [r for r in rows if r.body_id is not None]
+            size, count = size + sum(r.size or 0 for r in held), count + len(held)
+            await self._release_bodies(mailbox_id, held)
             if len(rows) < 1000:
                 break
             cursor = rows[-1].id
         await self.tables.messages.purge(mailbox_id)
+        return size, count
 
     # ================================================================= delivery
 
@@ -529,6 +535,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents):
         when = internal_date_utc(internal_date)
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
         rows = await asyncio.gather(*(self._resolve(u, m) for (u, m) in unique))
+        counted = await self._quota_check(list(unique), rows, size)  # QuotaExceeded before any write
         mailbox_ids = {k: r.mailbox_id for k, r in zip(unique, rows)}
         ids = {k: new_message_id() for k in unique}
 
@@ -554,6 +561,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents):
                 batch.add(self.tables.messages.insert_statement(*params))
             await self.cql.run(batch)
         self._notify(mailbox_ids.values())
+        await self._quota_count(counted)
         return [ids[(t.user, t.mailbox)] for t in targets]
 
     # ================================================================= listing and reading
@@ -745,6 +753,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents):
                 await self._change(mailbox_id, group, plan)
             for r in gone:
                 newest = _later(newest, r.id)
+            await self._quota_freed(key, row, gone)
             # The messages are gone from here on: what follows only tidies up, and a failure of it
             # must not turn a done deletion into an error the client would retry or report.
             try:

@@ -127,7 +127,8 @@ class Users(Table):
         "delete": (WRITE, "DELETE FROM users WHERE user = ?"),
         "with_account": (READ, "SELECT user, password_hash FROM users WHERE user IN ? PER PARTITION LIMIT 1"),
         "mailboxes": (READ, f"SELECT mailbox, {_MAILBOX} FROM users WHERE user = ?"),
-        "mailbox": (READ, f"SELECT {_MAILBOX} FROM users WHERE user = ? AND mailbox = ?"),
+        # With the account's storage limit (schema 010): a delivery reads this row anyway.
+        "mailbox": (READ, f"SELECT {_MAILBOX}, quota_limit FROM users WHERE user = ? AND mailbox = ?"),
         "mailbox_serial": (SERIAL_READ, f"SELECT {_MAILBOX} FROM users WHERE user = ? AND mailbox = ?"),
         "insert_mailbox": (
             CONDITIONAL,
@@ -156,6 +157,8 @@ class Users(Table):
             CONDITIONAL,
             "UPDATE users SET low_water = ?, low_water_due = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
         ),
+        "quota_limit": (READ, "SELECT password_hash, quota_limit FROM users WHERE user = ? LIMIT 1"),
+        "set_quota_limit": (CONDITIONAL, "UPDATE users SET quota_limit = ? WHERE user = ? IF password_hash != null"),
     }
 
     def create_statement(self, user: str, password_hash: str, created: datetime, next_uidvalidity: int) -> BoundStatement:
@@ -216,6 +219,15 @@ class Users(Table):
         self, user: str, mailbox: str, mailbox_id: uuid.UUID, mark: uuid.UUID | None, due: uuid.UUID | None
     ) -> bool:
         applied, _ = await self._conditional("set_low_water", mark, due, user, mailbox, mailbox_id)
+        return applied
+
+    async def quota_limit(self, user: str) -> Any:
+        """The account's (password_hash, quota_limit), None when the partition is empty."""
+        return _first(await self._run("quota_limit", user))
+
+    async def set_quota_limit(self, user: str, limit: int | None) -> bool:
+        """False when the user has no account (nothing written)."""
+        applied, _ = await self._conditional("set_quota_limit", limit, user)
         return applied
 
 
@@ -791,6 +803,24 @@ class MailboxEvents(Table):
         return await self._run("since", second, after)
 
 
+class QuotaUsage(Table):
+    """`quota_usage`: bytes and messages of each user with a storage limit, as counters (schema
+    010). An update is never retried (not idempotent): see cassandra_quota.py for the drift."""
+
+    STATEMENTS = {
+        "get": (READ, "SELECT bytes, messages FROM quota_usage WHERE user = ?"),
+        "add": (WRITE, "UPDATE quota_usage SET bytes = bytes + ?, messages = messages + ? WHERE user = ?"),
+    }
+
+    async def get(self, user: str) -> tuple[int, int]:
+        """(bytes, messages); (0, 0) for a user never counted."""
+        row = _first(await self._run("get", user))
+        return (row.bytes or 0, row.messages or 0) if row is not None else (0, 0)
+
+    async def add(self, user: str, size: int, messages: int) -> None:
+        await self._run("add", size, messages, user)
+
+
 class Tables:
     """Every table of the keyspace, each with its statements, sharing one executor."""
 
@@ -810,6 +840,7 @@ class Tables:
         self.sieve_scripts = SieveScripts(cql)
         self.sieve_vacation = SieveVacation(cql)
         self.mailbox_events = MailboxEvents(cql)
+        self.quota_usage = QuotaUsage(cql)
 
     def all(self) -> Iterable[Table]:
         return [t for t in vars(self).values() if isinstance(t, Table)]

@@ -98,6 +98,7 @@ from cassmail.store.base import (
 )
 from cassmail.store.mbox_watch import DirectoryWatch
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, MessageGone, NeedsRecovery, ReadState
+from cassmail.store.mbox_quota import MboxQuota
 
 T = TypeVar("T")
 
@@ -107,7 +108,7 @@ OPEN_MAILBOXES = 256
 MAX_FILE_NAME = 255
 
 
-class MboxStore(FileQueueStore):
+class MboxStore(MboxQuota, FileQueueStore):
     def __init__(self, settings: MboxSettings, max_message_size: int = 0) -> None:
         self.settings = settings
         self.max_message_size = max_message_size
@@ -652,6 +653,14 @@ class MboxStore(FileQueueStore):
         for user, mailbox in unique:
             await self._call(self._mailbox_file, user, mailbox)
         ids = {k: new_message_id() for k in unique}
+        limits = await self._call(self._limits, {user for user, _ in unique})
+        if limits:  # checked and written under those users' quota locks, in one thread (mbox_quota)
+            await self._call(
+                self._deliver_within_quota, view.nbytes, unique, limits,
+                lambda k: self._with_mailbox(k[0], k[1], lambda mf: mf.deliver(view, ids[k], when_us, unique[k].flags)),
+                lambda k: self._with_mailbox(k[0], k[1], lambda mf: mf.delete([ids[k]])),
+            )
+            return [ids[(t.user, t.mailbox)] for t in targets]
         done: list[tuple[str, str]] = []
         try:
             for k, t in unique.items():

@@ -389,6 +389,9 @@ class MailboxFile:
         self._format = 2  # 1: an index written before MODSEQs (see MAGIC_V1)
         self.segments: list[Segment] = []
         self.by_id: dict[uuid.UUID, Segment] = {}
+        #: Bytes (as delivered) and number of the live messages, kept as segments come and go.
+        self.live_bytes = 0
+        self.live_count = 0
         self.end = 0
         self._log_pos = HEADER_SIZE
         self._snapshot_size = HEADER_SIZE
@@ -558,6 +561,7 @@ class MailboxFile:
             for i in range(0, len(body), 16):
                 seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
                 if seg is not None and not seg.deleted:
+                    self._uncount(seg)
                     seg.deleted = True
                     self._order = None
         elif kind == UIDS:
@@ -580,6 +584,7 @@ class MailboxFile:
             for i in range(_CHANGE.size, len(body), 16):
                 seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
                 if seg is not None and not seg.deleted:
+                    self._uncount(seg)
                     seg.deleted = True
                     self._order = None
                     if seg.uid:
@@ -675,11 +680,21 @@ class MailboxFile:
         if seg.id is not None:
             old = self.by_id.get(seg.id)
             if old is not None:  # a message moved to the end (its flags outgrew their slot)
+                self._uncount(old)
                 old.id, old.deleted = None, False
             self.by_id[seg.id] = seg
             self._order = None
+            if seg.live:
+                self.live_bytes += seg.raw
+                self.live_count += 1
         self.segments.append(seg)
         self.end += seg.length
+
+    def _uncount(self, seg: Segment) -> None:
+        """Take a live message out of the totals (it is being deleted or replaced)."""
+        if seg.live:
+            self.live_bytes -= seg.raw
+            self.live_count -= 1
 
     def _append_log(self, records: Sequence[tuple[int, bytes]]) -> None:
         """Append records to the index and make them durable: the commit point of an operation."""
@@ -1074,6 +1089,18 @@ class MailboxFile:
                 return None
             start = bisect.bisect_right(self.vanished, modseq, key=lambda v: v.modseq)
             return sorted(uid for v in self.vanished[start:] for uid in v.uids)
+
+    def usage(self) -> tuple[int, int, list[int]]:
+        """(bytes, messages) of the live messages and the index file's identity they go with
+        (inode, size, mtime in ns), read under the lock: the store's quota cache keeps the pair
+        and trusts it while the index file keeps that identity (every change appends to it or
+        replaces it)."""
+        with self.reading():
+            stamp = [0, 0, 0]
+            if self._idx_fd is not None:
+                st = os.fstat(self._idx_fd)
+                stamp = [st.st_ino, st.st_size, st.st_mtime_ns]
+            return self.live_bytes, self.live_count, stamp
 
     def info(self) -> int:
         """The UIDVALIDITY (read under the lock, so a rebuild's new one is seen)."""

@@ -124,6 +124,7 @@ from cassmail.store.wheelfs_layout import (
     uid_claim,
 )
 from cassmail.store.wheelfs_modseq import ABANDONED, Chains, changed_flags
+from cassmail.store.wheelfs_quota import WheelFSQuota
 
 T = TypeVar("T")
 log = logging.getLogger("cassmail.store.wheelfs")
@@ -176,7 +177,7 @@ class _OpenClaim:
     n: int = 0
 
 
-class WheelFSStore(FileQueueStore):
+class WheelFSStore(WheelFSQuota, FileQueueStore):
     def __init__(self, settings: WheelFSSettings, max_message_size: int = 0, fs: FileSystem | None = None) -> None:
         self.settings = settings
         self.max_message_size = max_message_size
@@ -932,6 +933,7 @@ class WheelFSStore(FileQueueStore):
     ) -> None:
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
         boxes = [(t, self._where(t.user, t.mailbox)[2]) for t in targets]
+        self._check_quota(targets, view.nbytes)  # QuotaExceeded before anything is written (wheelfs_quota)
         written: list[tuple[str, str]] = []  # (mailbox directory, sid) with a body on disk
         committed: list[tuple[str, str]] = []  # ... and a marker
         synced: set[str] = set()  # directories to fsync before the commit

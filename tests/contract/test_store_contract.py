@@ -29,6 +29,8 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
+    Quota,
+    QuotaExceeded,
     Store,
     Target,
     UserExists,
@@ -905,3 +907,156 @@ async def test_a_changes_token_changes_with_every_change_and_only_then(store: St
     await changed()
     with pytest.raises(NoSuchMailbox):
         await store.changes_token(user, "Nowhere")
+
+
+# ----------------------------------------------------------------------------- storage quotas
+
+
+async def used(store: Store, user: str) -> tuple[int, int]:
+    quota = await store.get_quota(user)
+    return quota.used, quota.messages
+
+
+async def test_a_limit_is_set_changed_and_cleared_and_bad_ones_are_refused(store: Store, user: str,
+                                                                          domain: str) -> None:
+    assert await store.get_quota(user) == Quota(None, 0, 0)
+    assert await store.quota_allows(user, 10**12) is True
+    await store.set_quota(user, 5000)
+    assert (await store.get_quota(user)).limit == 5000
+    await store.set_quota(user.upper(), 0)
+    assert await store.get_quota(user) == Quota(0, 0, 0)
+    await store.set_quota(user, None)
+    assert (await store.get_quota(user)).limit is None
+    for bad in (-1, 1.5, "5M", True, 2**63):
+        with pytest.raises(InvalidInput):
+            await store.set_quota(user, bad)  # type: ignore[arg-type]
+    ghost = f"ghost@{domain}"
+    for call in (store.set_quota(ghost, 10), store.get_quota(ghost), store.recount_quota(ghost)):
+        with pytest.raises(NoSuchUser):
+            await call
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["unlimited", "limited"])
+async def test_usage_grows_with_deliveries_and_copies_and_shrinks_with_deletions(store: Store, user: str,
+                                                                                 limited: bool) -> None:
+    """Usage is every copy's size in every mailbox, with or without a limit (a store may count
+    differently in each case: Cassandra keeps a counter only for users with a limit)."""
+    if limited:
+        await store.set_quota(user, 10**9)
+    size = len(MESSAGE)
+    [a] = await store.deliver(MESSAGE, [Target(user)])
+    assert await used(store, user) == (size, 1)
+    [b, c] = await store.deliver(MESSAGE + b"x", [Target(user), Target(user, "Archive")])  # one copy each
+    assert await used(store, user) == (3 * size + 2, 3)
+    [d] = await store.copy_messages(user, INBOX, [a], "Drafts")
+    assert await used(store, user) == (4 * size + 2, 4)
+    await store.delete_messages(user, INBOX, [a, b])
+    await store.delete_messages(user, INBOX, [a])  # already gone: nothing more is freed
+    assert await used(store, user) == (2 * size + 1, 2)
+    await store.rename_mailbox(user, "Drafts", "Kept")
+    assert await used(store, user) == (2 * size + 1, 2)
+    await store.delete_mailbox(user, "Archive")
+    assert await used(store, user) == (size, 1)
+    assert await store.count_usage(user) == (size, 1)
+    await store.delete_messages(user, "Kept", [d])
+    assert await used(store, user) == (0, 0)
+    assert c != d
+
+
+async def test_a_delivery_over_the_limit_is_refused_before_anything_is_written(store: Store, users: dict[str, str]
+                                                                              ) -> None:
+    anne, bob = users["anne"], users["bob"]
+    size = len(MESSAGE)
+    await store.set_quota(anne, 2 * size)
+    await store.deliver(MESSAGE, [Target(anne)])
+    assert await store.quota_allows(anne, size) in (True, None)
+    await store.deliver(MESSAGE, [Target(anne)])  # exactly the limit: it fits
+    assert await store.quota_allows(anne, 1) in (False, None)
+    with pytest.raises(QuotaExceeded) as refused:
+        await store.deliver(MESSAGE, [Target(anne, "Archive")])
+    assert refused.value.users == (anne,)
+    # Several targets: refused for all of them and naming only the user over, nothing written
+    with pytest.raises(QuotaExceeded) as refused:
+        await store.deliver(MESSAGE, [Target(bob), Target(anne), Target(bob, "Archive")])
+    assert refused.value.users == (anne,)
+    assert await listing(store, bob) == [] and await listing(store, bob, "Archive") == []
+    assert len(await listing(store, anne)) == 2 and await listing(store, anne, "Archive") == []
+    assert await used(store, anne) == (2 * size, 2)
+    await store.deliver(MESSAGE, [Target(bob)])  # the others get it once the caller leaves anne out
+    # Two copies for one user count twice: one fits, not both
+    await store.set_quota(bob, 2 * size)
+    with pytest.raises(QuotaExceeded):
+        await store.deliver(MESSAGE, [Target(bob), Target(bob, "Archive")])
+    assert await used(store, bob) == (size, 1)
+
+
+async def test_deleting_makes_room_and_a_lowered_limit_keeps_the_mail(store: Store, user: str) -> None:
+    ids = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(3)]
+    size = len(MESSAGE)
+    await store.set_quota(user, 2 * size)  # below what is stored: nothing is taken away
+    assert await used(store, user) == (3 * size, 3)
+    assert len(await listing(store, user)) == 3
+    with pytest.raises(QuotaExceeded):
+        await store.deliver(MESSAGE, [Target(user)])
+    await store.delete_messages(user, INBOX, ids[:2])
+    await store.deliver(MESSAGE, [Target(user)])
+    assert await used(store, user) == (2 * size, 2)
+    await store.set_quota(user, None)
+    await store.deliver(MESSAGE, [Target(user)])
+    assert await used(store, user) == (3 * size, 3)
+
+
+async def test_a_copy_over_the_limit_changes_nothing(store: Store, user: str) -> None:
+    ids = [(await store.deliver(MESSAGE, [Target(user)]))[0] for _ in range(3)]
+    size = len(MESSAGE)
+    await store.set_quota(user, 5 * size)  # room for two copies, not three
+    with pytest.raises(QuotaExceeded) as refused:
+        await store.copy_messages(user, INBOX, ids, "Archive")
+    assert refused.value.users == (user,)
+    assert await listing(store, user, "Archive") == []
+    assert await used(store, user) == (3 * size, 3)
+    assert len(await store.copy_messages(user, INBOX, ids[:2], "Archive")) == 2
+    assert await used(store, user) == (5 * size, 5)
+
+
+async def test_concurrent_deliveries_overshoot_the_limit_at_most_by_what_was_in_flight(store: Store, user: str
+                                                                                      ) -> None:
+    """Eight deliveries at once against room for three and a half: a store whose check and write
+    are under one lock (quota_exact) lets exactly three through; one that checks without a lock
+    may let through more, but never more than were in flight, and never fewer than fit."""
+    size, flight = len(MESSAGE), 8
+    limit = 3 * size + size // 2
+    await store.set_quota(user, limit)
+    results = await asyncio.gather(*(store.deliver(MESSAGE, [Target(user)]) for _ in range(flight)),
+                                   return_exceptions=True)
+    assert all(isinstance(r, (list, QuotaExceeded)) for r in results), results
+    delivered = sum(isinstance(r, list) for r in results)
+    assert await used(store, user) == (delivered * size, delivered)
+    assert len(await listing(store, user)) == delivered
+    assert delivered >= 3
+    if store.quota_exact:
+        assert delivered == 3
+    else:
+        assert delivered * size <= limit + (flight - 1) * size
+    with pytest.raises(QuotaExceeded):
+        await store.deliver(MESSAGE, [Target(user)])
+
+
+async def test_a_recount_gives_what_the_mailboxes_hold(store: Store, user: str) -> None:
+    await store.set_quota(user, 10**6)
+    await store.deliver(MESSAGE, [Target(user), Target(user, "Junk")])
+    await store.deliver(b"x" * 1000, [Target(user, "Sent")])
+    expected = (2 * len(MESSAGE) + 1000, 3)
+    assert await store.count_usage(user) == expected
+    assert await store.recount_quota(user) == Quota(10**6, *expected)
+    assert await used(store, user) == expected
+
+
+async def test_a_deleted_user_created_again_starts_without_a_limit_or_usage(store: Store, user: str) -> None:
+    await store.set_quota(user, 10**6)
+    await store.deliver(MESSAGE, [Target(user)])
+    await store.delete_user(user)
+    await store.create_user(user, hash_password("pw", FAST_HASH))
+    assert await store.get_quota(user) == Quota(None, 0, 0)
+    await store.set_quota(user, 10**6)
+    assert await store.get_quota(user) == Quota(10**6, 0, 0)
