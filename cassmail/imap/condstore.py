@@ -12,8 +12,8 @@ the server sends on its own or for STORE carries the UID and the MODSEQ (`flags_
 Where the MODSEQs come from: the session's view (`view.MailboxView`) keeps each message's MODSEQ
 from the listings and the HIGHESTMODSEQ everything in it is up to (`view.highest`); a message
 this session numbered or changed has a MODSEQ the listing could not have, and `learn` asks the
-store for it (`Store.changed_since` the view's HIGHESTMODSEQ, one call), taking the store's
-flags with it only where the client is told them in the same response. A MODSEQ still not known
+store for it (`Store.get_summaries` of those messages, one call), taking the store's flags with
+it only where the client is told them in the same response. A MODSEQ still not known
 is answered low (`MailboxView.modseq`): a low value at worst makes a client ask again or a
 conditional STORE fail; a high one could let a conflicting change through. Expunges since a
 client's MODSEQ come from `Store.vanished_since`; when the store no longer remembers that far
@@ -63,20 +63,21 @@ def uses_modseq(key: c.SearchKey) -> bool:
 
 
 async def learn(session: Session, uids: Iterable[int], flags: bool = False) -> None:
-    """The store's MODSEQ of each of `uids` that changed after the view's HIGHESTMODSEQ (its own
-    STORE, a numbering the listing could not show), in one `changed_since` call. The message's
-    flags come with it when `flags` (the caller shows them in the same response); otherwise a
-    MODSEQ whose flags differ from the view's is left for the next refresh, since a client must
-    never hold a MODSEQ newer than the flags it was told."""
+    """The store's MODSEQ of each of `uids` (after its own STORE, or a numbering the listing could
+    not show), in one `get_summaries` call. The message's flags come with it when `flags` (the
+    caller shows them in the same response); otherwise a MODSEQ whose flags differ from the
+    view's is left for the next refresh, since a client must never hold a MODSEQ newer than the
+    flags it was told."""
     view = session.selected()
-    wanted = set(uids) & view.messages.keys()
+    wanted = [u for u in dict.fromkeys(uids) if u in view.messages]
     if not wanted:
         return
-    for summary in await session.store.changed_since(view.user, view.name, view.highest):
-        uid = summary.uid
-        if uid not in wanted or summary.id != view.messages[uid].id or summary.modseq is None:
-            continue
+    found = await session.store.get_summaries(view.user, view.name, [view.messages[u].id for u in wanted])
+    for uid in wanted:
         old = view.messages[uid]
+        summary = found.get(old.id)
+        if summary is None or summary.uid != uid or summary.modseq is None:
+            continue  # expunged or renumbered meanwhile: the next refresh tells
         if old.modseq is not None and summary.modseq < old.modseq:
             continue  # an older state than the view's
         if flags or summary.flags == old.flags:
