@@ -948,8 +948,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         return {i: result[i] for i in ids if i in result}
 
     async def highest_modseq(self, user: str, mailbox: str) -> int:
+        """Read at the read level, not SERIAL: every SELECT asks, and a value a weak read shows too
+        low only makes a client ask for more changes than it needs (never fewer)."""
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        anchor = await self._anchor(mailbox_id)
+        anchor = await self.tables.messages.changes_token(mailbox_id)
         return (anchor.highest_modseq if anchor else None) or 1
 
     async def changed_since(self, user: str, mailbox: str, modseq: int) -> list[MessageSummary]:

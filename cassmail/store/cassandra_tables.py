@@ -343,7 +343,7 @@ class Messages(Table):
         "walk": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
         "summaries": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "purge": (WRITE, "DELETE FROM messages WHERE mailbox_id = ?"),
-        "changes_token": (READ, "SELECT changed, uid FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "changes_token": (READ, "SELECT changed, uid, highest_modseq FROM messages WHERE mailbox_id = ? AND id = ?"),
         "state": (SERIAL_READ, f"SELECT {_STATE} FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "advance": (
             CONDITIONAL,
@@ -428,7 +428,8 @@ class Messages(Table):
         await self._run("purge", mailbox_id)
 
     async def changes_token(self, mailbox_id: uuid.UUID) -> Any:
-        """The anchor row's (changed, uid); None before it was first written."""
+        """The anchor row's (changed, uid, highest_modseq) at the read level; None before it was
+        first written."""
         return _first(await self._run("changes_token", mailbox_id, ANCHOR))
 
     async def state(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
