@@ -382,6 +382,12 @@ class SmtpSettings(ListenerSettings):
     #: mynetworks (applications on the same host, a load generator): their mail may go to any
     #: domain, from any sender, with no copy in Sent. [] = every client authenticates.
     trusted_networks: list[str] = field(default_factory=list)
+    #: A recipient over their storage quota (`cassmail user quota`) is refused with 452 4.2.2, so
+    #: the sender keeps the message and retries, instead of 552 5.2.2 (mailbox full, final: the
+    #: sender bounces it), the default of Postfix's virtual delivery and Dovecot's LMTP (this is
+    #: Dovecot's quota_full_tempfail). A recipient found full only after DATA while others of the
+    #: same SMTP message took it gets a DSN (5.2.2) either way: SMTP has one reply to DATA.
+    quota_full_tempfail: bool = False
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)

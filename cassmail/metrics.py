@@ -62,7 +62,7 @@ SMTP_LISTENERS = ("smtp", "submission", "submissions", "lmtp")
 #: What an outbound attempt did for one recipient.
 OUTBOUND_RESULTS = ("sent", "deferred", "bounced")
 NODE = "node"
-DELIVERY_RESULTS = ("ok", "tempfail", "too-large", "rejected")
+DELIVERY_RESULTS = ("ok", "tempfail", "too-large", "rejected", "over-quota")
 #: What an MX check (step "auth": sender authentication, "spam": rspamd) made of a message.
 INBOUND_STEPS = ("auth", "spam")
 INBOUND_RESULTS = ("accept", "junk", "tempfail", "reject", "timeout", "unavailable", "too-large")

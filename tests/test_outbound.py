@@ -34,7 +34,7 @@ import dkim
 import pytest
 
 from cassmail.config import Settings
-from cassmail.store.base import Store
+from cassmail.store.base import Store, Target
 from tests.conftest import FAST_HASH, backend_settings_for, hash_password, opened_store
 from tests.nodes import CASSMAIL, CLIENT_TLS, Node, inbox, node_settings
 from tests.outbound_peers import BadRemote, Dns, RemoteMx, free_port_on, ipv6_loopback
@@ -720,3 +720,19 @@ async def test_a_submission_whose_queue_write_fails_is_451_and_leaves_no_local_c
             server.close()
         await worker.stop()
     assert len(smarthost.world.relay.mx.for_recipient(remote)) == 1
+
+
+async def test_a_bounce_to_a_sender_over_quota_is_dropped_not_retried(outbound: Outbound) -> None:
+    """The DSN cannot be stored (the sender is over quota): it is dropped and logged, and the
+    entry is finished rather than tried again (which would send the delivered copy twice)."""
+    people = await make_users(outbound.store, "quinn")
+    quinn = people["quinn"]
+    await outbound.store.deliver(b"Subject: old\r\n\r\n" + b"y" * 500, [Target(quinn)])
+    await outbound.store.set_quota(quinn, 1)
+    friend = f"friend-{uuid.uuid4().hex[:6]}@remote.test"
+    body = b"Subject: from a full mailbox\r\n\r\nx\r\n"
+    assert await asyncio.to_thread(submit, outbound.node, quinn, ["reject@remote.test", friend], body) == {}
+    await eventually(lambda: asyncio.sleep(0, outbound.log_lines(rf"event=dsn .*to={quinn} result=dropped")))
+    await asyncio.sleep(1.0)  # a second attempt would have come by now
+    assert len(outbound.world.good.mx.for_recipient(friend)) == 1
+    assert len(await inbox(outbound.store, quinn)) == 1 and await inbox(outbound.store, quinn, "Sent") == []

@@ -38,6 +38,7 @@ from cassmail.store.base import (
     NoSuchQueueEntry,
     QueuedRecipient,
     QueueEntry,
+    QuotaExceeded,
     Store,
     StoreError,
     Target,
@@ -441,7 +442,17 @@ class DeliveryWorker:
             if not users:
                 log.warning(kv("dsn", id=entry.id.hex, to=sender, result="dropped", error="no such local user"))
                 return
-            await self.store.deliver(report, [Target(u) for u in users])
+            targets = [Target(u) for u in users]
+            while targets:
+                try:
+                    await self.store.deliver(report, targets)
+                    break
+                except QuotaExceeded as exc:  # trying the entry again would only send the mail out again
+                    log.warning(kv("dsn", id=entry.id.hex, to=",".join(exc.users), result="dropped",
+                                   error="over quota"))
+                    targets = [t for t in targets if t.user not in exc.users]
+            if not targets:
+                return
         else:
             queued = await self.store.enqueue(report, "", [sender])
             self.notify()

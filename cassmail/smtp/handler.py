@@ -28,6 +28,7 @@ from cassmail.store.base import (
     MessageTooLarge,
     NoSuchMailbox,
     NoSuchUser,
+    QuotaExceeded,
     Store,
     StoreError,
     StoreUnavailable,
@@ -241,9 +242,16 @@ class DeliveryHandler(Sessions):
             users = await local_recipients(self.store, rcpt.key, self.settings.recipient_delimiter)
             if not users:
                 return f"550 5.1.1 <{address}>: Recipient address rejected: no such user here"
+            # Over quota, when the store can tell cheaply (else the delivery after DATA decides);
+            # the size is what MAIL's SIZE= declared, else a message of one byte.
+            size = _declared_size(envelope)
+            full = [u for u in users if await self.store.quota_allows(u, size) is False]
         except StoreError as exc:
             log.warning(kv("rcpt", listener=self.role.name, peer=_peer(session), rcpt=rcpt.key, result="tempfail", error=exc))
             return TEMPORARY
+        if full and len(full) == len(users):  # an alias's users that are full get a DSN after DATA
+            log.info(kv("rcpt", listener=self.role.name, peer=_peer(session), rcpt=rcpt.key, result="over-quota"))
+            return self.quota_reply(address)
         # The envelope keeps the address as given (one LMTP reply per RCPT, `for <...>` in the
         # trace); the users it reaches are kept beside it for DATA.
         envelope.rcpt_tos.append(rcpt.key)
@@ -305,8 +313,18 @@ class DeliveryHandler(Sessions):
                     log.info(kv("delivery", **fields, result="rejected", ms=timer.ms))
                     return self.per_recipient(envelope, plan.refusal)
                 targets = plan.targets
-            ids = await deliver_to(self.store, message, targets, self.creatable) if targets else []
-            if remote or (plan is not None and plan.forwards):
+            targets, ids, full = await self._deliver_local(message, targets)
+            quota = _QuotaOutcome.of(envelope, full, sent_copy, self.role.lmtp)
+            if quota.refused and len(quota.refused) == len(envelope.rcpt_tos) \
+                    and not remote and not (plan is not None and plan.forwards):
+                # Every recipient is full: the reply to DATA says so (and the sender's Sent copy
+                # goes again, the message having gone nowhere).
+                await self._undo(targets, ids)
+                log.info(kv("delivery", **fields, result="over-quota", ms=timer.ms))
+                if self.role.lmtp:
+                    return "\r\n".join(self.quota_reply(r) for r in envelope.rcpt_tos)
+                return self.quota_reply()
+            if remote or (plan is not None and plan.forwards) or quota.notify:
                 try:
                     if remote:
                         lease = (owner, self.outbound.lease) if owner is not None and self.outbound is not None else None
@@ -314,6 +332,8 @@ class DeliveryHandler(Sessions):
                                                             lease=lease)
                     if plan is not None and self.sieve is not None:
                         await self.sieve.forward(plan, message, sender, envelope.smtp_utf8)
+                    if quota.notify:  # stored before the 250, or the sender is told to retry
+                        await self._quota_notice(quota.notify, message, sender)
                 except BaseException:
                     await self._undo(targets, ids)
                     raise
@@ -331,15 +351,68 @@ class DeliveryHandler(Sessions):
                 return self.per_recipient(envelope, TEMPORARY)
             raise
         server.deliveries += 1
-        log.info(kv("delivery", **fields, result="ok", ms=timer.ms))
+        log.info(kv("delivery", **fields, result="ok", ms=timer.ms, over_quota=len(full) or None,
+                    sent_copy="over-quota" if quota.sent_lost else None))
         if entry_id is not None and self.outbound is not None:
             if owner is not None:
                 self.outbound.hand_over(entry_id, sender, remote, bytes(message), envelope.smtp_utf8, queued_at)
             else:
                 self.outbound.notify()
         if plan is not None and self.sieve is not None:  # vacation answers, notices of rejection
+            plan.vacations = [v for v in plan.vacations if v[0] not in full]  # they did not get it
             await self.sieve.follow_up(plan, message, sender)
-        return self.per_recipient(envelope, f"250 2.0.0 OK id={queue_id}")
+        ok = f"250 2.0.0 OK id={queue_id}"
+        if self.role.lmtp and quota.refused:  # one reply per RCPT line (RFC 2033 4.2)
+            return "\r\n".join(self.quota_reply(r) if r in quota.refused else ok for r in envelope.rcpt_tos)
+        return self.per_recipient(envelope, ok)
+
+    async def _deliver_local(self, message: bytes | bytearray, targets: list[Target]
+                             ) -> tuple[list[Target], list[uuid.UUID], set[str]]:
+        """Store the local copies, leaving out the users the store finds over quota (it refuses
+        the whole call, naming them, before writing anything): (targets stored, their ids, the
+        users left out)."""
+        full: set[str] = set()
+        while targets:
+            try:
+                return targets, await deliver_to(self.store, message, targets, self.creatable), full
+            except QuotaExceeded as exc:
+                named = set(exc.users) & {t.user for t in targets}
+                if not named:
+                    raise
+                full |= named
+                targets = [t for t in targets if t.user not in named]
+        return targets, [], full
+
+    def quota_reply(self, address: str | None = None) -> str:
+        """The answer for a recipient over quota: 552 5.2.2, or 452 4.2.2 with quota_full_tempfail."""
+        who = f"<{address}>: " if address else ""
+        if self.settings.quota_full_tempfail:
+            return f"452 4.2.2 {who}Mailbox full, try again later"
+        return f"552 5.2.2 {who}Mailbox full"
+
+    async def _quota_notice(self, users: list[str], message: bytes | bytearray, sender: str) -> None:
+        """A DSN (RFC 3464) to the sender naming the recipients over quota that the reply to DATA
+        could not refuse (other recipients took the message); none to <>. Into the sender's
+        mailbox when local (dropped, logged, when they are full too), queued otherwise. A store
+        failure propagates: the message is then refused with 451 and sent again."""
+        from cassmail.delivery import dsn
+
+        if not sender:
+            return
+        reply = "552 5.2.2 Mailbox full"
+        report = dsn.build(self.node_name, sender, bytes(message), [dsn.Failure(u, "5.2.2", reply) for u in users],
+                           delayed=False, arrival=time.time())
+        if await self.domains.contains(sender.rpartition("@")[2].lower()):
+            owners = await local_recipients(self.store, sender, self.settings.recipient_delimiter)
+            try:
+                if owners:
+                    await self.store.deliver(report, [Target(u) for u in owners])
+            except QuotaExceeded:
+                log.info(kv("dsn", to=sender, kind="over-quota", result="dropped", error="the sender is over quota too"))
+            return
+        await self.store.enqueue(report, "", [sender], smtputf8=not sender.isascii())
+        if self.outbound is not None:
+            self.outbound.notify()
 
     async def _undo(self, targets: list[Target], ids: list[uuid.UUID]) -> None:
         """The local copies of a message whose queued part could not be stored: the sender is
@@ -402,6 +475,41 @@ class DeliveryHandler(Sessions):
         """A bug must not reach the client as a traceback; a temporary error makes it retry."""
         log.error(kv("session-error", error=type(error).__name__), exc_info=error)
         return "451 4.3.0 Internal error, try again later"
+
+
+@dataclass
+class _QuotaOutcome:
+    """What the users a delivery left out for their quota mean for the replies: the RCPT
+    addresses whose every user is full (refused, where a reply can say so), the full users
+    reached by an address that is not refused (a DSN names them), whether the sender's own copy
+    in Sent was left out."""
+
+    refused: set[str]
+    notify: list[str]
+    sent_lost: bool
+
+    @classmethod
+    def of(cls, envelope: Envelope, full: set[str], sent_copy: Target | None, lmtp: bool) -> _QuotaOutcome:
+        """LMTP replies per RCPT, so only the full users of an alias that others of it took need
+        a DSN; SMTP's one reply is a 250 for everyone once anyone took the message."""
+        if not full:
+            return cls(set(), [], False)
+        expansions = _expansions(envelope)
+        refused = {r for r in envelope.rcpt_tos if r in expansions and all(u in full for u in expansions[r])}
+        answered = refused if lmtp else set()
+        notify = [u for u in _recipients(envelope) if u in full
+                  and any(u in expansions[r] for r in envelope.rcpt_tos if r in expansions and r not in answered)]
+        sent_lost = sent_copy is not None and sent_copy.user in full
+        return cls(refused, notify, sent_lost)
+
+
+def _declared_size(envelope: Envelope) -> int:
+    """The message size MAIL's SIZE= parameter declared (RFC 1870), at least 1; 1 without one."""
+    for option in envelope.mail_options:
+        name, _, value = str(option).partition("=")
+        if name.upper() == "SIZE" and value.isdigit():
+            return max(int(value), 1)
+    return 1
 
 
 def _expansions(envelope: Envelope) -> dict[str, list[str]]:
