@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import getpass
 import json
+import re
 import sys
 import time
 import uuid
@@ -23,7 +24,7 @@ from cassmail import auth, config
 from cassmail.checkout import REPO_ROOT, CommandError, load_launcher
 from cassmail.model import InvalidInput, address_key, normalize_domain
 from cassmail.store import make_store
-from cassmail.store.base import DkimKey, QueueEntry, Store, StoreError, UserExists, check_alias
+from cassmail.store.base import DkimKey, QueueEntry, Quota, Store, StoreError, UserExists, check_alias
 
 IMPORT_CONCURRENCY = 64
 
@@ -78,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("file")
     u.add_argument("--hashed", action="store_true", help="the second field is already a $scrypt$ hash")
     u.set_defaults(run=cmd_user_import)
+    u = user.add_parser("quota", help="show a user's storage limit and usage, or set the limit")
+    u.add_argument("address")
+    u.add_argument("size", nargs="?", help="the new limit: bytes, or with K, M, G or T (powers of 1024: 500M, 2G, "
+                                          "1.5G); 'none' removes it")
+    u.add_argument("--recount", action="store_true",
+                   help="count the usage again from the mailboxes (repairs the counters of the Cassandra store)")
+    u.set_defaults(run=cmd_user_quota)
 
     alias = sub.add_parser("alias", help="manage aliases: addresses that deliver to local users").add_subparsers(
         metavar="ACTION"
@@ -282,6 +290,54 @@ def cmd_user_del(settings: config.Settings, args: argparse.Namespace) -> int:
 def cmd_user_list(settings: config.Settings, args: argparse.Namespace) -> int:
     for user in _with_store(settings, lambda s: s.list_users(args.domain)):
         print(user)
+    return 0
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.I)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int | None:
+    """A storage limit as `user quota` takes it: "none", bytes, or a number with K, M, G or T
+    (powers of 1024, as Dovecot reads them; KiB/KB and the like too). CommandError otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise CommandError(f"not a size: {text!r} (bytes, or a number with K, M, G or T, like 500M; or none)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value >= 2**63:
+        raise CommandError(f"size too large: {text!r}")
+    return value
+
+
+def _human(size: int) -> str:
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{size} bytes"
+
+
+def cmd_user_quota(settings: config.Settings, args: argparse.Namespace) -> int:
+    key = address_key(args.address)
+    limit = parse_size(args.size) if args.size is not None else None  # checked before connecting
+
+    async def work(store: Store) -> Quota:
+        if args.size is not None:
+            await store.set_quota(key, limit)
+        return await (store.recount_quota(key) if args.recount else store.get_quota(key))
+
+    quota = _with_store(settings, work)
+    print(f"user      {key}")
+    if quota.limit is None:
+        print("limit     none")
+    else:
+        print(f"limit     {_human(quota.limit)} ({quota.limit} bytes)")
+    share = f", {100 * quota.used / quota.limit:.1f}% of the limit" if quota.limit else ""
+    print(f"used      {_human(quota.used)} ({quota.used} bytes){share}")
+    print(f"messages  {quota.messages}")
+    if quota.limit is not None and quota.used > quota.limit:
+        print("over quota: new mail is refused until some is deleted")
     return 0
 
 

@@ -62,19 +62,26 @@ class WheelFSQuota(Store):
         key = address_key(user)
 
         def read() -> Quota:
-            limit = self._quota_limit(key)
-            return Quota(limit, *self._usage(key))
+            self._require_user(key)
+            return Quota(self._quota_limit(key), *self._usage(key))
 
         return await self._call(read)
 
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
-        return True if await self._call(self._quota_limit, key) is None else None  # a limit: a walk to tell
+
+        def check() -> bool | None:
+            self._require_user(key)
+            return True if self._quota_limit(key) is None else None  # a limit: a walk to tell
+
+        return await self._call(check)
 
     # ----------------------------------------------------------------- in a thread
 
     def _quota_limit(self, key: str) -> int | None:
-        path = os.path.join(self._require_user(key), QUOTA_FILE)
+        """The user's limit: one open (that finds nothing, for most users). The caller knows the
+        user exists (a delivery resolved its mailbox; the others ask _require_user)."""
+        path = os.path.join(self.layout.user(self._user_file(key)), QUOTA_FILE)
         try:
             value = json.loads(self.fs.read_bytes(path))["limit"]
         except FileNotFoundError:
