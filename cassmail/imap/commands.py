@@ -248,8 +248,23 @@ class Thread:
     uid: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class GetQuota:
+    """GETQUOTA (RFC 9208): a quota root's name. (GETQUOTAROOT takes a `Mailbox`.)"""
+
+    root: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SetQuota:
+    """SETQUOTA (RFC 9208): a quota root and (resource name, limit) pairs."""
+
+    root: bytes
+    limits: tuple[tuple[str, int], ...]
+
+
 Args = Union[Simple, Id, Login, Authenticate, Compress, Enable, Mailbox, Select, Rename, ListCommand, Status, Append,
-             Expunge, Fetch, Store, Copy, Search, Sort, Thread]
+             Expunge, Fetch, Store, Copy, Search, Sort, Thread, GetQuota, SetQuota]
 
 
 @dataclass(frozen=True, slots=True)

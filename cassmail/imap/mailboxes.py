@@ -263,7 +263,7 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
         info = await store.mailbox_info(user, name)
         # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the listing (asked for only when wanted)
         highest = await store.highest_modseq(user, name) if "HIGHESTMODSEQ" in items else None
-        messages = unseen = unnumbered = recent = size = 0
+        messages = unseen = unnumbered = recent = size = deleted = deleted_size = 0
         mark = await store.recent_mark(user, name)
         async for s in store.list_messages(user, name, session.settings.page_size):
             messages += 1
@@ -271,6 +271,9 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
             unnumbered += s.uid is None
             recent += s.uid is None or s.uid >= mark
             size += s.size
+            if "\\Deleted" in s.flags:
+                deleted += 1
+                deleted_size += s.size
         values = {
             "MESSAGES": messages,
             "SIZE": size,  # STATUS=SIZE (RFC 8438)
@@ -278,6 +281,9 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
             "UIDNEXT": (await store.uid_next(user, name)) + unnumbered,
             "UIDVALIDITY": info.uidvalidity,
             "UNSEEN": unseen,
+            "DELETED": deleted,  # RFC 9208 (and IMAP4rev2): what an EXPUNGE would remove
+            # RFC 9208: what that EXPUNGE would free, in 1024-octet units like QUOTA's STORAGE
+            "DELETED-STORAGE": -(-deleted_size // 1024),
         }
         if highest is not None:
             values["HIGHESTMODSEQ"] = highest

@@ -478,14 +478,15 @@ def _lsub(cursor: Cursor, uid: bool) -> c.ListCommand:
     return c.ListCommand(reference, (cursor.list_mailbox(),), lsub=True)
 
 
-STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN", "SIZE", "APPENDLIMIT", "HIGHESTMODSEQ")
+STATUS_ITEMS = ("MESSAGES", "RECENT", "UIDNEXT", "UIDVALIDITY", "UNSEEN", "SIZE", "APPENDLIMIT", "HIGHESTMODSEQ",
+                "DELETED", "DELETED-STORAGE")
 
 
 def _status_items(cursor: Cursor) -> tuple[str, ...]:
     items = tuple(cursor.parenthesised(_option, "STATUS takes a list of items", empty=False))
     if not set(items) <= set(STATUS_ITEMS):
-        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY, UNSEEN, SIZE, APPENDLIMIT and "
-                         "HIGHESTMODSEQ")
+        raise ParseError("STATUS items are MESSAGES, RECENT, UIDNEXT, UIDVALIDITY, UNSEEN, SIZE, APPENDLIMIT, "
+                         "HIGHESTMODSEQ, DELETED and DELETED-STORAGE")
     return items
 
 
@@ -855,6 +856,30 @@ def _thread(cursor: Cursor, uid: bool) -> c.Thread:
     return c.Thread(algorithm, charset, _SearchParser(cursor).program(), uid)
 
 
+def _getquota(cursor: Cursor, uid: bool) -> c.GetQuota:
+    cursor.sp()
+    return c.GetQuota(cursor.astring("GETQUOTA takes a quota root name"))
+
+
+def _setquota(cursor: Cursor, uid: bool) -> c.SetQuota:
+    """RFC 9208 4.1.3: a quota root and a list of resource names and limits (possibly empty)."""
+    cursor.sp()
+    root = cursor.astring("SETQUOTA takes a quota root name and a list of resources and limits")
+    cursor.sp()
+    words = cursor.parenthesised(lambda cur: cur.atom("SETQUOTA takes resource names and limits"),
+                                 "SETQUOTA takes a list of resources and limits")
+    if len(words) % 2:
+        raise ParseError("SETQUOTA takes pairs of a resource name and a limit")
+    limits = []
+    for name, value in zip(words[::2], words[1::2]):
+        if not value.isdigit() or len(value) > 19 or int(value) > MAX_MODSEQ:
+            raise ParseError("a SETQUOTA limit is a number below 2^63")
+        if not name or not re.fullmatch(rb"[A-Za-z0-9.\-_]+", name):
+            raise ParseError("a SETQUOTA resource name is an atom")
+        limits.append((name.decode("ascii").upper(), int(value)))
+    return c.SetQuota(root, tuple(limits))
+
+
 Rule = Callable[[Cursor, bool], c.Args]
 
 _RULES: dict[bytes, Rule | None] = {
@@ -866,6 +891,7 @@ _RULES: dict[bytes, Rule | None] = {
     b"RENAME": _rename, b"LIST": _list, b"LSUB": _lsub, b"STATUS": _status, b"APPEND": _append,
     b"EXPUNGE": _expunge, b"SEARCH": _search, b"FETCH": _fetch, b"STORE": _store,
     b"COPY": _copy(False), b"MOVE": _copy(True), b"SORT": _sort, b"THREAD": _thread,
+    b"GETQUOTA": _getquota, b"GETQUOTAROOT": _one_mailbox, b"SETQUOTA": _setquota,
 }
 _UID_COMMANDS = frozenset({b"COPY", b"MOVE", b"FETCH", b"STORE", b"SEARCH", b"EXPUNGE", b"SORT", b"THREAD"})
 

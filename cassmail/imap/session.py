@@ -30,7 +30,7 @@ from cassmail.imap.errors import Bad, No
 from cassmail.imap.view import Changes, Listing, MailboxView
 from cassmail.logs import kv
 from cassmail.model import HIERARCHY_DELIMITER, InvalidInput, mailbox_name
-from cassmail.store.base import NoSuchMailbox, Store, StoreError, StoreUnavailable
+from cassmail.store.base import NoSuchMailbox, QuotaExceeded, Store, StoreError, StoreUnavailable
 
 if TYPE_CHECKING:
     from cassmail.imap.listener import Listener
@@ -189,6 +189,8 @@ class Session:
             return b"BAD", _syntax_error(exc)
         except NoSuchMailbox:
             return b"NO", b"[NONEXISTENT] No such mailbox"
+        except QuotaExceeded:  # APPEND, COPY, MOVE: refused before anything was stored (RFC 9208)
+            return b"NO", b"[OVERQUOTA] Quota exceeded, nothing was stored"
         except StoreUnavailable as exc:
             log.warning(kv("imap-store", peer=self.peer, user=self.user, error=exc))
             return b"NO", b"[UNAVAILABLE] Mail store unavailable, try again later"
@@ -214,7 +216,8 @@ class Session:
         caps = [b"IMAP4rev1", b"LITERAL+", b"SASL-IR", b"ID", b"ENABLE", b"IDLE", b"NAMESPACE", b"UIDPLUS",
                 b"MOVE", b"SPECIAL-USE", b"UNSELECT", b"CHILDREN", b"LIST-EXTENDED", b"LIST-STATUS", b"ESEARCH",
                 b"STATUS=SIZE", b"COMPRESS=DEFLATE", b"SORT", b"SORT=DISPLAY", b"THREAD=ORDEREDSUBJECT",
-                b"THREAD=REFERENCES", b"BINARY", b"UTF8=ACCEPT", b"CONDSTORE", b"QRESYNC"]
+                b"THREAD=REFERENCES", b"BINARY", b"UTF8=ACCEPT", b"CONDSTORE", b"QRESYNC", b"QUOTA",
+                b"QUOTA=RES-STORAGE"]
         if self.store.max_message_size:
             caps.append(b"APPENDLIMIT=%d" % self.store.max_message_size)
         if self.user is None:
@@ -336,7 +339,7 @@ def _syntax_error(exc: BaseException) -> bytes:
 
 
 def _commands() -> dict[str, Entry]:
-    from cassmail.imap import fetch, idle, login, mailboxes, search, selected, sort
+    from cassmail.imap import fetch, idle, login, mailboxes, quota, search, selected, sort
 
     table: dict[str, tuple[frozenset[str], Handler]] = {
         "CAPABILITY": (ANY, login.capability),
@@ -373,6 +376,9 @@ def _commands() -> dict[str, Entry]:
         "THREAD": (SELECTED, sort.thread),
         "FETCH": (SELECTED, fetch.fetch),
         "UID": (SELECTED, selected.noop),  # never run: parse_command names the command after UID
+        "GETQUOTA": (AUTH, quota.getquota),
+        "GETQUOTAROOT": (AUTH, quota.getquotaroot),
+        "SETQUOTA": (AUTH, quota.setquota),
     }
     assert set(table) == parse.KNOWN, "every command the parser knows has a handler"
     return {name: Entry(states, run) for name, (states, run) in table.items()}
