@@ -45,6 +45,12 @@ log = logging.getLogger("cassmail.imap")
 #: write of it lost to a concurrent one's (clock skew between nodes) is seen within this long.
 TOKEN_TRUST = 10.0
 
+#: Seconds between full listings of a view kept up to date incrementally (changes since its
+#: HIGHESTMODSEQ, expunges, new arrivals): what only a full listing sees (a message stamped by a
+#: node whose clock is behind by more than the store's arrival window, a flag change made
+#: without a MODSEQ) shows by then, as a change whose token write lost does (TOKEN_TRUST).
+FULL_LISTING = TOKEN_TRUST
+
 #: Renumbering asks the store at most this many times per refresh: a message renumbered by
 #: another session meanwhile comes back with that session's UID, which may still be one this
 #: view has shown, and is renumbered again. What is left waits for the next refresh.
@@ -128,6 +134,11 @@ class MailboxView:
         self.highest = 0
         self.told = 0
         self.condstore = False
+        #: Whether the store can list new arrivals without the whole mailbox (Store.arrivals_mark),
+        #: the mark of the last listing for it, and when the view was last listed in full.
+        self.incremental = store.arrivals_mark(()) is not None
+        self.mark: Hashable | None = None
+        self.full_at = 0.0
 
     # ------------------------------------------------------------------ numbers
 
@@ -218,10 +229,15 @@ class MailboxView:
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
                 return Changes()  # nothing changed since the last listing: no need to read it
-            listing = await read_listing(self.store, self.user, self.name, self.page_size, self.condstore)
+            listing = await self._changes() if self.incremental else None
+            if listing is None:
+                listing = await read_listing(self.store, self.user, self.name, self.page_size,
+                                             self.condstore or self.incremental)
+                self._listed_in_full(listing)
             self.token, self.listed_at = token, time.monotonic()
         else:
             self.token = None  # a listing read by someone else: the next refresh reads its own
+            self._listed_in_full(listing)
         current: dict[int, MessageSummary] = {}
         for s in listing.summaries:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
@@ -265,6 +281,46 @@ class MailboxView:
         if (len(self.uids), len(self.recent)) != before or changes.expunged:
             changes.exists, changes.recent = len(self.uids), len(self.recent)
         return changes
+
+    def _listed_in_full(self, listing: Listing) -> None:
+        if self.incremental and listing.highest is not None:
+            self.mark, self.full_at = self.store.arrivals_mark(listing.summaries), time.monotonic()
+        else:
+            self.mark = None
+
+    async def _changes(self) -> Listing | None:
+        """The mailbox as a listing would show it, from the view and what changed since its
+        HIGHESTMODSEQ (changed_since, vanished_since) and what arrived since its last listing
+        (Store.arrivals): a few small reads instead of the whole mailbox. None when a full
+        listing is due: none yet, one older than FULL_LISTING, expunges the store forgot."""
+        if self.mark is None or not self.highest or time.monotonic() - self.full_at > FULL_LISTING:
+            return None
+        store, user, name = self.store, self.user, self.name
+        highest = await store.highest_modseq(user, name)
+        vanished: set[int] = set()
+        changed: list[MessageSummary] = []
+        if highest > self.highest:
+            gone = await store.vanished_since(user, name, self.highest)
+            if gone is None:
+                return None
+            vanished = set(gone)
+            changed = await store.changed_since(user, name, self.highest)
+        arrived, mark = await store.arrivals(user, name, self.mark)
+        by_id = {s.id: s for s in self.messages.values() if s.uid not in vanished}
+        for s in [*changed, *arrived]:
+            known = by_id.get(s.id)
+            if known is None or s.uid != known.uid or (s.modseq or 0) >= (known.modseq or 0):
+                by_id[s.id] = s
+        summaries = [s for s in by_id.values() if s.uid not in vanished or s.uid is None]
+        unnumbered = [s.id for s in summaries if s.uid is None]
+        assigned: dict[uuid.UUID, int] = {}
+        if unnumbered:
+            try:
+                assigned = await store.assign_uids(user, name, unnumbered)
+            except StoreUnavailable as exc:
+                log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
+        self.mark = mark
+        return Listing(summaries, assigned, highest)
 
     async def _claim_recent(self) -> None:
         """RFC 3501: a message is \\Recent in exactly one session, the first read-write one told

@@ -613,6 +613,22 @@ class Store(abc.ABC):
         remembered for at least `vanished_keep` seconds (a store setting), and a client that
         last synchronised before that has to resynchronise in full. Raises NoSuchMailbox."""
 
+    # ----------------------------------------------------------------- new arrivals (IMAP refresh)
+    # With MODSEQs a session learns flag changes, numberings and expunges from changed_since and
+    # vanished_since; what these cannot tell is mail delivered since (unnumbered, no MODSEQ).
+    # A store that can list recent deliveries without the whole mailbox says so with a mark.
+
+    def arrivals_mark(self, summaries: Iterable[MessageSummary]) -> Hashable | None:
+        """A mark for `arrivals`, from every summary of a mailbox as a listing just gave them;
+        None (this default) when the store has no cheaper way to find new mail than listing."""
+        return None
+
+    async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
+        """At least every message delivered since the listing or call that gave `mark` (more is
+        allowed), and the mark for the next call. This default lists the whole mailbox.
+        Raises NoSuchMailbox."""
+        return [s async for s in self.list_messages(user, mailbox)], mark
+
     # ----------------------------------------------------------------- change notification (IMAP IDLE)
 
     async def changed_mailboxes(

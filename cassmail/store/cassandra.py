@@ -92,6 +92,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds beyond the request timeout a write may take to land (see changes_token).
 CHANGES_SETTLE = 2.0
+#: Seconds two nodes' clocks may be apart, for `arrivals` (beyond the request timeout).
+ARRIVAL_SKEW = 3.0
 #: Rows per conditional batch when assigning UIDs (keeps batches far below batch_size_fail_threshold).
 UID_BATCH = 256
 #: Ids per `IN (...)` read or delete.
@@ -537,7 +539,6 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         rows = await asyncio.gather(*(self._resolve(u, m) for (u, m) in unique))
         counted = await self._quota_check(list(unique), rows, size)  # QuotaExceeded before any write
         mailbox_ids = {k: r.mailbox_id for k, r in zip(unique, rows)}
-        ids = {k: new_message_id() for k in unique}
 
         body_id = new_message_id()
         chunk = self.settings.chunk_size
@@ -545,6 +546,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         await self._gather_limited(
             self.tables.body_chunks.insert(body_id, i, bytes(view[i * chunk : (i + 1) * chunk])) for i in range(nchunks)
         )
+        # Ids are stamped once the body is stored, just before the rows that carry them: a row
+        # lands at most one write after its id's time, which `arrivals` relies on.
+        ids = {k: new_message_id() for k in unique}
         shared = len(unique) > 1
         if shared:
             refs = {_ref(mailbox_ids[k], ids[k]) for k in unique}
@@ -971,6 +975,27 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         found = await self.get_summaries(user, mailbox, ids)
         changed = [s for s in found.values() if s.modseq is not None and s.modseq > modseq]
         return sorted(changed, key=lambda s: (s.id.time, s.id.bytes))
+
+    def arrivals_mark(self, summaries: Iterable[MessageSummary]) -> Hashable | None:
+        """The time of the newest message id listed (100 ns ticks), or of now for an empty
+        mailbox: ids are stamped just before their row is written (see `deliver`)."""
+        return max((s.id.time for s in summaries), default=_now_100ns())
+
+    async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
+        """The rows of ids stamped since `mark` less ARRIVAL_WINDOW: a row lands at most one
+        write (the request timeout) after its id's time, plus the clocks of two nodes apart; a
+        row later than that is seen by the next full listing (see MailboxView)."""
+        assert isinstance(mark, int)
+        key, name = address_key(user), mailbox_name(mailbox)
+        mailbox_id = (await self._resolve(key, name)).mailbox_id
+        window = int((self.settings.request_timeout + CHANGES_SETTLE + ARRIVAL_SKEW) * 10_000_000)
+        after: uuid.UUID | None = _floor_uuid(mark - window)
+        found: list[MessageSummary] = []
+        while after is not None:
+            page = await self._page(mailbox_id, after, 500)
+            found.extend(page.items)
+            after = page.cursor
+        return found, max([mark, *(s.id.time for s in found)])
 
     async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
