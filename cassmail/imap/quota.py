@@ -40,10 +40,11 @@ async def getquotaroot(session: Session, args: c.Mailbox) -> str:
     user = session.user
     assert user is not None
     name = session.mailbox(args.name)
-    quota = await session.store.get_quota(user)
-    roots = b"" if quota.limit is None else b" " + wire.astring(ROOT.encode())
+    # The limit first: a user without one (most) costs no count of the usage.
+    quota = await session.store.get_quota(user) if await session.store.quota_limit(user) is not None else None
+    roots = b"" if quota is None or quota.limit is None else b" " + wire.astring(ROOT.encode())
     session.untagged(b"QUOTAROOT " + session.encode_name(name) + roots)
-    if quota.limit is not None:
+    if quota is not None and quota.limit is not None:
         session.untagged(b"QUOTA " + wire.astring(ROOT.encode()) + b" " + storage(quota))
     return "GETQUOTAROOT completed"
 
@@ -51,7 +52,9 @@ async def getquotaroot(session: Session, args: c.Mailbox) -> str:
 async def getquota(session: Session, args: c.GetQuota) -> str:
     user = session.user
     assert user is not None
-    quota = await session.store.get_quota(user) if args.root == ROOT.encode() else None
+    store = session.store
+    quota = await store.get_quota(user) if args.root == ROOT.encode() and await store.quota_limit(user) is not None \
+        else None
     if quota is None or quota.limit is None:
         raise No("No such quota root", "NONEXISTENT")
     session.untagged(b"QUOTA " + wire.astring(ROOT.encode()) + b" " + storage(quota))

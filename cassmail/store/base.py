@@ -524,6 +524,11 @@ class Store(abc.ABC):
     async def get_quota(self, user: str) -> Quota:
         """The user's limit and usage. Raises NoSuchUser."""
 
+    async def quota_limit(self, user: str) -> int | None:
+        """The user's limit alone (None: no limit), without counting the usage: what IMAP's
+        GETQUOTAROOT asks first, on every login of some clients. Raises NoSuchUser."""
+        return (await self.get_quota(user)).limit
+
     async def quota_allows(self, user: str, size: int) -> bool | None:
         """Whether `size` more bytes fit under the user's limit, as far as the store can tell
         cheaply (an SMTP RCPT asks it): True or False, or None when telling would cost a walk of

@@ -86,6 +86,9 @@ class CassandraQuota(Store):
             used, messages = await self.tables.quota_usage.get(key)
         return Quota(limit, max(used, 0), max(messages, 0))
 
+    async def quota_limit(self, user: str) -> int | None:
+        return (await self._limit_row(address_key(user))).quota_limit  # type: ignore[no-any-return]
+
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
         limit = (await self._limit_row(key)).quota_limit

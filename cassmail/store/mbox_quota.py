@@ -95,6 +95,10 @@ class MboxQuota(Store):
 
         return await self._call(read)
 
+    async def quota_limit(self, user: str) -> int | None:
+        key = address_key(user)
+        return await self._call(self._limit, key)
+
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
 

@@ -67,6 +67,15 @@ class WheelFSQuota(Store):
 
         return await self._call(read)
 
+    async def quota_limit(self, user: str) -> int | None:
+        key = address_key(user)
+
+        def read() -> int | None:
+            self._require_user(key)
+            return self._quota_limit(key)
+
+        return await self._call(read)
+
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
 

@@ -920,9 +920,10 @@ async def used(store: Store, user: str) -> tuple[int, int]:
 async def test_a_limit_is_set_changed_and_cleared_and_bad_ones_are_refused(store: Store, user: str,
                                                                           domain: str) -> None:
     assert await store.get_quota(user) == Quota(None, 0, 0)
+    assert await store.quota_limit(user) is None
     assert await store.quota_allows(user, 10**12) is True
     await store.set_quota(user, 5000)
-    assert (await store.get_quota(user)).limit == 5000
+    assert (await store.get_quota(user)).limit == 5000 == await store.quota_limit(user)
     await store.set_quota(user.upper(), 0)
     assert await store.get_quota(user) == Quota(0, 0, 0)
     await store.set_quota(user, None)
@@ -931,7 +932,8 @@ async def test_a_limit_is_set_changed_and_cleared_and_bad_ones_are_refused(store
         with pytest.raises(InvalidInput):
             await store.set_quota(user, bad)  # type: ignore[arg-type]
     ghost = f"ghost@{domain}"
-    for call in (store.set_quota(ghost, 10), store.get_quota(ghost), store.recount_quota(ghost)):
+    for call in (store.set_quota(ghost, 10), store.get_quota(ghost), store.recount_quota(ghost), store.quota_limit(ghost),
+                 store.quota_allows(ghost, 1)):
         with pytest.raises(NoSuchUser):
             await call
 
