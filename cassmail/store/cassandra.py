@@ -81,7 +81,7 @@ from cassmail.store.base import (
     uid_work,
 )
 
-from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief
+from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_quota import CassandraQuota
@@ -147,6 +147,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             request_timeout=s.request_timeout,
             consistency_level=self.cql.read_cl,
             serial_consistency_level=self.cql.serial_cl,
+            row_factory=row_factory,
         )
         auth = PlainTextAuthProvider(s.username, s.password) if s.username else None
         return Cluster(
