@@ -308,3 +308,24 @@ def test_the_inbound_benchmark_counts_what_each_configuration_stored(tmp_path: P
         assert stored == accepted > 0, (name, cells)
         assert cells[3] == "0", (name, cells)  # nothing refused
     assert "the rate of cassmail off" in done.stdout
+
+
+def test_the_idle_benchmark_pushes_every_change_to_every_idle_session(tmp_path: Path) -> None:
+    """bench_idle.py's smallest run on mbox: 20 idle sessions on node A over 10 users, changes
+    made on node B reach each session of their user, and node A's costs are measured."""
+    figures = tmp_path / "idle.json"
+    cmd = [PY, str(LOADTEST / "bench_idle.py"), "--targets", "mbox", "--users", "10", "--sessions", "20",
+           "--messages", "1", "--workers", "1", "--base-seconds", "0", "--settle", "0", "--idle-seconds", "0.5",
+           "--changes", "2", "--rate", "8", "--flow-seconds", "0.5", "--json", str(figures)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    [level] = json.loads(figures.read_text())["targets"]["mbox"]["levels"]
+    assert level["opened"] == 20 and not level["open_errors"] and level["dropped"] == 0
+    assert level["idle_noise"] == 0  # nothing changed: no session heard anything
+    assert level["idle"]["cores"] is not None and level["idle"]["rss"] > 0
+    for kind in ("delivery", "flags"):
+        lat = level["latency"][kind]
+        assert (lat["changes"], lat["informed"], lat["missed"]) == (1, 2, 0), lat  # a user has 2 sessions
+    flow = level["flow_latency"]
+    assert flow["changes"] >= 3 and flow["informed"] == 2 * flow["changes"] and flow["missed"] == 0, flow
+    assert "| mbox: idle" in done.stdout and "sessions informed" in done.stdout
