@@ -788,7 +788,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         no change is lost to another and no MODSEQ or UID is handed out twice. Retried on
         contention. False when there was nothing to do."""
         messages = self.tables.messages
-        for _ in range(LWT_ATTEMPTS):
+        for attempt in range(LWT_ATTEMPTS):
             rows = await messages.state(mailbox_id, ids)
             if not rows:
                 return False
@@ -809,7 +809,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if applied:
                 self._notify([mailbox_id])
                 return True
-            await _backoff()
+            # Sessions on several nodes contend for one mailbox's counters: back off longer each
+            # time (up to about a second), so that they take turns instead of colliding again.
+            await asyncio.sleep(random.uniform(0.005, min(0.05 * 1.5 ** attempt, 1.0)))
         raise StoreUnavailable("could not change messages: too much contention")
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
