@@ -80,16 +80,22 @@ async def read_listing(store: Store, user: str, name: str, page_size: int, highe
     read first."""
     modseq = await store.highest_modseq(user, name) if highest else None
     summaries = [s async for s in store.list_messages(user, name, page_size)]
+    return Listing(summaries, await number(store, user, name, summaries), modseq)
+
+
+async def number(store: Store, user: str, name: str, summaries: list[MessageSummary]) -> dict[uuid.UUID, int]:
+    """UIDs for the summaries that have none, in one `assign_uids` call; none when the store
+    cannot number now."""
     unnumbered = [s.id for s in summaries if s.uid is None]
-    assigned: dict[uuid.UUID, int] = {}
-    if unnumbered:
-        try:
-            assigned = await store.assign_uids(user, name, unnumbered)
-        except StoreUnavailable as exc:
-            # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
-            # session goes on with the numbered mail, and the rest joins, above it, once it can.
-            log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
-    return Listing(summaries, assigned, modseq)
+    if not unnumbered:
+        return {}
+    try:
+        return await store.assign_uids(user, name, unnumbered)
+    except StoreUnavailable as exc:
+        # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
+        # session goes on with the numbered mail, and the rest joins, above it, once it can.
+        log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
+        return {}
 
 
 @dataclass
@@ -312,13 +318,7 @@ class MailboxView:
             if known is None or s.uid != known.uid or (s.modseq or 0) >= (known.modseq or 0):
                 by_id[s.id] = s
         summaries = [s for s in by_id.values() if s.uid not in vanished or s.uid is None]
-        unnumbered = [s.id for s in summaries if s.uid is None]
-        assigned: dict[uuid.UUID, int] = {}
-        if unnumbered:
-            try:
-                assigned = await store.assign_uids(user, name, unnumbered)
-            except StoreUnavailable as exc:
-                log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
+        assigned = await number(store, user, name, summaries)
         self.mark = mark
         return Listing(summaries, assigned, highest)
 

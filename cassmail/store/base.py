@@ -937,6 +937,14 @@ def check_quota_limit(limit: int | None) -> int | None:
     return limit
 
 
+def stored_quota_limit(value: object, where: str) -> int:
+    """A limit read back from a file store's quota file, or OSError naming the file: what is
+    there was not written by set_quota (a damaged or hand-edited file)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OSError(f"{where}: not a storage limit: {value!r}")
+    return value
+
+
 def quota_needs(unique: Iterable[tuple[str, str]], size: int) -> dict[str, int]:
     """Bytes a delivery of `size` bytes to these distinct (user, mailbox) targets adds to each
     user's usage: one copy per mailbox."""

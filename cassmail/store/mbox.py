@@ -754,8 +754,12 @@ class MboxStore(MboxQuota, FileQueueStore):
             watch = self._watch = DirectoryWatch()
         if not watch.available:
             return await super().changed_mailboxes(watched, since)
-        dirs = {pair: self._mailbox_dir(self._user_dir(address_key(pair[0])), mailbox_name(pair[1]))
+        # the directory of each watched pair, worked out once while it stays watched (every poll
+        # asks about every watched mailbox)
+        known: dict[tuple[str, str], Path] = getattr(self, "_watch_dirs", {})
+        dirs = {pair: known.get(pair) or self._mailbox_dir(self._user_dir(address_key(pair[0])), mailbox_name(pair[1]))
                 for pair in watched}
+        self._watch_dirs = dirs
         for directory in watch.watched() - set(dirs.values()):
             watch.unwatch(directory)
         unwatchable = {pair for pair, directory in dirs.items() if not watch.watch(directory)}

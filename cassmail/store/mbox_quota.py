@@ -47,6 +47,7 @@ from cassmail.store.base import (
     check_quota_limit,
     encode_name,
     quota_needs,
+    stored_quota_limit,
 )
 
 QUOTA_FILE = "quota.json"
@@ -166,9 +167,7 @@ class MboxQuota(Store):
             value = mbox_fs.read_json(path)["limit"]
         except FileNotFoundError:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise OSError(f"{path}: not a storage limit: {value!r}")
-        return value
+        return stored_quota_limit(value, str(path))
 
     def _usage(self, key: str) -> tuple[int, int]:
         """(bytes, messages) of the user's mailboxes: each from the cache while its index file is

@@ -28,6 +28,7 @@ from cassmail.store.base import (
     Target,
     check_quota_limit,
     quota_needs,
+    stored_quota_limit,
 )
 
 QUOTA_FILE = "quota"
@@ -95,9 +96,7 @@ class WheelFSQuota(Store):
             value = json.loads(self.fs.read_bytes(path))["limit"]
         except FileNotFoundError:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise OSError(f"{path}: not a storage limit: {value!r}")
-        return value
+        return stored_quota_limit(value, path)
 
     def _usage(self, key: str) -> tuple[int, int]:
         """(bytes, messages) of the user's mailboxes as their listings show them."""
