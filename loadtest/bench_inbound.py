@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import email.utils
 import os
 import secrets
 import shutil
@@ -108,7 +109,7 @@ def signed_pool(n: int, size: int, key: bytes) -> list[bytes]:
     for i in range(n):
         head = (f"From: News <{SENDER}>\r\nTo: reader@bench\r\nSubject: bulletin {i}\r\n"
                 f"Message-ID: <{secrets.token_hex(8)}.{i}@{SENDER_DOMAIN}>\r\n"
-                "Date: Wed, 25 Nov 2026 12:00:00 +0000\r\nMIME-Version: 1.0\r\n"
+                f"Date: {email.utils.formatdate(usegmt=True)}\r\nMIME-Version: 1.0\r\n"
                 "Content-Type: text/plain; charset=us-ascii\r\n\r\n").encode()
         msg = head + body
         out.append(dkim.sign(msg, b"bench", SENDER_DOMAIN.encode(), key,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import email.header
+import email.utils
 import imaplib
 import poplib
 import random
@@ -168,7 +169,7 @@ async def rcpt(in_store: Store) -> str:
 def message(sender: str, subject: str, body: bytes = b"Hello Rita, see you at noon.\r\n", extra: bytes = b"") -> bytes:
     return (f"From: Sender <{sender}>\r\nTo: rita@example.net\r\nSubject: {subject}\r\n"
             f"Message-ID: <{uuid.uuid4().hex}@{sender.rpartition('@')[2]}>\r\n"
-            "Date: Wed, 25 Nov 2026 12:00:00 +0000\r\nMIME-Version: 1.0\r\n"
+            f"Date: {email.utils.formatdate(usegmt=True)}\r\nMIME-Version: 1.0\r\n"
             "Content-Type: text/plain; charset=utf-8\r\n").encode() + extra + b"\r\n" + body
 
 
