@@ -56,7 +56,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from cassmail.config import Settings  # noqa: E402
 from cassmail.delivery.dkim import generate  # noqa: E402
 from cassmail.store import make_store  # noqa: E402
 from cassmail.store.base import Store  # noqa: E402
