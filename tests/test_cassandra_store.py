@@ -452,6 +452,43 @@ def test_only_requests_that_were_never_sent_are_retried() -> None:
     assert not _never_sent(NoHostAvailable("x", {}))
 
 
+def test_a_paxos_round_of_unknown_outcome_counts_as_contention_and_nothing_else_does() -> None:
+    """Cassandra 5 answers a proposal that fewer than a quorum accepted with CAS_WRITE_UNKNOWN
+    (0x1700), for which driver 3.x has no class: its decoder must still give the code, or
+    contended mailboxes would answer NO [UNAVAILABLE] again (this fails loudly if it changes)."""
+    import io
+    import struct
+
+    from cassandra import ConsistencyLevel, ReadTimeout, Unavailable, WriteTimeout, WriteType
+    from cassandra.protocol import ErrorMessage
+
+    from cassmail.store.cassandra_cql import _settle, contended
+
+    text = b"CAS operation result is unknown - proposal accepted by 1 but not a quorum."
+    wire = struct.pack(">iH", 0x1700, len(text)) + text + struct.pack(">Hii", ConsistencyLevel.QUORUM, 1, 2)
+    unknown = ErrorMessage.recv_body(io.BytesIO(wire), 5)
+
+    async def settled(exc: BaseException) -> BaseException:
+        fut = asyncio.get_running_loop().create_future()
+        _settle(fut, None, exc)
+        return fut.exception()
+
+    raised = asyncio.run(settled(unknown))
+    assert isinstance(raised, StoreUnavailable) and contended(raised)
+
+    def wrapped(cause: Exception) -> StoreUnavailable:
+        exc = StoreUnavailable("x")
+        exc.__cause__ = cause
+        return exc
+
+    assert contended(wrapped(WriteTimeout("t", write_type=WriteType.CAS)))
+    assert contended(wrapped(ReadTimeout("t", consistency=ConsistencyLevel.SERIAL)))
+    assert not contended(wrapped(WriteTimeout("t", write_type=WriteType.SIMPLE)))
+    assert not contended(wrapped(ReadTimeout("t", consistency=ConsistencyLevel.ONE)))
+    assert not contended(wrapped(Unavailable("down", consistency=ConsistencyLevel.SERIAL)))
+    assert not contended(StoreUnavailable("no cause"))
+
+
 async def test_a_user_creation_that_fails_half_way_is_neither_listed_nor_found(make_store, monkeypatch) -> None:
     """create_user writes the users_by_domain row, then the account; the account write fails."""
     store = await make_store()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
@@ -81,7 +80,7 @@ from cassmail.store.base import (
     uid_work,
 )
 
-from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, row_factory
+from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_quota import CassandraQuota
@@ -789,6 +788,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         contention. False when there was nothing to do."""
         messages = self.tables.messages
         for attempt in range(LWT_ATTEMPTS):
+            if attempt:
+                await _backoff(attempt)
             rows = await messages.state(mailbox_id, ids)
             if not rows:
                 return False
@@ -809,9 +810,6 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if applied:
                 self._notify([mailbox_id])
                 return True
-            # Sessions on several nodes contend for one mailbox's counters: back off longer each
-            # time (up to about a second), so that they take turns instead of colliding again.
-            await asyncio.sleep(random.uniform(0.005, min(0.05 * 1.5 ** attempt, 1.0)))
         raise StoreUnavailable("could not change messages: too much contention")
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
@@ -1025,7 +1023,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         by the same point read as the UID counter. A claim the mark already covers writes nothing."""
         below = check_recent_below(below)
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        for _ in range(LWT_ATTEMPTS):
+        for attempt in range(LWT_ATTEMPTS):
+            if attempt:
+                await _backoff(attempt)
             anchor = await self._anchor(mailbox_id)
             current = anchor.recent_mark if anchor else None
             mark = current or 1
@@ -1040,7 +1040,6 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
             if applied:
                 return mark
-            await _backoff()
         raise StoreUnavailable("could not claim \\Recent: too much contention")
 
 
@@ -1075,5 +1074,5 @@ def _groups(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-async def _backoff() -> None:
-    await asyncio.sleep(random.uniform(0.005, 0.05))
+async def _backoff(attempt: int = 0) -> None:
+    await asyncio.sleep(contention_pause(attempt))

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import random
 import re
 import threading
 import time
@@ -22,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cassandra import ConsistencyLevel, DriverException, WriteTimeout, WriteType
+from cassandra import ConsistencyLevel, DriverException, ReadTimeout, WriteTimeout, WriteType
 from cassandra.cluster import NoHostAvailable, ResponseFuture, Session
 from cassandra.connection import ConnectionBusy, ConnectionException
 from cassandra.pool import NoConnectionsAvailable
@@ -41,6 +42,10 @@ DRIVER_FAILURES: tuple[type[Exception], ...] = (
     ConnectionBusy,
     NoConnectionsAvailable,
 )
+#: CQL protocol v5's CAS_WRITE_UNKNOWN error (Cassandra 4+): a Paxos proposal was accepted by
+#: fewer replicas than a quorum, so its outcome is unknown. The driver (3.x) has no class for it
+#: and raises its plain ErrorMessage with this code.
+CAS_WRITE_UNKNOWN = 0x1700
 _READ_EVENT = re.compile(r"Read (\d+) live rows? and (\d+) tombstone cells?")
 
 
@@ -112,10 +117,14 @@ class Cql:
 
     async def run(self, statement: Statement) -> list[Any]:
         """Run a statement, every page. A request the driver could not even send (its connection
-        busy) is retried with backoff until request_timeout; any other failure is StoreUnavailable."""
+        busy) is retried with backoff until request_timeout, and so is a read at SERIAL that lost
+        its Paxos round to contention (`contended`: it changes nothing, and sessions on several
+        nodes reading one mailbox at SERIAL while others change it collide); any other failure is
+        StoreUnavailable."""
         cost = _tracing.get()
         deadline = time.monotonic() + self.settings.request_timeout
         pause = 0.002
+        contentions = 0
         while True:
             try:
                 rf = self.session.execute_async(statement, timeout=self.settings.request_timeout, trace=cost is not None)
@@ -134,8 +143,17 @@ class Cql:
                     raise StoreUnavailable(f"Cassandra: {brief(exc)}") from exc
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.1)
+                continue
             except DriverException as exc:
-                raise StoreUnavailable(f"Cassandra: {brief(exc)}") from exc
+                failure = StoreUnavailable(f"Cassandra: {brief(exc)}")
+                failure.__cause__ = exc
+            except StoreUnavailable as exc:  # see _settle
+                failure = exc
+            wait = contention_pause(contentions)
+            if not (_serial_read(statement) and contended(failure)) or time.monotonic() + wait > deadline:
+                raise failure
+            contentions += 1
+            await asyncio.sleep(wait)
 
     async def conditional(self, statement: Statement, contention_not_applied: bool = False) -> tuple[bool, Any]:
         """Run a conditional statement or batch: (applied, first result row).
@@ -146,8 +164,7 @@ class Cql:
         try:
             rows = await self.run(statement)
         except StoreUnavailable as exc:
-            cause = exc.__cause__
-            if contention_not_applied and isinstance(cause, WriteTimeout) and cause.write_type == WriteType.CAS:
+            if contention_not_applied and contended(exc):
                 return False, None
             raise
         row = rows[0] if rows else None
@@ -246,6 +263,30 @@ def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
     return fut
 
 
+def contention_pause(attempt: int) -> float:
+    """How long to wait before the next attempt of a Paxos round lost to contention: longer each
+    attempt (up to about a second), so that sessions on several nodes contending for one
+    partition take turns instead of colliding again."""
+    return random.uniform(0.005, min(0.05 * 1.5**attempt, 1.0))
+
+
+def _serial_read(statement: Statement) -> bool:
+    return statement.consistency_level in (ConsistencyLevel.SERIAL, ConsistencyLevel.LOCAL_SERIAL)
+
+
+def contended(exc: StoreUnavailable) -> bool:
+    """True when the failure is a Paxos round (a conditional write or a SERIAL read) that ran out
+    of time or of acceptors while other coordinators contended for the same partition: its
+    outcome is unknown, and a SERIAL read finds it out. Other failures (replicas down, no
+    connection) are not contention."""
+    cause = exc.__cause__
+    if isinstance(cause, WriteTimeout):
+        return cause.write_type == WriteType.CAS
+    if isinstance(cause, ReadTimeout):
+        return cause.consistency in (ConsistencyLevel.SERIAL, ConsistencyLevel.LOCAL_SERIAL)
+    return getattr(cause, "code", None) == CAS_WRITE_UNKNOWN
+
+
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -254,7 +295,9 @@ def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) ->
     elif isinstance(exc, (DriverException, NoHostAvailable)):
         fut.set_exception(exc)
     else:  # the driver reports some failures (e.g. connection errors) as plain exceptions
-        fut.set_exception(StoreUnavailable(f"Cassandra: {brief(exc)}"))
+        unavailable = StoreUnavailable(f"Cassandra: {brief(exc)}")
+        unavailable.__cause__ = exc
+        fut.set_exception(unavailable)
 
 
 def _never_sent(exc: NoHostAvailable) -> bool:
