@@ -78,6 +78,10 @@ class RawPop:
     def closed(self) -> bool:
         return self.file.readline() == b""
 
+    def close(self) -> None:
+        self.file.close()  # the socket's file descriptor stays open while its file is
+        self.sock.close()
+
     def login(self, user: str) -> None:
         assert self.cmd(f"USER {user}").startswith(b"+OK")
         assert self.cmd(f"PASS {user.split('@')[0]}").startswith(b"+OK")
@@ -641,6 +645,8 @@ def test_connections_past_max_connections_are_turned_away(backend_settings, tls_
                 break
             time.sleep(0.1)
         assert fourth.greeting.startswith(b"+OK")
+        for client in (second, fourth):  # a session left open would hold the node's stop for its grace period
+            client.close()
     finally:
         assert node.stop() == 0
 
