@@ -1009,6 +1009,8 @@ async def test_two_nodes_assign_each_uid_once_and_idle_hears_the_other_node(back
         watcher.send(b"DONE\r\n")
         assert watcher.until(b"t%d" % watcher.n)[-1].endswith(b"OK IDLE terminated\r\n")
         assert b"* 7 FETCH (UID 8)\r\n" in watcher.cmd("FETCH 7 (UID)")
+        watcher.cmd("LOGOUT")  # a session left open would hold its node's stop for the grace period
+        mover.logout()
     finally:
         for n in nodes:
             assert n.stop() == 0
