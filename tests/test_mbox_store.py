@@ -200,6 +200,31 @@ async def test_byte_ranges_of_a_quoted_message_are_exact(mstore: MboxStore) -> N
         assert got == body[start:end]
 
 
+async def test_more_watched_mailboxes_than_open_files_are_reported_only_when_they_change(
+        mstore: MboxStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An IDLE worker watches more mailboxes than the store keeps open: reading them all makes
+    the store close files it had open for writing, which is no change of a mailbox."""
+    from cassmail.store import mbox
+
+    monkeypatch.setattr(mbox, "OPEN_MAILBOXES", 8)
+    names = [f"box{i}" for i in range(12)]
+    for name in names:
+        await mstore.create_mailbox(USER, name)
+        await mstore.deliver(body_for(1), [Target(USER, name)])
+    watched = [(USER, name) for name in names]
+    assert (await mstore.changed_mailboxes(watched, None))[0] == set()
+    for _ in range(2):  # every mailbox opened, and all but 8 closed again
+        for name in names:
+            [summary] = [s async for s in mstore.list_messages(USER, name)]
+            assert await mstore.read_message(USER, name, summary.id) == body_for(1)
+    assert len(mstore._open_files) == 8
+    changed, cursor = await mstore.changed_mailboxes(watched, True)
+    assert changed == set()
+    await mstore.deliver(body_for(2), [Target(USER, "box3")])
+    changed, cursor = await mstore.changed_mailboxes(watched, cursor)
+    assert changed == {(USER, "box3")}
+
+
 async def test_a_message_another_tool_appends_is_adopted(mstore: MboxStore) -> None:
     [ours] = await mstore.deliver(body_for(1), [Target(USER)])
     path = mstore.mailbox_paths(USER, INBOX)[0]

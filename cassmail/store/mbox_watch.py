@@ -20,10 +20,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x8, 0x40, 0x80
+IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
 IN_CREATE, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x200, 0x400, 0x800, 0x4000, 0x8000
 IN_ONLYDIR, IN_NONBLOCK, IN_CLOEXEC = 0x01000000, 0o4000, 0o2000000
-_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+#: Not IN_CLOSE_WRITE: a write fires IN_MODIFY already, and the store closes mailbox files it
+#: opened for writing without writing to them (its open-file cache evicting one), which is no change.
+_MASK = (IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
          | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR)
 _EVENT = struct.Struct("iIII")
 
