@@ -2,7 +2,7 @@
 checking the mailbox state it is told against what IMAP promises (tests/imap_stress.py): on
 every store, with the sessions on one node and spread over two.
 
-The run is short here (CASSMAIL_STRESS_SECONDS, default 15 s); for a soak, run it longer from
+The run is short here (CASSMAIL_STRESS_SECONDS, default 10 s); for a soak, run it longer from
 the command line: `python -m tests.imap_stress --port P --user U --password W --seconds 600`."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.nodes import Node, node_settings
 
 pytestmark = pytest.mark.cassandra
 
-SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "15"))
+SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "10"))
 SESSIONS = 10
 #: Every kind of command the mix sends was answered OK at least once.
 EXERCISED = ("APPEND OK", "FETCH OK", "STORE OK", "SEARCH OK", "COPY OK", "MOVE OK", "EXPUNGE OK", "NOOP OK",

@@ -34,6 +34,7 @@ async def idle(session: Session, args: c.Simple) -> str:
     session.continuation(b"idling")
     done = asyncio.ensure_future(session.conn.read_line())
     watcher = watch(session.listener, session.view.user, session.view.name) if session.view is not None else None
+    news: asyncio.Future[Listing] | None = None
     try:
         while True:
             waiting: set[asyncio.Future[object]] = {done}  # type: ignore[arg-type]
@@ -57,10 +58,14 @@ async def idle(session: Session, args: c.Simple) -> str:
                     log.warning(kv("imap-idle", user=session.user, mailbox=session.view.name, error=exc))
                 await session.conn.drain()
     finally:
-        if not done.done():
-            done.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await done
+        # Neither read may be left running, nor its failure unretrieved ("Task exception was
+        # never retrieved"): a session cut while idling leaves both behind.
+        for pending in (done, news):
+            if pending is not None:
+                if not pending.done():
+                    pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
         if watcher is not None:
             watcher.release()
     try:

@@ -247,8 +247,8 @@ class MailboxView:
         current: dict[int, MessageSummary] = {}
         for s in listing.summaries:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
-            if uid is not None:
-                current[uid] = dataclasses.replace(s, uid=uid)
+            if uid is not None:  # (dataclasses.replace is dear: most summaries carry their UID)
+                current[uid] = s if s.uid == uid else dataclasses.replace(s, uid=uid)
         changes = Changes()
         before = (len(self.uids), len(self.recent))
         gone = [u for u in self.uids if u not in current]
