@@ -47,8 +47,8 @@ def paper_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sub
     base, out = work / "clusters", work / "out"
     # With RF=1 the sweep runs the first level only; the timeline runs both.
     cmd = [sys.executable, str(LOADTEST / "paper.py"), "--nodes", "1", "--rf", "1", "--cl", "ONE,ALL",
-           "--sizes", "5K-50K", "--seconds", "20", "--interval", "5", "--average-last", "2", "--users", "10",
-           "--threads", "4", "--timeline-nodes", "2", "--timeline-rf", "2", "--timeline-minutes", "0.75",
+           "--sizes", "5K-50K", "--seconds", "10", "--interval", "5", "--average-last", "2", "--users", "10",
+           "--threads", "4", "--timeline-nodes", "2", "--timeline-rf", "2", "--timeline-minutes", "0.6",
            "--timeline-interval", "9", "--kill-at", "0.3", "--timeline-sizes", "5K-50K", "--heap-mb", "512",
            "--port-offset", str(PORT_OFFSET), "--base", str(base), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
