@@ -10,7 +10,6 @@ loses nothing acknowledged and shows nothing deleted), and locking across proces
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import mailbox
 import os
@@ -36,22 +35,9 @@ from cassmail.store.base import NoSuchMessage, StoreUnavailable, Target
 from cassmail.store.mbox import MboxStore, decode_name, encode_name
 from cassmail.store.mbox_format import PAD_MIN, Unquoter, pad, quote, unquote
 from tests.contract.test_store_contract import recent_owners
+from tests.mbox_messages import USER, body_for
 
 REPO = Path(__file__).resolve().parent.parent
-USER = "anne@example.org"
-
-def body_for(n: int, size: int | None = None) -> bytes:
-    """A reproducible message: headers, some From_ lines to quote, and `size`-ish bytes of text."""
-    rnd = random.Random(n)
-    size = size if size is not None else rnd.randint(300, 11_000)
-    lines = [b"From: sender%d@example.net\r\n" % n, b"Subject: message %d\r\n" % n, b"\r\n"]
-    if n % 3 == 0:
-        lines += [b"From the start of a line\r\n", b">From already quoted\n", b">>From twice\n"]
-    while sum(map(len, lines)) < size:
-        lines.append(hashlib.sha256(b"%d-%d" % (n, len(lines))).hexdigest().encode() + b"\r\n")
-    body = b"".join(lines)[:size]
-    return body if n % 4 else body.rstrip(b"\r\n")  # some without a final newline
-
 
 def require_collapse(directory: Path) -> None:
     """Skip a test that counts range collapses where the file system cannot collapse, probed
@@ -560,7 +546,7 @@ sys.path.insert(0, os.environ["REPO"])
 from cassmail.config import MboxSettings
 from cassmail.store.mbox import MboxStore
 from cassmail.store.base import Target
-from tests.test_mbox_store import body_for, USER
+from tests.mbox_messages import body_for, USER
 
 def say(kind, **fields):
     print(json.dumps({"kind": kind, **fields}), flush=True)
