@@ -296,7 +296,7 @@ class MailboxView:
 
     async def _changes(self) -> Listing | None:
         """The mailbox as a listing would show it, from the view and what changed since its
-        HIGHESTMODSEQ (changed_since, vanished_since) and what arrived since its last listing
+        HIGHESTMODSEQ (Store.changes_since) and what arrived since its last listing
         (Store.arrivals): a few small reads instead of the whole mailbox. None when a full
         listing is due: none yet, one older than FULL_LISTING, expunges the store forgot."""
         if self.mark is None or not self.highest or time.monotonic() - self.full_at > FULL_LISTING:
@@ -306,11 +306,10 @@ class MailboxView:
         vanished: set[int] = set()
         changed: list[MessageSummary] = []
         if highest > self.highest:
-            gone = await store.vanished_since(user, name, self.highest)
+            changed, gone = await store.changes_since(user, name, self.highest)
             if gone is None:
                 return None
             vanished = set(gone)
-            changed = await store.changed_since(user, name, self.highest)
         arrived, mark = await store.arrivals(user, name, self.mark)
         by_id = {s.id: s for s in self.messages.values() if s.uid not in vanished}
         for s in [*changed, *arrived]:

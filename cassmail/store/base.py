@@ -618,6 +618,15 @@ class Store(abc.ABC):
         remembered for at least `vanished_keep` seconds (a store setting), and a client that
         last synchronised before that has to resynchronise in full. Raises NoSuchMailbox."""
 
+    async def changes_since(self, user: str, mailbox: str, modseq: int) -> tuple[list[MessageSummary], list[int] | None]:
+        """`changed_since` and `vanished_since` together, as a refresh wants them: (changed,
+        vanished), with ([], None) when the expunges since `modseq` may have been forgotten. A
+        store may answer both from one read. Raises NoSuchMailbox."""
+        vanished = await self.vanished_since(user, mailbox, modseq)
+        if vanished is None:
+            return [], None
+        return await self.changed_since(user, mailbox, modseq), vanished
+
     # ----------------------------------------------------------------- new arrivals (IMAP refresh)
     # With MODSEQs a session learns flag changes, numberings and expunges from changed_since and
     # vanished_since; what these cannot tell is mail delivered since (unnumbered, no MODSEQ).

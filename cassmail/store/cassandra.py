@@ -963,19 +963,38 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         """From the MODSEQ records (schema 008), without the listing: their slice above `modseq`,
         then the rows they name. Below what the records can answer (MODSEQ 1: mail numbered
         before schema 008 has none; or a trimmed range) the listing is read instead."""
+        changed, _ = await self._since(user, mailbox, modseq, changed=True, vanished=False)
+        return changed
+
+    async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
+        _, vanished = await self._since(user, mailbox, modseq, changed=False, vanished=True)
+        return vanished
+
+    async def changes_since(self, user: str, mailbox: str, modseq: int) -> tuple[list[MessageSummary], list[int] | None]:
+        return await self._since(user, mailbox, modseq, changed=True, vanished=True)
+
+    async def _since(
+        self, user: str, mailbox: str, modseq: int, changed: bool, vanished: bool
+    ) -> tuple[list[MessageSummary], list[int] | None]:
+        """What changed and what vanished above `modseq`, from one SERIAL read in the common case:
+        the records slice above it, whose rows carry the counter and the floor (static columns);
+        the anchor is read only when the slice is empty. Then the rows the records name."""
         mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        anchor = await self._anchor(mailbox_id)
-        if anchor is None:
-            return []
-        if modseq < max(anchor.vanished_floor or 1, 1):
-            return await super().changed_since(user, mailbox, modseq)
-        if modseq >= (anchor.highest_modseq or 1):
-            return []
-        records = await self.tables.messages.records(mailbox_id, modseq)
-        ids = [r.changed_id for r in records if r.changed_id is not None]
-        found = await self.get_summaries(user, mailbox, ids)
-        changed = [s for s in found.values() if s.modseq is not None and s.modseq > modseq]
-        return sorted(changed, key=lambda s: (s.id.time, s.id.bytes))
+        records = await self.tables.messages.records(mailbox_id, max(modseq, 0))
+        state = records[0] if records else await self._anchor(mailbox_id)
+        if state is None or modseq >= (state.highest_modseq or 1):
+            return [], []
+        floor = state.vanished_floor
+        if vanished and floor is not None and modseq < floor:
+            return [], None  # expunges forgotten: the client resynchronises in full
+        gone = sorted({r.uid for r in records if r.changed_id is None and r.uid is not None}) if vanished else []
+        if not changed:
+            return [], gone
+        if modseq < max(floor or 1, 1):  # below what the records answer: the listing
+            return await super().changed_since(user, mailbox, modseq), gone
+        found = await self.get_summaries(user, mailbox, [r.changed_id for r in records if r.changed_id is not None])
+        fresh = [s for s in found.values() if s.modseq is not None and s.modseq > modseq]
+        return sorted(fresh, key=lambda s: (s.id.time, s.id.bytes)), gone
 
     def arrivals_mark(self, summaries: Iterable[MessageSummary]) -> Hashable | None:
         """The time of the newest message id listed (100 ns ticks), or of now for an empty
@@ -997,18 +1016,6 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             found.extend(page.items)
             after = page.cursor
         return found, max([mark, *(s.id.time for s in found)])
-
-    async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
-        anchor = await self._anchor(mailbox_id)
-        if anchor is None:
-            return []
-        if anchor.vanished_floor is not None and modseq < anchor.vanished_floor:
-            return None
-        if modseq >= (anchor.highest_modseq or 1):
-            return []
-        records = await self.tables.messages.records(mailbox_id, max(modseq, 0))
-        return sorted({r.uid for r in records if r.changed_id is None and r.uid is not None})
 
     # ================================================================= IMAP \Recent
 

@@ -359,7 +359,10 @@ class Messages(Table):
             CONDITIONAL,
             "UPDATE messages SET vanished_floor = ?, vanished_mark = ?, vanished_mark_at = ? WHERE mailbox_id = ?",
         ),
-        "records": (SERIAL_READ, "SELECT uid, changed_id FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
+        "records": (
+            SERIAL_READ,
+            "SELECT uid, changed_id, highest_modseq, vanished_floor FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?",
+        ),
         "forget_records": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
         "touch_anchor": (CONDITIONAL, "UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?"),
         "raise_recent": (CONDITIONAL, "UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?"),
@@ -472,7 +475,8 @@ class Messages(Table):
         return self.bind("trim", floor, mark, at, mailbox_id)
 
     async def records(self, mailbox_id: uuid.UUID, above: int) -> list[Any]:
-        """The MODSEQ records (uid, changed_id: None for an expunge) above `above`, at SERIAL."""
+        """The MODSEQ records (uid, changed_id: None for an expunge) above `above`, at SERIAL;
+        each row also carries the mailbox's highest_modseq and vanished_floor (static columns)."""
         return await self._run("records", mailbox_id, _after_modseq(above), FIRST_REAL)
 
     async def forget_records(self, mailbox_id: uuid.UUID, upto: int) -> None:

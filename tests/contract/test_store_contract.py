@@ -730,6 +730,13 @@ async def test_expunges_are_remembered_with_their_modseq(store: Store, user: str
     assert await store.vanished_since(user, INBOX, await store.highest_modseq(user, INBOX)) == []
     # the messages left keep their MODSEQs; expunges do not show in changed_since
     assert [s.uid for s in await store.changed_since(user, INBOX, 0)] == [1, 4, 6]
+    # changes_since gives both at once
+    await store.store_flags(user, INBOX, [ids[5]], ["\\Seen"], "add")
+    changed, vanished = await store.changes_since(user, INBOX, middle)
+    assert [s.uid for s in changed] == [6] and vanished == [3]
+    changed, vanished = await store.changes_since(user, INBOX, mark)
+    assert [s.uid for s in changed] == [6] and vanished == [2, 3, 5]
+    assert await store.changes_since(user, INBOX, await store.highest_modseq(user, INBOX)) == ([], [])
 
 
 async def test_a_renumbered_message_gives_up_its_old_uid_as_vanished(store: Store, user: str) -> None:
@@ -752,6 +759,8 @@ async def test_expunges_older_than_the_window_are_forgotten_and_said_to_be(store
         # the last expunge is remembered; the first, three windows ago, is no longer promised
         assert await store.vanished_since(user, INBOX, before) == [3]
         assert await store.vanished_since(user, INBOX, 1) is None
+        assert await store.changes_since(user, INBOX, 1) == ([], None)
+        assert (await store.changes_since(user, INBOX, before))[1] == [3]
     finally:
         store.vanished_keep = Store.vanished_keep
 
