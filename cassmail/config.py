@@ -114,6 +114,11 @@ class CassandraSettings:
     #: Seconds a deleted range must age before listings skip it by the low-water mark; must
     #: exceed clock skew between nodes plus the longest replication delay (hint window).
     tombstone_grace: float = 3 * 3600.0
+    #: Seconds a worker may reuse a mailbox's row (its id, UIDVALIDITY) for calls on the messages
+    #: of a mailbox it has just resolved (an IMAP session's every command), instead of reading it
+    #: again; 0 reads it every time. Delivery always reads it. A rename or deletion made on
+    #: another node reaches this one's sessions that much later.
+    mailbox_cache: float = 1.0
 
     def validate(self, prefix: str) -> None:
         _check(bool(self.contact_points), f"{prefix}.contact_points", "needs at least one host")
@@ -155,6 +160,7 @@ class CassandraSettings:
         _check(self.chunk_concurrency >= 1, f"{prefix}.chunk_concurrency", "must be >= 1")
         _check(self.max_chunks_in_flight >= 1, f"{prefix}.max_chunks_in_flight", "must be >= 1")
         _check(self.tombstone_grace >= 0, f"{prefix}.tombstone_grace", "must be >= 0 seconds")
+        _check(0 <= self.mailbox_cache <= 60, f"{prefix}.mailbox_cache", "must be 0-60 seconds")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_schema
-from cassmail.store.base import DomainInUse, NoSuchMessage, StoreError, StoreUnavailable, Target
+from cassmail.store.base import DomainInUse, NoSuchMailbox, NoSuchMessage, StoreError, StoreUnavailable, Target
 from cassmail.store.cassandra import CassandraStore
 from tests.conftest import FAST_HASH, hash_password
 from tests.contract.test_store_contract import recent_owners
@@ -153,6 +153,42 @@ async def test_a_late_message_older_than_the_live_ones_is_still_listed_within_th
     monkeypatch.undo()
     assert late.time < second.time
     assert {s.id async for s in store.list_messages(user, INBOX)} == {late, second}
+
+
+async def test_a_sessions_calls_reuse_the_mailbox_row_for_mailbox_cache_and_delivery_never(make_store) -> None:
+    store = await make_store(mailbox_cache=0.5)
+    other = await make_store()  # another node
+    user = await new_user(store)
+    reads = 0
+    real = store.tables.users.mailbox
+
+    async def counted(*args: object) -> object:
+        nonlocal reads
+        reads += 1
+        return await real(*args)
+
+    store.tables.users.mailbox = counted  # type: ignore[method-assign]
+    [message_id] = await store.deliver(b"Subject: x\r\n\r\nx\r\n", [Target(user)])
+    assert reads == 1
+    for _ in range(3):  # what an IMAP command makes: one read of the row for all of them
+        await store.changes_token(user, INBOX)
+        await store.highest_modseq(user, INBOX)
+        await store.store_flags(user, INBOX, [message_id], ["\\Seen"], "add")
+        await store.get_summaries(user, INBOX, [message_id])
+    assert reads == 1
+    await store.deliver(b"Subject: y\r\n\r\ny\r\n", [Target(user)])
+    assert reads == 2  # delivery reads it every time
+    # A rename made by this store is seen at once; one made by another node after mailbox_cache.
+    await store.create_mailbox(user, "Old")
+    info = await store.mailbox_info(user, "Old")
+    await store.rename_mailbox(user, "Old", "New")
+    with pytest.raises(NoSuchMailbox):
+        await store.mailbox_info(user, "Old")
+    assert (await store.mailbox_info(user, "New")).uidvalidity == info.uidvalidity
+    await other.delete_mailbox(user, "New")
+    await asyncio.sleep(0.6)
+    with pytest.raises(NoSuchMailbox):
+        await store.mailbox_info(user, "New")
 
 
 async def test_consistency_levels_come_from_settings(make_store) -> None:
@@ -301,7 +337,7 @@ async def test_two_nodes_claiming_recent_at_once_give_each_uid_to_one_session(ma
 
 
 async def test_reading_the_recent_mark_or_a_covered_claim_is_two_reads_and_no_paxos_write(make_store) -> None:
-    store = await make_store()
+    store = await make_store(mailbox_cache=0)
     user = await new_user(store)
     await store.claim_recent(user, INBOX, 10)
     with store.tracing() as mark:
@@ -310,6 +346,11 @@ async def test_reading_the_recent_mark_or_a_covered_claim_is_two_reads_and_no_pa
         assert await store.claim_recent(user, INBOX, 7) == 10
     # the mailbox row, then the anchor row at SERIAL; a covered claim stops there
     assert mark.statements == covered.statements == 2
+    cached = await make_store()  # mailbox_cache: the row read for the first call does for the next
+    await cached.recent_mark(user, INBOX)
+    with cached.tracing() as again:
+        assert await cached.claim_recent(user, INBOX, 7) == 10
+    assert again.statements == 1
 
 
 async def test_a_body_deleted_between_two_chunks_is_no_such_message_a_lost_chunk_unavailable(make_store) -> None:

@@ -93,6 +93,8 @@ log = logging.getLogger(__name__)
 CHANGES_SETTLE = 2.0
 #: Seconds two nodes' clocks may be apart, for `arrivals` (beyond the request timeout).
 ARRIVAL_SKEW = 3.0
+#: Mailbox rows a store keeps for `_resolve(cached=True)` at most (then it starts afresh).
+MAILBOX_CACHE_ROWS = 10_000
 #: Rows per conditional batch when assigning UIDs (keeps batches far below batch_size_fail_threshold).
 UID_BATCH = 256
 #: Ids per `IN (...)` read or delete.
@@ -125,6 +127,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         # Chunk reads and writes in flight across every message of this process: backpressure
         # instead of filling the driver's socket buffers until it refuses requests.
         self._chunk_slots = asyncio.Semaphore(settings.max_chunks_in_flight)
+        #: (user, mailbox) -> (when read, row), for `_resolve(cached=True)`.
+        self._mailboxes: dict[tuple[str, str], tuple[float, Any]] = {}
         self._queue_init()
 
     @property
@@ -274,6 +278,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         applied, _ = await self.cql.conditional(batch)
         if not applied:
             raise UserExists(key)
+        self._forget_mailboxes(key)
         # Again, idempotent: a delete_user of the same address that ran between the two writes
         # removed the first one, and an account must never be missing from the index. The user
         # exists now, so a failure here is logged rather than reported as a failed creation.
@@ -318,6 +323,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         batch.add(self.tables.aliases_by_user.purge_statement(key))
         self._sieve_purge(batch, key)
         await self.cql.run(batch)
+        self._forget_mailboxes(key)
 
     async def list_users(self, domain: str | None = None) -> list[str]:
         if domain is not None:
@@ -420,23 +426,43 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         rows = await self._mailbox_rows(address_key(user))
         return sorted((_info(r.mailbox, r) for r in rows), key=lambda i: (i.name != INBOX, i.name))
 
-    async def _resolve(self, key: str, name: str, serial: bool = False) -> Any:
-        """The row of a user's mailbox (mailbox_id, uidvalidity, ...), or NoSuchMailbox/NoSuchUser."""
+    async def _resolve(self, key: str, name: str, serial: bool = False, cached: bool = False) -> Any:
+        """The row of a user's mailbox (mailbox_id, uidvalidity, ...), or NoSuchMailbox/NoSuchUser.
+        With `cached`, a row this store read less than `mailbox_cache` seconds ago will do: for
+        calls on a mailbox's messages, never for delivery or for what the row's low-water mark
+        decides (listing, deleting)."""
         name = mailbox_name(name)
+        ttl = self.settings.mailbox_cache
+        if cached and ttl > 0:
+            hit = self._mailboxes.get((key, name))
+            if hit is not None and time.monotonic() - hit[0] < ttl:
+                return hit[1]
         row = await self.tables.users.mailbox(key, name, serial)
         if row is not None and row.mailbox_id is not None:
+            if ttl > 0:
+                if len(self._mailboxes) >= MAILBOX_CACHE_ROWS:
+                    self._mailboxes.clear()
+                self._mailboxes[(key, name)] = (time.monotonic(), row)
             return row
+        self._mailboxes.pop((key, name), None)
         await self._account(key)
         raise NoSuchMailbox(key, name)
+
+    def _forget_mailboxes(self, key: str) -> None:
+        """When this store changes one of the user's mailbox rows (creates, renames, deletes,
+        subscribes) or deletes the user."""
+        for pair in [pair for pair in self._mailboxes if pair[0] == key]:
+            del self._mailboxes[pair]
 
     async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
         key = address_key(user)
         name = mailbox_name(name)
-        return _info(name, await self._resolve(key, name))
+        return _info(name, await self._resolve(key, name, cached=True))
 
     async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
         key, name = address_key(user), mailbox_name(name)
         row = await self._resolve(key, name, serial=True)
+        self._forget_mailboxes(key)
         if not await self.tables.users.set_subscribed(key, name, row.mailbox_id, subscribed):
             raise NoSuchMailbox(key, name)
 
@@ -458,6 +484,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             batch.add(users.insert_mailbox_statement(key, name, mailbox_id, uidvalidity, special_use, True, None, None))
             applied, row = await self.cql.conditional(batch)
             if applied:
+                self._forget_mailboxes(key)
                 return MailboxInfo(name, uidvalidity, special_use, True)
             if await users.mailbox(key, name, serial=True) is not None:
                 raise MailboxExists(key, name)
@@ -492,6 +519,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                     batch.add(users.delete_mailbox_statement(key, source, r.mailbox_id))
             applied, _ = await self.cql.conditional(batch)
             if applied:
+                self._forget_mailboxes(key)
                 return
             await _backoff()
         raise StoreUnavailable(f"could not rename mailbox {old!r} of {key}: too much contention")
@@ -506,6 +534,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             statement = self.tables.users.delete_mailbox_statement(key, name, row.mailbox_id)
             applied, _ = await self.cql.conditional(statement)
             if applied:
+                self._forget_mailboxes(key)
                 await self._quota_freed_totals(key, *await self._purge_mailbox(row.mailbox_id))
                 return
             await _backoff()
@@ -588,7 +617,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         return Page(items, rows[-1].id if len(rows) == limit else None)
 
     async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         out: dict[uuid.UUID, MessageSummary] = {}
         for group in _groups(list(dict.fromkeys(ids)), IN_BATCH):
             for r in await self.tables.messages.summaries(mailbox_id, group):
@@ -599,7 +628,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def read_chunks(
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         info = await self.tables.messages.body_info(mailbox_id, message_id)
         if info is None or info.size is None:
             raise NoSuchMessage(mailbox, message_id)
@@ -663,7 +692,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         outage, and a CONDSTORE client learns of that change with the message's next one."""
         mode = check_flag_mode(mode)
         values = flag_set(flags)
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         modified: set[uuid.UUID] = set()
         messages = self.tables.messages
 
@@ -879,7 +908,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     # ================================================================= IMAP UIDs
 
     async def uid_next(self, user: str, mailbox: str) -> int:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         anchor = await self._anchor(mailbox_id)
         return (anchor.uidnext if anchor else None) or 1
 
@@ -898,7 +927,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         can land after it (and after a listing) without changing the column, last-write-wins by
         timestamp keeping the newer value. Once no write that old can still arrive, an unchanged
         column means an unchanged mailbox."""
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         row = await self.tables.messages.changes_token(mailbox_id)
         if row is None or row.changed is None:
             return None
@@ -914,7 +943,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
     ) -> dict[uuid.UUID, int]:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         wanted = uid_work(ids, renumber)
         uids: dict[uuid.UUID, int] = {}
         for group in _groups(wanted, UID_BATCH):
@@ -955,7 +984,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def highest_modseq(self, user: str, mailbox: str) -> int:
         """Read at the read level, not SERIAL: every SELECT asks, and a value a weak read shows too
         low only makes a client ask for more changes than it needs (never fewer)."""
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         anchor = await self.tables.messages.changes_token(mailbox_id)
         return (anchor.highest_modseq if anchor else None) or 1
 
@@ -979,7 +1008,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         """What changed and what vanished above `modseq`, from one SERIAL read in the common case:
         the records slice above it, whose rows carry the counter and the floor (static columns);
         the anchor is read only when the slice is empty. Then the rows the records name."""
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         records = await self.tables.messages.records(mailbox_id, max(modseq, 0))
         state = records[0] if records else await self._anchor(mailbox_id)
         if state is None or modseq >= (state.highest_modseq or 1):
@@ -1007,7 +1036,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         row later than that is seen by the next full listing (see MailboxView)."""
         assert isinstance(mark, int)
         key, name = address_key(user), mailbox_name(mailbox)
-        mailbox_id = (await self._resolve(key, name)).mailbox_id
+        mailbox_id = (await self._resolve(key, name, cached=True)).mailbox_id
         window = int((self.settings.request_timeout + CHANGES_SETTLE + ARRIVAL_SKEW) * 10_000_000)
         after: uuid.UUID | None = _floor_uuid(mark - window)
         found: list[MessageSummary] = []
@@ -1020,7 +1049,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     # ================================================================= IMAP \Recent
 
     async def recent_mark(self, user: str, mailbox: str) -> int:
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         anchor = await self._anchor(mailbox_id)
         return (anchor.recent_mark if anchor else None) or 1
 
@@ -1029,7 +1058,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         `_assign_group`; with the anchor row in the same conditional batch, so the mark is read
         by the same point read as the UID counter. A claim the mark already covers writes nothing."""
         below = check_recent_below(below)
-        mailbox_id = (await self._resolve(address_key(user), mailbox)).mailbox_id
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         for attempt in range(LWT_ATTEMPTS):
             if attempt:
                 await _backoff(attempt)
