@@ -60,9 +60,13 @@ class NodeSettings:
     workers: int = 0
     #: Log level of `cassmail serve`: DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
+    #: Seconds a stopping node (SIGTERM) lets sessions in progress finish before it cuts them;
+    #: a container's stop timeout must be longer (docker-compose.yml gives 20 s).
+    stop_grace: float = 10.0
 
     def validate(self, prefix: str) -> None:
         _check(bool(self.name.strip()), f"{prefix}.name", "must not be empty")
+        _check(0 <= self.stop_grace <= 600, f"{prefix}.stop_grace", "must be 0-600 seconds")
         _check(0 <= self.workers <= 256, f"{prefix}.workers", "must be 0 (one per core) .. 256")
         _check(
             self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),

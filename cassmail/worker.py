@@ -1,7 +1,7 @@
 """One worker process of a node: its own store connection and every listener on one event loop.
 
 The supervisor (cassmail.server) forks it; on SIGTERM it stops accepting, lets sessions in
-progress finish for STOP_GRACE seconds, cuts the rest, and closes the store.
+progress finish for `node.stop_grace` seconds, cuts the rest, and closes the store.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from cassmail.store.base import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("cassmail.server")
 
-#: Seconds a stopping worker waits for sessions in progress.
-STOP_GRACE = 10.0
-#: Seconds the sessions still open after it have to unwind once their connections are cut.
+#: Seconds the sessions still open after `node.stop_grace` have to unwind once their connections are cut.
 CUT_GRACE = 3.0
 #: Longest pause between two tries to open a store that is not ready.
 OPEN_RETRY_PAUSE = 5.0
@@ -141,12 +139,12 @@ async def run_worker(settings: Settings) -> int:
         for server, _ in servers:
             server.close()
         # Sessions in progress may finish (a DATA being stored, a POP3 QUIT committing) for a while.
-        await drain(STOP_GRACE)
+        await drain(settings.node.stop_grace)
         if sessions():
             # Cut them, and let them unwind (a command waiting on the store or on the client sees
             # its connection gone) while the store is still open: after store.close() they would
             # fail on a closed store or executor instead of ending.
-            log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=STOP_GRACE))
+            log.warning(kv("stop", result="sessions-cut", sessions=sessions(), grace=settings.node.stop_grace))
             for _, keeper in keepers:
                 for session in list(keeper.open):
                     transport = session.transport

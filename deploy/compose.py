@@ -114,7 +114,7 @@ def cassmail_service(i: int, nodes: int) -> dict[str, Any]:
             f"cassandra{i}": {"condition": "service_healthy"},
         },
         "restart": "unless-stopped",
-        # SIGTERM lets sessions in progress finish for up to 10 s (cassmail.server.STOP_GRACE).
+        # SIGTERM lets sessions in progress finish for up to 10 s (node.stop_grace).
         "stop_grace_period": "20s",
     }
 
