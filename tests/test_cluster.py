@@ -593,7 +593,7 @@ def test_front_end_killed_mid_data_leaves_each_message_acknowledged_and_stored_o
     big = make_message("middata-big", 3 * 1024 * 1024)
     sent: dict[str, bytes] = {}
     outcomes: dict[str, Outcome] = {}
-    half_sent = threading.Event()
+    half_sent, killed = threading.Event(), threading.Event()
 
     def big_sender() -> None:
         import smtplib
@@ -607,7 +607,7 @@ def test_front_end_killed_mid_data_leaves_each_message_acknowledged_and_stored_o
             client.getreply()
             client.send(big[: len(big) // 2])
             half_sent.set()
-            time.sleep(2)
+            killed.wait(60)  # the rest only once the front end is gone: mid-DATA, however slow the kill
             client.send(big[len(big) // 2 :] + b".\r\n")
             code, text = client.getreply()
             outcomes["middata-big"] = Outcome("ok" if code == 250 else "temp", f"{code} {text!r}", code)
@@ -629,7 +629,10 @@ def test_front_end_killed_mid_data_leaves_each_message_acknowledged_and_stored_o
         t.start()
     assert half_sent.wait(60)
     time.sleep(0.3)
-    cluster.must("cluster", "kill", "2", "--frontend")
+    try:
+        cluster.must("cluster", "kill", "2", "--frontend")
+    finally:
+        killed.set()
     for t in threads:
         t.join(120)
     cluster.must("cluster", "start", "2", "--frontend")
