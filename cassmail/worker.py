@@ -58,11 +58,24 @@ async def open_store(store: Store, wait: float, stop: asyncio.Event) -> bool:
         return True
 
 
+def loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's handler of exceptions nobody retrieved. A peer that resets its connection
+    is no error of this node: asyncio's TLS transport (Python 3.11) leaves such a reset in a
+    future nobody awaits when it comes during the TLS shutdown. It is logged as one line; every
+    other exception goes to asyncio's default handler (with its traceback)."""
+    exc = context.get("exception")
+    if isinstance(exc, ConnectionError):
+        log.info(kv("connection-reset", error=repr(exc)))
+        return
+    loop.default_exception_handler(context)
+
+
 async def run_worker(settings: Settings) -> int:
     """One worker: a store connection and every listener on one event loop, until SIGTERM."""
     from cassmail import smtp, twisted_asyncio
 
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(loop_exception)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)

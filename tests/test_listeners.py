@@ -76,3 +76,22 @@ def test_every_pair_serves_at_once_and_implicit_tls_sessions_say_tls_true(pairs:
     wait_for(pairs, r"event=session listener=submission peer=127\.0\.0\.1 .*user=anne@pairs\.example tls=True ")
     wait_for(pairs, r"event=session listener=pop3 .*user=anne@pairs\.example .*tls=True")
     wait_for(pairs, r"event=session listener=imap .*user=anne@pairs\.example tls=True")
+
+
+def test_a_reset_left_unretrieved_by_the_tls_transport_is_one_line_other_exceptions_keep_theirs(caplog) -> None:
+    import asyncio
+    import logging
+
+    from cassmail.worker import loop_exception
+
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.INFO):
+            loop_exception(loop, {"message": "Future exception was never retrieved",
+                                  "exception": ConnectionResetError(104, "Connection reset by peer")})
+            loop_exception(loop, {"message": "Task exception was never retrieved", "exception": ValueError("bug")})
+    finally:
+        loop.close()
+    reset, other = caplog.records
+    assert reset.levelno == logging.INFO and "event=connection-reset" in reset.getMessage() and not reset.exc_info
+    assert other.levelno == logging.ERROR and other.exc_info is not None  # asyncio's own handler, traceback kept
