@@ -25,7 +25,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -502,6 +503,33 @@ class CassmailNode:
             return self.log_path.read_text(errors="replace")[-last:]
         except OSError:
             return ""
+
+
+async def guarded_target(
+    label: str, measure: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[list[str]]],
+    workdir: Path, subdirs: Sequence[str], keep: bool, say: Callable[[str], None],
+) -> int:
+    """Measure one target of a benchmark run: 0, or 130 when interrupted, or 1 when it failed
+    (reported, with its traceback). Whatever happened, what it started is stopped (`stop`
+    gives the lines to report) and, unless `keep`, its directories under `workdir` removed, so
+    that what was measured is still reported and the next target starts clean."""
+    status = 0
+    try:
+        await measure()
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        say("\ninterrupted")
+        status = 130
+    except Exception as exc:  # noqa: BLE001 - report what was measured, stop what was started
+        say(f"\n{label} stopped by {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        status = 1
+    finally:
+        for line in await stop():
+            say("  " + line)
+        if not keep:
+            for sub in subdirs:
+                shutil.rmtree(workdir / sub, ignore_errors=True)
+    return status
 
 
 def greets(port: int, timeout: float = 2.0) -> bool:

@@ -75,7 +75,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import urllib.request
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -93,6 +92,7 @@ from _common import (  # noqa: E402
     children_map,
     descendants,
     fmt,
+    guarded_target,
     free_port,
     listening_inodes,
     machine_cpu,
@@ -966,23 +966,14 @@ async def main(argv: Sequence[str] | None = None) -> int:
     for name in args.targets:
         say(f"\n## {name}")
         target = StoreRun(name, settings[name], workdir / f"{name}-nodes", args)
-        try:
+
+        async def measure(target: StoreRun = target) -> None:
             await target.prepare()
             target.start()
             await target.run()
-        except (KeyboardInterrupt, asyncio.CancelledError):
-            say("\ninterrupted")
-            status = 130
-        except Exception as exc:  # noqa: BLE001 - report what was measured, stop what was started
-            say(f"\n{name} stopped by {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-            status = 1
-        finally:
-            for line in await target.stop():
-                say("  " + line)
-            if not args.keep:
-                for sub in ("mbox-store", f"{name}-nodes"):
-                    shutil.rmtree(workdir / sub, ignore_errors=True)
+
+        status = await guarded_target(name, measure, target.stop, workdir, ("mbox-store", f"{name}-nodes"),
+                                      args.keep, say) or status
         done.append(target)
         if status == 130:
             break

@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -67,6 +66,7 @@ from _common import (  # noqa: E402
     CassmailNode,
     bench_settings,
     fmt,
+    guarded_target,
     machine_cpu,
     make_users,
     markdown,
@@ -851,21 +851,12 @@ async def main(argv: Sequence[str] | None = None) -> int:
             (workdir / "dovecot-target").mkdir(mode=0o755)
         else:
             server = CassmailServer(name, settings[name], workdir / f"{name}-node", args.workers, args.quiet_max)
-        try:
+
+        async def measure(server: DovecotServer | CassmailServer = server) -> None:
             await run_target(server, users, login_users, args, mixes, logins)
-        except (KeyboardInterrupt, asyncio.CancelledError):
-            say("\ninterrupted")
-            status = 130
-        except Exception as exc:  # noqa: BLE001 - report what was measured, stop what was started
-            say(f"\n{TITLES[name]} stopped by {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-            status = 1
-        finally:
-            for line in await server.stop():
-                say("  " + line)
-            if not args.keep:
-                for sub in ("dovecot-target", "mbox-store", f"{name}-node"):
-                    shutil.rmtree(workdir / sub, ignore_errors=True)
+
+        status = await guarded_target(TITLES[name], measure, server.stop, workdir,
+                                      ("dovecot-target", "mbox-store", f"{name}-node"), args.keep, say) or status
         if status == 130:
             break
     if args.keep:
