@@ -505,6 +505,18 @@ class CassmailNode:
             return ""
 
 
+async def drop_keyspace(cassandra: config.CassandraSettings) -> str:
+    """Drop a keyspace a benchmark made; the line that says so, or why it could not (cleanup
+    reports, never hides the results)."""
+    from cassmail.store import cassandra_schema
+
+    try:
+        await asyncio.to_thread(cassandra_schema.drop, cassandra)
+        return f"dropped keyspace {cassandra.keyspace}"
+    except Exception as exc:  # noqa: BLE001 - cleanup reports, never hides the results
+        return f"could not drop keyspace {cassandra.keyspace}: {exc}"
+
+
 async def guarded_target(
     label: str, measure: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[list[str]]],
     workdir: Path, subdirs: Sequence[str], keep: bool, say: Callable[[str], None],

@@ -91,6 +91,7 @@ from _common import (  # noqa: E402
     bench_settings,
     children_map,
     descendants,
+    drop_keyspace,
     fmt,
     guarded_target,
     free_port,
@@ -830,13 +831,7 @@ class StoreRun:
         if self.counters is not None:
             await asyncio.to_thread(self.counters.close)
         if self.made_keyspace and not self.args.keep:
-            from cassmail.store import cassandra_schema
-
-            try:
-                await asyncio.to_thread(cassandra_schema.drop, self.settings.store.cassandra)
-                out.append(f"dropped keyspace {self.settings.store.cassandra.keyspace}")
-            except Exception as exc:  # noqa: BLE001 - cleanup reports, never hides the results
-                out.append(f"could not drop keyspace {self.settings.store.cassandra.keyspace}: {exc}")
+            out.append(await drop_keyspace(self.settings.store.cassandra))
         return out
 
 

@@ -65,6 +65,7 @@ from _common import (  # noqa: E402
     CassandraCpu,
     CassmailNode,
     bench_settings,
+    drop_keyspace,
     fmt,
     guarded_target,
     machine_cpu,
@@ -359,13 +360,7 @@ class CassmailServer(Server):
             if problems:
                 out.append(f"  its log had {len(problems)} error line(s), first: {problems[0][:300]}")
         if self.made_keyspace:
-            from cassmail.store import cassandra_schema
-
-            try:
-                await asyncio.to_thread(cassandra_schema.drop, self.settings.store.cassandra)
-                out.append(f"  dropped keyspace {self.settings.store.cassandra.keyspace}")
-            except Exception as exc:  # noqa: BLE001 - cleanup reports, never hides the results
-                out.append(f"  could not drop keyspace {self.settings.store.cassandra.keyspace}: {exc}")
+            out.append("  " + await drop_keyspace(self.settings.store.cassandra))
         return out
 
 
