@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -540,7 +540,7 @@ async def test_keywords_outgrowing_their_slot_move_the_message_and_keep_it_whole
 
 # ----------------------------------------------------------------------------- locking across processes
 
-WORKER = r"""
+WORKER_BODY = r"""
 import asyncio, json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 from cassmail.config import MboxSettings
@@ -587,28 +587,100 @@ async def main(root, script, settings):
                     say("ack", op={"do": "delete", "ids": doomed})
         say("ack", op=op)
     await store.close()
+"""
 
+#: Run once: the worker for the arguments on its command line.
+WORKER = WORKER_BODY + """
 asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])))
 """
 
+#: Many runs from one interpreter (the imports paid once): for each job line on stdin
+#: (root, script, settings, crash point, output files), a forked child runs the worker with its
+#: stdout and stderr in the files, and one line back says how the child ended.
+FORK_SERVER = WORKER_BODY + """
+import traceback
+import cassmail.store.mbox_fs as mbox_fs
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, job["out"]), (2, job["err"])):
+            os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        mbox_fs._crash_countdown = job["crash_at"]
+        code = 0
+        try:
+            asyncio.run(main(job["root"], job["script"], job["settings"]))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class ForkServer:
+    """One FORK_SERVER process: a worker run costs a fork, not an interpreter and its imports."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
+        env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+        self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True)
+
+    def run(self, root: Path, script: list[dict[str, Any]], settings: dict[str, Any],
+            crash_at: int | None) -> tuple[int, bytes, bytes]:
+        out, err = root.parent / f"{root.name}.out", root.parent / f"{root.name}.err"
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"root": str(root), "script": script, "settings": settings,
+                                          "crash_at": crash_at, "out": str(out), "err": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, "the fork server died"
+        code = json.loads(reply)["code"]
+        result = code, out.read_bytes(), err.read_bytes()
+        out.unlink(), err.unlink()
+        return result
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def fork_server() -> Iterator[ForkServer]:
+    server = ForkServer()
+    yield server
+    server.close()
+
 
 def run_worker(root: Path, script: list[dict[str, Any]], settings: dict[str, Any], crash_at: int | None = None,
-               kill_after: float | None = None) -> tuple[int, list[dict[str, Any]], str]:
-    """Run the worker; (exit code, its begin/ack events, the crash point it died at or "")."""
-    env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
-    env.pop("CASSMAIL_MBOX_CRASH_AT", None)
-    if crash_at is not None:
-        env["CASSMAIL_MBOX_CRASH_AT"] = str(crash_at)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(root), json.dumps(script), json.dumps(settings)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-    )
-    if kill_after is not None:
-        time.sleep(kill_after)
-        proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
-    if proc.returncode not in (0, -signal.SIGKILL):
-        raise AssertionError(f"worker failed ({proc.returncode}): {err.decode()[-3000:]}")
+               kill_after: float | None = None,
+               server: ForkServer | None = None) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the worker (in a child of `server` if given, else in an interpreter of its own, killed
+    after `kill_after` seconds if given); (exit code, its begin/ack events, the crash point it died
+    at or "")."""
+    if server is not None:
+        assert kill_after is None
+        code, out, err = server.run(root, script, settings, crash_at)
+    else:
+        env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
+        env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+        if crash_at is not None:
+            env["CASSMAIL_MBOX_CRASH_AT"] = str(crash_at)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(root), json.dumps(script), json.dumps(settings)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
+        if kill_after is not None:
+            time.sleep(kill_after)
+            proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+        code = proc.returncode
+    if code not in (0, -signal.SIGKILL):
+        raise AssertionError(f"worker failed ({code}): {err.decode()[-3000:]}")
     events = []
     for line in out.decode().splitlines():
         try:
@@ -616,7 +688,7 @@ def run_worker(root: Path, script: list[dict[str, Any]], settings: dict[str, Any
         except json.JSONDecodeError:
             break  # a line cut by the kill
     crashed = [line for line in err.decode().splitlines() if line.startswith("cassmail: crash point ")]
-    return proc.returncode, events, crashed[-1].removeprefix("cassmail: crash point ") if crashed else ""
+    return code, events, crashed[-1].removeprefix("cassmail: crash point ") if crashed else ""
 
 
 @dataclass
@@ -774,7 +846,8 @@ CRASH_SETTINGS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["collapse", "rewrite"])
-async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path: Path, method: str) -> None:
+async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path: Path, method: str,
+                                                                       fork_server: ForkServer) -> None:
     if method == "collapse":
         require_collapse(tmp_path)  # the collapse steps are among the crash points it must reach
     settings = CRASH_SETTINGS[method]
@@ -796,7 +869,7 @@ async def test_a_writer_killed_at_every_step_loses_nothing_acknowledged(tmp_path
     while True:
         root = tmp_path / f"run{crash_at}"
         shutil.copytree(base, root)
-        code, events, label = run_worker(root, script, settings, crash_at=crash_at)
+        code, events, label = run_worker(root, script, settings, crash_at=crash_at, server=fork_server)
         model = Model(start.messages, start.numbering)
         model.replay(events)
         await verify_everywhere(root, model, settings)
