@@ -1,7 +1,7 @@
 """`loadtest/paper.py` works end to end, in a short bounded run: a 1-node sweep cell and a
-2-node Figure 6 timeline (RF=2, at CL ONE and at ALL) whose second Cassandra is SIGKILLed half
-way, each on a fresh `cassmail cluster` with ports of its own, postal against the front ends, the report with
-its tables and plots, and every cluster taken down afterwards. The full sweep is a benchmark
+2-node Figure 6 timeline (RF=2, CL ONE) whose second Cassandra is SIGKILLed half way, each on a
+fresh `cassmail cluster` with ports of its own, postal against the front ends, the report with its
+tables and plots, and every cluster taken down afterwards. The full sweep is a benchmark
 (loadtest/RESULTS.md), never run here.
 """
 
@@ -45,8 +45,9 @@ def paper_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sub
     _tools()
     work = tmp_path_factory.mktemp("paper")
     base, out = work / "clusters", work / "out"
-    # With RF=1 the sweep runs the first level only; the timeline runs both.
-    cmd = [sys.executable, str(LOADTEST / "paper.py"), "--nodes", "1", "--rf", "1", "--cl", "ONE,ALL",
+    # At ONE only: what a node loss does at ALL (4xx, nothing acknowledged lost) is
+    # tests/test_cluster.py's, and another 2-node cluster would cost two minutes.
+    cmd = [sys.executable, str(LOADTEST / "paper.py"), "--nodes", "1", "--rf", "1", "--cl", "ONE",
            "--sizes", "5K-50K", "--seconds", "10", "--interval", "5", "--average-last", "2", "--users", "10",
            "--threads", "4", "--timeline-nodes", "2", "--timeline-rf", "2", "--timeline-minutes", "0.6",
            "--timeline-interval", "9", "--kill-at", "0.3", "--timeline-sizes", "5K-50K", "--heap-mb", "512",
@@ -73,22 +74,16 @@ def test_the_sweep_and_the_timeline_run_and_lose_nothing(paper_run) -> None:
     sweep = [r for r in runs if "kill_at" not in r.settings]
     timeline = [r for r in runs if "kill_at" in r.settings]
     assert [(r.settings["nodes"], r.settings["rf"], r.settings["cl"]) for r in sweep] == [("1", "1", "ONE")]
-    assert sorted((r.settings["nodes"], r.settings["rf"], r.settings["cl"]) for r in timeline) == [
-        ("2", "2", "ALL"), ("2", "2", "ONE")]
+    assert [(r.settings["nodes"], r.settings["rf"], r.settings["cl"]) for r in timeline] == [("2", "2", "ONE")]
     for r in runs:
         assert r.total > 0, (r.server, r.error_lines[:3])
         # Everything postal saw accepted is in the mailboxes (counted through the store afterwards).
         assert r.server_after[0] - r.server_before[0] >= r.total, r.server
         assert r.cores("Cassandra") is not None and r.cores("cassmail") is not None
-    (kill,) = [r for r in timeline if r.settings["cl"] == "ONE"]
-    (refused,) = [r for r in timeline if r.settings["cl"] == "ALL"]
-    assert all(r.errors == 0 for r in [*sweep, kill]), [(r.server, r.error_lines[:3]) for r in runs]
-    for r in timeline:
-        assert any("killed node 2's Cassandra" in n for n in r.notes), r.notes
-    # At CL=ALL the survivor refuses mail with a temporary error once a replica is gone; the count
-    # (which fails at ALL with the node down) was taken after starting it again.
-    assert refused.errors > 0 and all("451 4.3.0" in line for line in refused.error_lines), refused.error_lines[:3]
-    assert any("counted after node 2 was started again" in n for n in refused.notes), refused.notes
+    (kill,) = timeline
+    assert all(r.errors == 0 for r in runs), [(r.server, r.error_lines[:3]) for r in runs]
+    assert any("killed node 2's Cassandra" in n for n in kill.notes), kill.notes
+    # At CL=ONE the count was taken with the killed node still down.
     assert not any("counted after" in n for n in kill.notes), kill.notes
     # At CL=ONE with RF=2 the surviving node keeps accepting mail after the kill.
     killed_at = float(kill.settings["kill_at"])
