@@ -5,8 +5,9 @@ asks the store every `idle_poll` seconds which of the mailboxes its IDLE session
 changed (`Store.changed_mailboxes`: on Cassandra a read of the last seconds' change events, on
 mbox an inotify read), however many sessions and mailboxes there are. Only a mailbox reported
 changed is listed, once, by its `Watcher`, and the listing handed to every IDLE session on it.
-A newly watched mailbox is listed at the first poll, and every watched one at least every
-`idle_refresh` seconds, in case a change's event was lost.
+A newly watched mailbox is listed at the first poll. Every `idle_refresh` seconds each watched
+one is looked at again, in case a change's event was lost: its `changes_token` first, and the
+listing only when that differs from the token read before the last listing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from cassmail.imap import commands as c
@@ -36,6 +38,10 @@ async def idle(session: Session, args: c.Simple) -> str:
     watcher = watch(session.listener, session.view.user, session.view.name) if session.view is not None else None
     news: asyncio.Future[Listing] | None = None
     try:
+        if watcher is not None:
+            # What changed before the watch began (a listing the watcher handed out just
+            # before this session joined) is told now; what changes after, the watcher tells.
+            await _refresh(session)
         while True:
             waiting: set[asyncio.Future[object]] = {done}  # type: ignore[arg-type]
             news = asyncio.ensure_future(watcher.next()) if watcher is not None else None
@@ -52,11 +58,7 @@ async def idle(session: Session, args: c.Simple) -> str:
                 session.closing = True
                 return "IDLE terminated"
             if news is not None and session.view is not None:
-                try:
-                    await session.refresh(True, news.result())
-                except StoreError as exc:  # the client is still idling: it hears of it later
-                    log.warning(kv("imap-idle", user=session.user, mailbox=session.view.name, error=exc))
-                await session.conn.drain()
+                await _refresh(session, news.result())
     finally:
         # Neither read may be left running, nor its failure unretrieved ("Task exception was
         # never retrieved"): a session cut while idling leaves both behind.
@@ -75,6 +77,15 @@ async def idle(session: Session, args: c.Simple) -> str:
     if line.strip().upper() != b"DONE":
         raise Bad("Expected DONE")
     return "IDLE terminated"
+
+
+async def _refresh(session: Session, listing: Listing | None = None) -> None:
+    assert session.view is not None
+    try:
+        await session.refresh(True, listing)
+    except StoreError as exc:  # the client is still idling: it hears of it later
+        log.warning(kv("imap-idle", user=session.user, mailbox=session.view.name, error=exc))
+    await session.conn.drain()
 
 
 def watch(listener: Listener, user: str, mailbox: str) -> Watcher:
@@ -119,8 +130,10 @@ class Poller:
                 changed = set(watchers)  # cannot tell: list them all, as a poll would
             now = asyncio.get_running_loop().time()
             for key, watcher in watchers.items():
-                if key in changed or watcher.listed_at is None or now - watcher.listed_at >= settings.idle_refresh:
+                if key in changed or watcher.listed_at is None:
                     watcher.list()
+                elif now - watcher.listed_at >= settings.idle_refresh:
+                    watcher.list(unless_unchanged=True)
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), settings.idle_poll)
@@ -139,21 +152,37 @@ class Watcher:
         self.listener, self.key = listener, key
         self.users = 0
         self.listed_at: float | None = None
+        #: The mailbox's changes token read just before the last listing (None: not known).
+        self.token: Hashable | None = None
         self._next: asyncio.Future[Listing] = asyncio.get_running_loop().create_future()
         self._reading: asyncio.Task[None] | None = None
         self._again = False
 
-    def list(self) -> None:
+    def list(self, unless_unchanged: bool = False) -> None:
+        """Read the listing and hand it to the sessions; `unless_unchanged`: not when the
+        mailbox's changes token is still the one read before the last listing."""
         self.listed_at = asyncio.get_running_loop().time()
         if self._reading is not None and not self._reading.done():
             self._again = True
             return
-        self._reading = asyncio.ensure_future(self._read())
+        self._reading = asyncio.ensure_future(self._read(unless_unchanged))
 
-    async def _read(self) -> None:
+    async def _read(self, unless_unchanged: bool) -> None:
         settings, store = self.listener.settings, self.listener.store
         while True:
             self._again = False
+            try:
+                # Read before the listing: a change made between the two shows at the next look.
+                token = await store.changes_token(*self.key)
+            except StoreError:
+                token = None
+            unchanged = unless_unchanged and token is not None and token == self.token
+            unless_unchanged = False  # a report during this read asks for a listing
+            self.token = token
+            if unchanged:
+                if not self._again:
+                    return
+                continue
             try:
                 # with the HIGHESTMODSEQ, for the sessions that have CONDSTORE on
                 listing = await read_listing(store, self.key[0], self.key[1], settings.page_size, highest=True)

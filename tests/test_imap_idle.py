@@ -1,0 +1,77 @@
+"""The IDLE watcher's look every `idle_refresh` seconds (cassmail/imap/idle.py), on every store: it
+reads the mailbox's changes token and lists the mailbox only when the token moved, so a quiet
+mailbox costs no listing, and a change whose report was lost still reaches the idle sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from cassmail.config import ImapSettings, Settings
+from cassmail.imap.idle import watch
+from cassmail.store.base import Store, Target
+from tests.conftest import opened_store
+
+
+class LostReports:
+    """Fault injection: the real store, except that `changed_mailboxes` reports nothing (every
+    change event lost); counts the listings and token reads asked of it."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.listings = 0
+        self.tokens = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def changed_mailboxes(self, watched: Any, since: Any) -> tuple[set[tuple[str, str]], Any]:
+        return set(), since
+
+    def list_messages(self, *args: Any, **kwargs: Any) -> Any:
+        self.listings += 1
+        return self.store.list_messages(*args, **kwargs)
+
+    async def changes_token(self, user: str, mailbox: str) -> Any:
+        self.tokens += 1
+        return await self.store.changes_token(user, mailbox)
+
+
+async def test_a_quiet_mailbox_is_not_listed_again_and_a_lost_report_is_caught_up(
+    backend_settings: Settings, users
+) -> None:
+    settings = copy.deepcopy(backend_settings)
+    # Cassandra's token is unknown (None: list) until no write older than the last change can
+    # still land, request_timeout + 2 s after it: a short timeout keeps this test short.
+    settings.store.cassandra.request_timeout = 1.0
+    user = users["anne"]
+    async with opened_store(settings) as store:
+        await store.deliver(b"Subject: one\r\n\r\none\r\n", [Target(user)])
+        faulty = LostReports(store)
+        listener = SimpleNamespace(settings=ImapSettings(idle_poll=0.2, idle_refresh=1.0), store=faulty,
+                                   watchers={}, poller=None)
+        watcher = watch(listener, user, "INBOX")  # type: ignore[arg-type]
+        try:
+            first = await asyncio.wait_for(watcher.next(), 5)  # the first poll lists a new watch
+            assert len(first.summaries) == 1
+            # Once the token has settled (the first listing numbered the message, a change), one
+            # more look lists with that token; from then on the mailbox is quiet.
+            deadline = time.monotonic() + 15
+            while await store.changes_token(user, "INBOX") is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.5)
+            listings, tokens = faulty.listings, faulty.tokens
+            await asyncio.sleep(2.5)
+            assert faulty.tokens - tokens >= 2  # looked at every second or so ...
+            assert faulty.listings == listings  # ... and not listed: nothing changed
+            # A delivery whose report is lost: the next look finds the token moved and lists.
+            await store.deliver(b"Subject: two\r\n\r\ntwo\r\n", [Target(user)])
+            after = await asyncio.wait_for(watcher.next(), 8)
+            assert len(after.summaries) == 2
+            assert faulty.listings == listings + 1
+        finally:
+            watcher.release()
+            listener.poller.stop()
