@@ -489,8 +489,9 @@ class ImapSettings(MailboxListenerSettings):
     #: and mailboxes (a read of recent change events on Cassandra, of inotify on mbox); only a
     #: mailbox that changed is listed.
     idle_poll: float = 0.5
-    #: Seconds after which an IDLE session's mailbox is listed even if no change was reported (a
-    #: change whose event was lost is seen then).
+    #: Seconds after which an IDLE session's mailbox is looked at even if no change was reported:
+    #: its changes token is read, and it is listed if the token moved (a change whose event was
+    #: lost is seen then).
     idle_refresh: float = 60.0
     page_size: int = 1000
     #: Bytes of parsed message headers each worker keeps (ENVELOPE, HEADER.FIELDS and SEARCH on
