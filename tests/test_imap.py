@@ -1300,3 +1300,33 @@ async def test_idle_sessions_cost_no_listing_until_their_mailbox_changes(plain_n
     for raw in sessions:
         raw.send(b"DONE\r\n")
         assert raw.until(b"t%d" % raw.n)[-1].endswith(b"OK IDLE terminated\r\n")
+
+
+async def test_one_claim_of_recent_per_worker_however_many_sessions_are_told(plain_node: Node, store: Store,
+                                                                            users) -> None:
+    """\\Recent is claimed from the store by the first session of a worker told of a new message;
+    the worker's other sessions on that mailbox know the mark moved past it and ask nothing (their
+    claim would win nothing). The message is recent in exactly one session."""
+    from tests.test_metrics import scrape, value
+
+    user = users["bob"]
+    await deliver(store, user, [message(6)])  # so that every session learns the mark at its SELECT
+    sessions = []
+    for _ in range(5):
+        raw = Raw(plain_node.port("imap"))
+        raw.login(user, "bob")
+        raw.cmd("SELECT INBOX")
+        sessions.append(raw)
+
+    def claims() -> float:
+        return value(scrape(plain_node), "cassmail_store_seconds_count", op="claim_recent") or 0
+
+    before = claims()
+    await deliver(store, user, [message(7)])
+    told = [raw.cmd("NOOP") for raw in sessions]
+    assert all(any(line.endswith(b"2 EXISTS\r\n") for line in lines) for lines in told), told
+    recent = [int(line.split()[1]) for lines in told for line in lines if line.endswith(b" RECENT\r\n")]
+    assert sorted(recent) == [0, 0, 0, 0, 2], told  # the first session's: the first message and the new one
+    assert claims() - before == 1  # the node runs one worker
+    for raw in sessions:
+        raw.cmd("LOGOUT")

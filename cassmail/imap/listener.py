@@ -46,6 +46,8 @@ class Listener(Sessions):
         #: (user, mailbox) -> (changes token, STATUS values): a STATUS of a mailbox that did not
         #: change since is answered without listing it again.
         self.statuses: Lru[tuple[Hashable, dict[str, int]]] = Lru(STATUSES_KEPT)
+        #: (user, mailbox, UIDVALIDITY) -> the highest \Recent mark a session learnt (MailboxView).
+        self.recent_marks: Lru[int] = Lru(STATUSES_KEPT)
         Sessions.__init__(self, settings.max_connections)
         #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).
         self.watchers: dict[tuple[str, str], Any] = {}

@@ -42,7 +42,8 @@ async def select(session: Session, args: c.Select) -> str:
     name = session.mailbox(args.name)
     store, settings = session.store, session.settings
     info = await store.mailbox_info(user, name)
-    view = MailboxView(store, user, name, info.uidvalidity, args.readonly, settings.page_size)
+    view = MailboxView(store, user, name, info.uidvalidity, args.readonly, settings.page_size,
+                       session.listener.recent_marks)
     view.condstore = session.condstore
     listing = await read_listing(store, user, name, settings.page_size, highest=True)
     await view.refresh(expunge=True, listing=listing)

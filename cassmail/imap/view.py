@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from cassmail.imap.cache import Lru
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
 from cassmail.store.base import Store, StoreUnavailable
@@ -116,8 +117,12 @@ class Changes:
 class MailboxView:
     """UIDs in ascending order (sequence number = index + 1) and the summary of each."""
 
-    def __init__(self, store: Store, user: str, name: str, uidvalidity: int, readonly: bool, page_size: int) -> None:
+    def __init__(self, store: Store, user: str, name: str, uidvalidity: int, readonly: bool, page_size: int,
+                 recent_marks: Lru[int] | None = None) -> None:
         self.store, self.user, self.name = store, user, name
+        #: The highest recent mark any session of this worker learnt, by (user, mailbox,
+        #: UIDVALIDITY): a claim below it would win nothing, so it is not asked of the store.
+        self.recent_marks = recent_marks
         self.uidvalidity, self.readonly, self.page_size = uidvalidity, readonly, page_size
         self.uids: list[int] = []
         self.messages: dict[int, MessageSummary] = {}
@@ -336,6 +341,10 @@ class MailboxView:
             if self.readonly:
                 self.recent.update(u for u in self.uids if u >= self.recent_mark)
                 return
+            key = (self.user, self.name, self.uidvalidity)
+            known = self.recent_marks.get(key) if self.recent_marks is not None else None
+            if known is not None and known > self.recent_mark:
+                self.recent_mark = known  # (the store's mark only grows)
             if top <= self.recent_mark:
                 return
             before = await self.store.claim_recent(self.user, self.name, top)
@@ -344,6 +353,8 @@ class MailboxView:
             return
         self.recent.update(u for u in self.uids if before <= u < top)
         self.recent_mark = max(top, before)
+        if self.recent_marks is not None:
+            self.recent_marks.put(key, max(self.recent_mark, self.recent_marks.get(key) or 0))
 
     async def _renumber_late(self, current: dict[int, MessageSummary]) -> None:
         """Give a new UID to every listed message whose UID this session may no longer show (at
