@@ -258,34 +258,26 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
     store = session.store
     token = await store.changes_token(user, name)
     known = session.listener.statuses.get((user, name))
-    if token is not None and known is not None and known[0] == token:
-        values = known[1]  # nothing changed since it was counted
+    if (token is not None and known is not None and known[0] == token
+            and ("RECENT" not in items or "RECENT" in known[1])):
+        values = known[1]  # nothing changed since it was counted (and \Recent was, if asked)
     else:
         info = await store.mailbox_info(user, name)
-        # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the listing (asked for only when wanted)
+        # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the counts (asked for only when wanted)
         highest = await store.highest_modseq(user, name) if "HIGHESTMODSEQ" in items else None
-        messages = unseen = unnumbered = recent = size = deleted = deleted_size = 0
-        mark = await store.recent_mark(user, name)
-        async for s in store.list_messages(user, name, session.settings.page_size):
-            messages += 1
-            unseen += "\\Seen" not in s.flags
-            unnumbered += s.uid is None
-            recent += s.uid is None or s.uid >= mark
-            size += s.size
-            if "\\Deleted" in s.flags:
-                deleted += 1
-                deleted_size += s.size
+        counts = await store.mailbox_status(user, name, recent="RECENT" in items)
         values = {
-            "MESSAGES": messages,
-            "SIZE": size,  # STATUS=SIZE (RFC 8438)
-            "RECENT": recent,  # no session has claimed them yet
-            "UIDNEXT": (await store.uid_next(user, name)) + unnumbered,
+            "MESSAGES": counts.messages,
+            "SIZE": counts.size,  # STATUS=SIZE (RFC 8438)
+            "UIDNEXT": counts.uid_next,
             "UIDVALIDITY": info.uidvalidity,
-            "UNSEEN": unseen,
-            "DELETED": deleted,  # RFC 9208 (and IMAP4rev2): what an EXPUNGE would remove
+            "UNSEEN": counts.unseen,
+            "DELETED": counts.deleted,  # RFC 9208 (and IMAP4rev2): what an EXPUNGE would remove
             # RFC 9208: what that EXPUNGE would free, in 1024-octet units like QUOTA's STORAGE
-            "DELETED-STORAGE": -(-deleted_size // 1024),
+            "DELETED-STORAGE": -(-counts.deleted_size // 1024),
         }
+        if counts.recent is not None:
+            values["RECENT"] = counts.recent  # no session has claimed them yet
         if highest is not None:
             values["HIGHESTMODSEQ"] = highest
         if token is not None:

@@ -165,6 +165,9 @@ class StoreUnavailable(StoreError):
 #: Store.changed_mailboxes): such a mailbox is refreshed this often.
 UNTOKENED_REPORT = 2.0
 
+#: Summaries per request when mailbox_status reads a listing.
+STATUS_PAGE = 1000
+
 FlagMode = Literal["set", "add", "remove"]
 Body = bytes | bytearray | memoryview
 
@@ -176,6 +179,22 @@ class Target:
     user: str
     mailbox: str = "INBOX"
     flags: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class MailboxStatus:
+    """What IMAP STATUS tells of a mailbox (Store.mailbox_status): its messages, those without
+    \\Seen, their sizes in bytes, those with \\Deleted and their bytes, UIDNEXT (counting the
+    messages that have no UID yet: each will get one) and, when asked, \\Recent's count (None
+    when not asked)."""
+
+    messages: int
+    unseen: int
+    size: int
+    deleted: int
+    deleted_size: int
+    uid_next: int
+    recent: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -583,6 +602,24 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def uid_next(self, user: str, mailbox: str) -> int:
         """The UID the next assignment would hand out (IMAP UIDNEXT)."""
+
+    async def mailbox_status(self, user: str, mailbox: str, recent: bool = False) -> MailboxStatus:
+        """The counts of IMAP STATUS, with `recent` \\Recent's too (messages no session has
+        claimed: see `claim_recent`). This default reads the whole listing; a store that keeps
+        counts overrides it. Raises NoSuchMailbox."""
+        mark = await self.recent_mark(user, mailbox) if recent else 0
+        messages = unseen = unnumbered = recents = size = deleted = deleted_size = 0
+        async for s in self.list_messages(user, mailbox, STATUS_PAGE):
+            messages += 1
+            unseen += "\\Seen" not in s.flags
+            unnumbered += s.uid is None
+            recents += s.uid is None or s.uid >= mark
+            size += s.size
+            if "\\Deleted" in s.flags:
+                deleted += 1
+                deleted_size += s.size
+        return MailboxStatus(messages, unseen, size, deleted, deleted_size,
+                             await self.uid_next(user, mailbox) + unnumbered, recents if recent else None)
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         """A value that is different after any change to the mailbox's messages (a delivery, a
