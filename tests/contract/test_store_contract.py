@@ -7,6 +7,7 @@ the public interface only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from cassmail.store.base import (
     DomainInUse,
     MailboxExists,
     MailboxNotAllowed,
+    MailboxStatus,
     MessageTooLarge,
     NoSuchAlias,
     NoSuchDomain,
@@ -1071,3 +1073,57 @@ async def test_a_deleted_user_created_again_starts_without_a_limit_or_usage(stor
     assert await store.get_quota(user) == Quota(None, 0, 0)
     await store.set_quota(user, 10**6)
     assert await store.get_quota(user) == Quota(10**6, 0, 0)
+
+
+# --------------------------------------------------------------------------- STATUS counts
+
+
+async def counted_status(store: Store, user: str, mailbox: str = INBOX) -> MailboxStatus:
+    """What STATUS must say, counted here from the listing, the UID counter and the recent mark."""
+    mark = await store.recent_mark(user, mailbox)
+    rows = await listing(store, user, mailbox)
+    deleted = [s for s in rows if "\\Deleted" in s.flags]
+    return MailboxStatus(
+        messages=len(rows), unseen=sum("\\Seen" not in s.flags for s in rows), size=sum(s.size for s in rows),
+        deleted=len(deleted), deleted_size=sum(s.size for s in deleted),
+        uid_next=await store.uid_next(user, mailbox) + sum(s.uid is None for s in rows),
+        recent=sum(s.uid is None or s.uid >= mark for s in rows))
+
+
+async def test_mailbox_status_follows_deliveries_numbering_flags_deletions_copies_and_claims(
+    store: Store, user: str
+) -> None:
+    async def check() -> None:
+        want = await counted_status(store, user)
+        assert await store.mailbox_status(user, INBOX, recent=True) == want
+        assert await store.mailbox_status(user, INBOX) == dataclasses.replace(want, recent=None)
+        again = await store.mailbox_status(user, INBOX, recent=True)
+        assert again == want  # also when answered from what the first call kept
+
+    await check()  # empty
+    seen, deleted = frozenset({"\\Seen"}), frozenset({"\\Deleted"})
+    ids = [(await store.deliver(b"Subject: %d\r\n\r\n" % i + b"x" * (100 * i), [Target(user, INBOX, flags)]))[0]
+           for i, flags in enumerate([seen, frozenset(), seen, deleted, frozenset(), frozenset({"$Label"})])]
+    await check()  # none numbered yet
+    await store.assign_uids(user, INBOX, ids[:4])
+    await check()  # some numbered
+    await store.assign_uids(user, INBOX, ids)
+    await check()
+    await store.store_flags(user, INBOX, ids[1:3], ["\\Seen"], "add")
+    await store.store_flags(user, INBOX, [ids[0]], ["\\Seen"], "remove")
+    await store.store_flags(user, INBOX, [ids[4]], ["\\Deleted", "\\Seen"], "set")
+    await check()
+    await store.delete_messages(user, INBOX, [ids[3], ids[5]])
+    await check()
+    more = [(await store.deliver(b"Subject: more %d\r\n\r\nbody\r\n" % i, [Target(user)]))[0] for i in range(3)]
+    await check()  # new mail beside counted mail
+    await store.store_flags(user, INBOX, [more[0]], ["\\Seen"], "add")  # a change to unnumbered mail
+    await check()
+    await store.claim_recent(user, INBOX, await store.uid_next(user, INBOX) - 1)
+    await check()
+    sent = [(await store.deliver(b"Subject: sent\r\n\r\nsent\r\n", [Target(user, "Sent", seen)]))[0]]
+    await store.copy_messages(user, "Sent", sent, INBOX)
+    await store.assign_uids(user, INBOX, [s.id for s in await listing(store, user)])
+    await check()
+    await store.delete_messages(user, INBOX, [s.id for s in await listing(store, user)])
+    await check()  # empty again
