@@ -15,7 +15,7 @@ from cassandra import ConsistencyLevel
 from cassandra.query import BatchStatement
 
 from cassmail.config import CassandraSettings
-from cassmail.model import INBOX, new_message_id
+from cassmail.model import INBOX, address_key, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_schema
 from cassmail.store.base import DomainInUse, NoSuchMailbox, NoSuchMessage, StoreError, StoreUnavailable, Target
@@ -771,3 +771,48 @@ async def test_a_mailbox_never_numbered_is_deleted_from_without_paxos(make_store
     await store.delete_messages(user, INBOX, ids[:2])
     monkeypatch.undo()
     assert [s.id async for s in store.list_messages(user, INBOX)] == ids[2:]
+
+
+async def test_status_counts_are_kept_through_changes_and_read_without_the_listing(make_store) -> None:
+    """STATUS of 2,000 messages: the first counts them all (at ALL) and keeps the counts; flag
+    changes, numbering and expunges keep them true in their own conditional batches; later
+    STATUS reads the statics and the few rows delivered since, not the listing. A flag change
+    made without a Paxos round (an outage) makes the next STATUS count again."""
+    from cassmail.store.base import Store
+
+    # A short request timeout: mail older than request_timeout + 2 s is folded into the counts.
+    store = await make_store(request_timeout=1.0)
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 2000)
+    await store.store_flags(user, INBOX, ids[:300], ["\\Seen"], "add")  # (unnumbered: no count moves)
+    await asyncio.sleep(3.2)
+
+    async def status() -> tuple[object, int]:
+        with store.tracing() as cost:
+            got = await store.mailbox_status(user, INBOX)
+        assert got == await Store.mailbox_status(store, user, INBOX)  # the listing's count
+        return got, cost.live_rows
+
+    first, _ = await status()  # counts everything and keeps it
+    assert (first.messages, first.unseen, first.uid_next) == (2000, 1700, 2001)
+    again, rows = await status()
+    assert again == first and rows <= 3  # the statics (and no tail)
+    await store.assign_uids(user, INBOX, ids)
+    await store.store_flags(user, INBOX, ids[300:350], ["\\Seen", "\\Deleted"], "add")
+    await store.delete_messages(user, INBOX, ids[:10])
+    new = await deliver_many(store, user, 5)
+    after, rows = await status()
+    assert (after.messages, after.unseen, after.deleted, after.uid_next) == (1995, 1655, 50, 2006)
+    assert rows <= 10  # the statics and the five new rows
+    # An outage's flag change: merged without a MODSEQ, it leaves the counts stale.
+    mailbox_id = (await store._resolve(address_key(user), INBOX)).mailbox_id
+    await store._plain_flags(user, INBOX, mailbox_id, new, frozenset({"\\Seen"}), "add")
+    outage, rows = await status()
+    assert outage.unseen == 1650 and rows >= 1995  # counted again from every row
+    # Mail delivered since: read as the tail, and folded into the counts once it is FOLD_ROWS long.
+    await deliver_many(store, user, 600)
+    await asyncio.sleep(3.2)
+    _, rows = await status()
+    assert 1200 <= rows < 1300  # the tail, and again at ALL to fold it
+    folded, rows = await status()
+    assert folded.messages == 2595 and rows <= 3

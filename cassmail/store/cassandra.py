@@ -80,6 +80,7 @@ from cassmail.store.base import (
     uid_work,
 )
 
+from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
@@ -89,8 +90,6 @@ from cassmail.store.cassandra_tables import ANCHOR, Tables
 
 log = logging.getLogger(__name__)
 
-#: Seconds beyond the request timeout a write may take to land (see changes_token).
-CHANGES_SETTLE = 2.0
 #: Seconds two nodes' clocks may be apart, for `arrivals` (beyond the request timeout).
 ARRIVAL_SKEW = 3.0
 #: Mailbox rows a store keeps for `_resolve(cached=True)` at most (then it starts afresh).
@@ -117,7 +116,7 @@ def _now_100ns() -> int:
     return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
 
 
-class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota):
+class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
         #: The one executor of every statement; the tables hold the statements.
         self.cql = Cql(settings)
@@ -696,7 +695,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         modified: set[uuid.UUID] = set()
         messages = self.tables.messages
 
-        def plan(rows: list[Any], modseq: int) -> list[Any]:
+        def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
             modified.clear()
             statements = []
             for r in rows:
@@ -708,6 +707,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 old = frozenset(r.flags or ())
                 new = changed_flags(old, values, mode)
                 if new != old:
+                    tally.flags(r, new)
                     statements.append(messages.set_flags_statement(
                         mailbox_id, r.id, set(new) or None, modseq if r.uid else None))
                     if r.uid:
@@ -737,6 +737,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             token = new_message_id()
             for message_id in group:
                 batch.add(self.tables.messages.plain_flags_statement(mode, mailbox_id, message_id, flags, token))
+            batch.add(self.tables.messages.plain_at_statement(mailbox_id, token))  # STATUS counts are stale
             await self.cql.run(batch)
         self._notify([mailbox_id])
 
@@ -750,10 +751,12 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         for group in _groups(wanted, IN_BATCH):
             gone: list[Any] = []
             forget: list[int] = []
-            def plan(rows: list[Any], modseq: int) -> list[Any]:
+            def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
                 gone[:] = [r for r in rows if r.body_id is not None]
                 forget.clear()
                 statements = [messages.expunge_statement(mailbox_id, r.id) for r in rows]
+                for r in rows:
+                    tally.gone(r)
                 numbered = [r for r in rows if r.size is not None and r.uid]
                 for r in numbered:
                     statements += messages.record_statements(mailbox_id, r.uid, modseq, None, r.uid, r.modseq)
@@ -778,7 +781,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 # listing, and only a QRESYNC client reconnecting later would not be told.)
                 batch = self.cql.batch(BatchType.UNLOGGED)
                 batch.add(messages.delete_statement(mailbox_id, group))
-                batch.add(messages.changed_statement(mailbox_id, new_message_id()))
+                changed = new_message_id()
+                batch.add(messages.changed_statement(mailbox_id, changed))
+                batch.add(messages.plain_at_statement(mailbox_id, changed))  # STATUS counts are stale
                 await self.cql.run(batch)
                 self._notify([mailbox_id])
                 gone = [r for r in found if r.body_id is not None]
@@ -804,7 +809,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def _change(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID],
-        plan: Callable[[list[Any], int], list[Any]],
+        plan: Callable[[list[Any], int, Tally], list[Any]],
         uids: Callable[[list[Any]], int] | None = None,
     ) -> bool:
         """Apply a change to messages of one mailbox in one conditional batch: `plan` gets the
@@ -824,9 +829,12 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 return False
             read = rows[0]
             highest = read.highest_modseq or 1
-            statements = plan(rows, highest + 1)
+            tally = Tally(read)
+            statements = plan(rows, highest + 1, tally)
             if not statements:
                 return False
+            if tally.valid:  # the STATUS counts stay true at the new MODSEQ (cassandra_counts)
+                statements.append(messages.counts_statement(mailbox_id, tally.counts.values(), highest + 1))
             uidnext = read.uidnext
             if uids is not None:
                 uidnext = (uidnext or 1) + uids(rows)
@@ -964,13 +972,14 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             alive = {r.id: r for r in rows if r.size is not None}
             return [alive[i] for i in ids if i in alive and needs_uid(alive[i].uid, i, renumber)]
 
-        def plan(rows: list[Any], modseq: int) -> list[Any]:
+        def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
             todo = missing(rows)
             first = rows[0].uidnext or 1
             result.clear()
             result.update({r.id: r.uid for r in rows if r.size is not None and r.uid})
             statements = []
             for offset, r in enumerate(todo):
+                tally.numbered(r, first + offset)
                 statements.append(messages.set_uid_statement(mailbox_id, r.id, first + offset, modseq))
                 statements += messages.record_statements(mailbox_id, first + offset, modseq, r.id, r.uid, r.modseq)
                 if r.uid:  # renumbered: the UID it gives up is gone for clients that saw it

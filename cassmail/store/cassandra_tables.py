@@ -317,8 +317,10 @@ class Messages(Table):
 
     _SUMMARY = "id, size, flags, internal_date, uid, modseq"
     #: What a change decides on (read at SERIAL): the rows and the counters and trim state.
+    _COUNTS = "count_messages, count_unseen, count_size, count_deleted, count_deleted_size, count_unnumbered, count_uid_max"
     _STATE = ("id, uid, size, flags, modseq, body_id, chunk_size, shared, "
-              "uidnext, highest_modseq, vanished_floor, vanished_mark, vanished_mark_at")
+              "uidnext, highest_modseq, vanished_floor, vanished_mark, vanished_mark_at, "
+              f"{_COUNTS}, counted_through, counts_modseq, plain_at, counts_plain")
     _BODY = "id, body_id, size, chunk_size, shared"
     _BODY_COUNTERS = f"{_BODY}, uidnext, highest_modseq"
     STATEMENTS = {
@@ -365,6 +367,24 @@ class Messages(Table):
         ),
         "forget_records": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
         "touch_anchor": (CONDITIONAL, "UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?"),
+        # STATUS counts (schema 011)
+        "statics": (
+            READ,
+            f"SELECT uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
+            "counts_plain FROM messages WHERE mailbox_id = ? LIMIT 1",
+        ),
+        "counts": (
+            CONDITIONAL,
+            "UPDATE messages SET count_messages = ?, count_unseen = ?, count_size = ?, count_deleted = ?, "
+            "count_deleted_size = ?, count_unnumbered = ?, count_uid_max = ?, counts_modseq = ? WHERE mailbox_id = ?",
+        ),
+        "store_counts": (
+            CONDITIONAL,
+            "UPDATE messages SET count_messages = ?, count_unseen = ?, count_size = ?, count_deleted = ?, "
+            "count_deleted_size = ?, count_unnumbered = ?, count_uid_max = ?, counts_modseq = ?, counted_through = ?, "
+            "counts_plain = ? WHERE mailbox_id = ? IF highest_modseq = ? AND plain_at = ? AND counted_through = ?",
+        ),
+        "plain_at": (WRITE, "UPDATE messages SET plain_at = ? WHERE mailbox_id = ?"),
         "raise_recent": (CONDITIONAL, "UPDATE messages SET recent_mark = ? WHERE mailbox_id = ? IF recent_mark = ?"),
         "raise_recent_first": (
             CONDITIONAL,
@@ -485,6 +505,32 @@ class Messages(Table):
 
     def touch_anchor_statement(self, mailbox_id: uuid.UUID, changed: uuid.UUID) -> BoundStatement:
         return self.bind("touch_anchor", changed, mailbox_id, ANCHOR)
+
+    async def statics(self, mailbox_id: uuid.UUID) -> Any:
+        """The partition's static columns that STATUS needs (counters, counts, their validity);
+        None when the partition holds nothing."""
+        return _first(await self._run("statics", mailbox_id))
+
+    def counts_statement(self, mailbox_id: uuid.UUID, counts: Sequence[int], modseq: int) -> BoundStatement:
+        """The counts (in `_COUNTS` order) true at `modseq`, for a change's conditional batch."""
+        return self.bind("counts", *counts, modseq, mailbox_id)
+
+    def store_counts_statement(
+        self, mailbox_id: uuid.UUID, counts: Sequence[int], through: uuid.UUID, read: Any
+    ) -> BoundStatement:
+        """Counts made from a read of the mailbox whose statics were `read`, kept only if no change
+        (conditional or plain) and no other count was made since."""
+        return self.bind("store_counts", *counts, read.highest_modseq or 1, through, read.plain_at, mailbox_id,
+                         read.highest_modseq, read.plain_at, read.counted_through)
+
+    def plain_at_statement(self, mailbox_id: uuid.UUID, at: uuid.UUID) -> BoundStatement:
+        return self.bind("plain_at", at, mailbox_id)
+
+    async def page_everywhere(self, mailbox_id: uuid.UUID, after: uuid.UUID, limit: int) -> list[Any]:
+        """`page` read at ALL: a row written at any write level is seen if any replica has it."""
+        statement = self.bind("page", mailbox_id, after, limit)
+        statement.consistency_level = ConsistencyLevel.ALL
+        return await self.cql.run(statement)
 
     def raise_recent_statement(self, mailbox_id: uuid.UUID, new: int, expected: int | None) -> BoundStatement:
         if expected is None:
