@@ -223,6 +223,25 @@ async def time_selects(port: int, user: str, expect: int, n: int) -> tuple[float
     return times[0], times[1:]
 
 
+async def time_statuses(port: int, store: Store, user: str, expect: int, n: int) -> tuple[float, list[float]]:
+    """STATUS of the mailbox from another session: the first, then `n` each after a new delivery
+    (so that no worker can answer from what it counted before)."""
+    client = await login(port, user)
+    times = []
+    try:
+        for i in range(n + 1):
+            if i:
+                await store.deliver(small_message(10_000_000 + i), [Target(user)])
+            started = time.perf_counter()
+            lines, _ = await client.cmd("STATUS INBOX (MESSAGES UNSEEN UIDNEXT)")
+            times.append(time.perf_counter() - started)
+            if not any(b"MESSAGES %d " % (expect + i) in line for line in lines):
+                raise RuntimeError(f"STATUS of {user} did not count {expect + i} messages: {lines}")
+    finally:
+        await client.close()
+    return times[0], times[1:]
+
+
 async def sessions_phase(port: int, user: str, clients: int, seconds: float) -> tuple[int, int, list[float]]:
     deadline = time.monotonic() + seconds
     done, errors, latencies = 0, 0, []
@@ -317,6 +336,17 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
             print(f"SELECT {size}: first {first:.3f} s, then median {statistics.median(rest):.3f} s", flush=True)
         out += ["SELECT INBOX, seconds from command to tagged OK (the first one gives every message its UID):", ""]
         out += markdown(["messages", "first SELECT", "SELECT (median)", "SELECT (max)"], rows, set())
+        out.append("")
+        rows = []
+        for size, user in box_users.items():
+            first, rest = await time_statuses(port, store, user, size, args.selects)
+            rows.append([f"{size:,}", f"{first * 1000:.1f}", fmt(statistics.median(rest) * 1000, ".1f"),
+                         fmt(max(rest) * 1000, ".1f")])
+            print(f"STATUS {size}: first {first * 1000:.1f} ms, then median {statistics.median(rest) * 1000:.1f} ms",
+                  flush=True)
+        out += ["STATUS INBOX (MESSAGES UNSEEN UIDNEXT) from another session, milliseconds: the first, then each "
+                "after one more delivery:", ""]
+        out += markdown(["messages", "first STATUS", "STATUS (median)", "STATUS (max)"], rows, set())
         out.append("")
 
         cpu0, cass0, t0 = node.cpu(), cass.seconds(), time.perf_counter()
