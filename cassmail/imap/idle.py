@@ -38,9 +38,10 @@ async def idle(session: Session, args: c.Simple) -> str:
     watcher = watch(session.listener, session.view.user, session.view.name) if session.view is not None else None
     news: asyncio.Future[Listing] | None = None
     try:
-        if watcher is not None:
-            # What changed before the watch began (a listing the watcher handed out just
-            # before this session joined) is told now; what changes after, the watcher tells.
+        if watcher is not None and watcher.users > 1:
+            # Joining a watcher other sessions share: what it handed out before this session
+            # joined is told now, what changes after, the watcher tells. (A new watcher's first
+            # listing, at the next poll, brings the session up to date.)
             await _refresh(session)
         while True:
             waiting: set[asyncio.Future[object]] = {done}  # type: ignore[arg-type]
