@@ -189,6 +189,7 @@ class Watcher:
                 listing = await read_listing(store, self.key[0], self.key[1], settings.page_size, highest=True)
             except StoreError as exc:
                 log.warning(kv("imap-idle", user=self.key[0], mailbox=self.key[1], error=exc))
+                self.token = None  # not taken in: the next look lists whatever the token says
             else:
                 done, self._next = self._next, asyncio.get_running_loop().create_future()
                 done.set_result(listing)

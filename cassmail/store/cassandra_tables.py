@@ -317,7 +317,8 @@ class Messages(Table):
 
     _SUMMARY = "id, size, flags, internal_date, uid, modseq"
     #: What a change decides on (read at SERIAL): the rows and the counters and trim state.
-    _COUNTS = "count_messages, count_unseen, count_size, count_deleted, count_deleted_size, count_unnumbered, count_uid_max"
+    _COUNTS = ("count_messages, count_unseen, count_size, count_deleted, count_deleted_size, count_unnumbered, "
+               "count_uid_max")
     _STATE = ("id, uid, size, flags, modseq, body_id, chunk_size, shared, "
               "uidnext, highest_modseq, vanished_floor, vanished_mark, vanished_mark_at, "
               f"{_COUNTS}, counted_through, counts_modseq, plain_at, counts_plain")
