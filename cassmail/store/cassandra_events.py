@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 #: Seconds an event may land after the time it carries and still be read.
 EVENT_WINDOW = 2.0
 #: Seconds a watched mailbox's id is trusted before it is resolved again (renamed, recreated).
-WATCH_ID_TTL = 60.0
+#: Until then the events of a mailbox created again under a watched name are not matched to it;
+#: IMAP's look at each watched mailbox every `imap.idle_refresh` (its changes token, which names
+#: the mailbox's id) sees such a mailbox sooner.
+WATCH_ID_TTL = 600.0
 
 
 class CassandraEvents(Store):
