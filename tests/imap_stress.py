@@ -368,13 +368,18 @@ def run(ports: Sequence[int | tuple[str, int]], user: str, password: str, sessio
         try:
             # A NOOP may still renumber a message that a read at the store's weak isolation showed
             # late (see cassmail.imap.view): the others learn of it at their next NOOP, so the
-            # sessions settle in rounds until a whole round changes nothing.
-            for _ in range(5):
+            # sessions settle in rounds until a whole round changes nothing. Reading at ONE, one
+            # node's replica may still lack what the other's has: while the sessions disagree the
+            # rounds go on, half a second apart (at most 8).
+            for _ in range(8):
                 before = [list(c.seq) for c in clients]
                 for client in clients:
                     client.settle()
                 if [c.seq for c in clients] == before:
-                    break
+                    seen = [(list(c.seq), {u: c.flags.get(u) for u in c.seq}) for c in clients]
+                    if all(v == seen[0] for v in seen):
+                        break
+                    time.sleep(0.5)
             views = [{u: f for u, f in c.flags.items() if u in set(c.seq)} for c in clients]
             agree = all(v == views[0] for v in views)
             if not agree:
