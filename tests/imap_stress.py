@@ -371,21 +371,26 @@ def run(ports: Sequence[int | tuple[str, int]], user: str, password: str, sessio
             # sessions settle in rounds until a whole round changes nothing. Reading at ONE, one
             # node's replica may still lack what the other's has: while the sessions disagree the
             # rounds go on, half a second apart (at most 8).
+            def views() -> list[dict[int, object]]:
+                return [{u: f for u, f in c.flags.items() if u in set(c.seq)} for c in clients]
+
+            def agreeing() -> tuple[bool, bool]:
+                """(the flags agree, the messages agree)"""
+                shown = views()
+                return all(v == shown[0] for v in shown), all(c.seq == clients[0].seq for c in clients)
+
             for _ in range(8):
                 before = [list(c.seq) for c in clients]
                 for client in clients:
                     client.settle()
                 if [c.seq for c in clients] == before:
-                    seen = [(list(c.seq), {u: c.flags.get(u) for u in c.seq}) for c in clients]
-                    if all(v == seen[0] for v in seen):
+                    if all(agreeing()):
                         break
                     time.sleep(0.5)
-            views = [{u: f for u, f in c.flags.items() if u in set(c.seq)} for c in clients]
-            agree = all(v == views[0] for v in views)
+            agree, same_messages = agreeing()
             if not agree:
-                shared.violations.append("sessions disagree on flags after NOOP: " + _first_difference(views))
-            uid_lists = [c.seq for c in clients]
-            if any(u != uid_lists[0] for u in uid_lists):
+                shared.violations.append("sessions disagree on flags after NOOP: " + _first_difference(views()))
+            if not same_messages:
                 shared.violations.append("sessions disagree on the messages after NOOP")
         except (Violation, OSError) as exc:
             shared.violations.append(str(exc))

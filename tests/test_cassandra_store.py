@@ -18,7 +18,9 @@ from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, address_key, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_schema
-from cassmail.store.base import DomainInUse, NoSuchMailbox, NoSuchMessage, StoreError, StoreUnavailable, Target
+from cassmail.store.base import (
+    DomainInUse, NoSuchMailbox, NoSuchMessage, Store, StoreError, StoreUnavailable, Target,
+)
 from cassmail.store.cassandra import CassandraStore
 from tests.conftest import FAST_HASH, hash_password
 from tests.contract.test_store_contract import recent_owners
@@ -778,8 +780,6 @@ async def test_status_counts_are_kept_through_changes_and_read_without_the_listi
     changes, numbering and expunges keep them true in their own conditional batches; later
     STATUS reads the statics and the few rows delivered since, not the listing. A flag change
     made without a Paxos round (an outage) makes the next STATUS count again."""
-    from cassmail.store.base import Store
-
     # A short request timeout: mail older than request_timeout + 2 s is folded into the counts.
     store = await make_store(request_timeout=1.0)
     user = await new_user(store)

@@ -620,14 +620,19 @@ for line in sys.stdin:
 """
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process: this repository importable, no crash point set."""
+    env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
+    env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+    return env
+
+
 class ForkServer:
     """One FORK_SERVER process: a worker run costs a fork, not an interpreter and its imports."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
-        env.pop("CASSMAIL_MBOX_CRASH_AT", None)
         self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, text=True)
+                                     stdout=subprocess.PIPE, env=worker_env(), text=True)
 
     def run(self, root: Path, script: list[dict[str, Any]], settings: dict[str, Any],
             crash_at: int | None) -> tuple[int, bytes, bytes]:
@@ -666,8 +671,7 @@ def run_worker(root: Path, script: list[dict[str, Any]], settings: dict[str, Any
         assert kill_after is None
         code, out, err = server.run(root, script, settings, crash_at)
     else:
-        env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
-        env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+        env = worker_env()
         if crash_at is not None:
             env["CASSMAIL_MBOX_CRASH_AT"] = str(crash_at)
         proc = subprocess.Popen(
@@ -949,8 +953,7 @@ def run_workers_at_once(
     root: Path, scripts: list[list[dict[str, Any]]], settings: dict[str, Any]
 ) -> list[list[dict[str, Any]]]:
     """Run one worker process per script, all at once; the events each printed."""
-    env = {**os.environ, "REPO": str(REPO), "PYTHONPATH": str(REPO)}
-    env.pop("CASSMAIL_MBOX_CRASH_AT", None)
+    env = worker_env()
     procs = [
         subprocess.Popen([sys.executable, "-c", WORKER, str(root), json.dumps(s), json.dumps(settings)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
