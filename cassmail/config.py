@@ -398,9 +398,20 @@ class SmtpSettings(ListenerSettings):
     #: Dovecot's quota_full_tempfail). A recipient found full only after DATA while others of the
     #: same SMTP message took it gets a DSN (5.2.2) either way: SMTP has one reply to DATA.
     quota_full_tempfail: bool = False
+    #: DATA past this many bytes is written to an unlinked file in spool_dir as it arrives and
+    #: reaches the store mapped from that file, not held in the worker's memory (the kernel's page
+    #: cache holds it, and may drop it under memory pressure). 0 = every message in memory.
+    spool_above: int = 1 << 20
+    #: Directory of those files; "" = the system's temporary directory ($TMPDIR, else /tmp). Put
+    #: it on a disk file system: on tmpfs the spooled messages are memory again.
+    spool_dir: str = ""
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
+        _check(self.spool_above == 0 or self.spool_above >= 65536, f"{prefix}.spool_above",
+               f"must be 0 (never spool) or >= 65536 bytes, got {self.spool_above}")
+        _check(not self.spool_dir or Path(self.spool_dir).is_dir(), f"{prefix}.spool_dir",
+               f"no such directory: {self.spool_dir}")
         _check(1 <= self.max_recipients <= 100_000, f"{prefix}.max_recipients", "must be 1..100000")
         _check(
             512 <= self.max_command_length <= 65536, f"{prefix}.max_command_length", "must be 512..65536 bytes"

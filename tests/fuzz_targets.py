@@ -95,23 +95,37 @@ def smtp_address(data: bytes) -> None:
     assert Address.parse(str(parsed)).key == parsed.key
 
 
+class _Trickle(asyncio.StreamReader):
+    """A StreamReader whose reads return at most `step` bytes (blocks cut anywhere)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    async def read(self, n: int = -1) -> bytes:
+        return await super().read(self.step if n < 0 else min(n, self.step))
+
+
 @target("cassmail.smtp.protocol")
 def smtp_data(data: bytes) -> None:
     """DATA's reader: any message, dot-stuffed as a client sends it and followed by the marker
-    and a pipelined command, comes back as it was; the command stays in the reader."""
+    and a pipelined command, comes back as it was; the command stays in the reader. Read in one
+    block into memory, and in blocks of 7 bytes through a spool file (cassmail.smtp.spool)."""
     from cassmail.smtp.protocol import read_data
+    from cassmail.smtp.spool import SpoolPolicy
 
     body = data if not data or data.endswith(b"\r\n") else data + b"\r\n"
     stuffed = (b"\r\n" + body).replace(b"\r\n.", b"\r\n..")[2:]
 
-    async def read() -> None:
-        reader = asyncio.StreamReader()
+    async def read(step: int, spool: SpoolPolicy | None) -> None:
+        reader = _Trickle(step)
         reader.feed_data(stuffed + b".\r\nQUIT\r\n")
         reader.feed_eof()
-        assert await read_data(reader, 1 << 20) == body
+        assert bytes(await read_data(reader, 1 << 20, spool=spool)) == body
         assert await reader.read() == b"QUIT\r\n"
 
-    _run(read())
+    _run(read(1 << 20, None))
+    _run(read(7, SpoolPolicy(above=1)))
 
 
 @target("cassmail.smtp.protocol")

@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import random
 import re
 import smtplib
 import socket
@@ -165,6 +166,28 @@ async def test_dot_stuffing_bare_lf_8bit_and_long_lines_arrive_exactly(node: Nod
     assert raw.cmd("QUIT").startswith("221")
     [stored] = await inbox(store, users["anne"])
     assert strip_trace(stored)[1] == sent + b"\r\n"
+
+
+async def test_a_message_past_spool_above_arrives_exactly_in_every_copy(node: Node, store: Store, users) -> None:
+    """DATA past smtp.spool_above (1 MiB) goes through a spool file: dot-stuffing is undone there
+    in place (dotted lines fall on every side of the reader's 256 KiB blocks), the trace goes in
+    the room in front of it, and both recipients get the message as sent."""
+    rng = random.Random(5)
+    lines = [rng.choice([b"", b".", b"..", b"x"]) + b"a" * rng.randrange(0, 120) for _ in range(40_000)]
+    sent = b"Subject: spooled\r\n\r\n" + b"\r\n".join(lines) + b"\r\n"
+    assert len(sent) > 2 << 20
+    raw = Raw(node.port("smtp"))
+    assert raw.cmd("EHLO client.test").startswith("250")
+    assert raw.cmd("MAIL FROM:<x@remote.test>").startswith("250 2.1.0")
+    for who in ("anne", "bob"):
+        assert raw.cmd(f"RCPT TO:<{users[who]}>").startswith("250 2.1.5")
+    assert raw.cmd("DATA").startswith("354")
+    assert raw.cmd((b"\r\n" + sent).replace(b"\r\n.", b"\r\n..")[2:] + b".").startswith("250 2.0.0")
+    assert raw.cmd("QUIT").startswith("221")
+    for who in ("anne", "bob"):
+        *_, stored = await inbox(store, users[who])
+        trace, original = strip_trace(stored)
+        assert original == sent and trace.startswith(b"Return-Path: <x@remote.test>\r\n")
 
 
 async def test_an_empty_message_and_a_first_line_dot_are_kept(node: Node, store: Store, users) -> None:

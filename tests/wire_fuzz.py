@@ -67,12 +67,13 @@ def pick(rng: random.Random, corpus: Sequence[bytes], specials: Sequence[bytes] 
     return command if rng.random() < 0.2 else mutate(rng, command, corpus, specials)
 
 
-def rss_kib(pid: int) -> int:
-    """A process's resident set size in KiB (VmRSS of /proc/PID/status)."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident set size in KiB (VmRSS of /proc/PID/status), or another of its
+    figures (RssAnon: the part that is the process's own memory, not pages of mapped files)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def run_bounded(step: Callable[[int], None], count: int, seconds: float, findings: Findings,

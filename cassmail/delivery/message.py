@@ -15,10 +15,11 @@ _HEADER_END = re.compile(rb"\r?\n\r?\n")
 _FIELD = re.compile(rb"^([!-9;-~]+)[ \t]*:", re.M)
 
 
-def header_section(message: bytes) -> bytes:
-    """The header section (up to the first empty line), or the whole message when it has none."""
+def header_section(message: bytes | bytearray | memoryview) -> bytes:
+    """The header section (up to the first empty line), or the whole message when it has none,
+    as bytes (of a message in a spool file's mapping too: only the header is copied)."""
     match = _HEADER_END.search(message)
-    return message[: match.start() + 1] if match else message
+    return bytes(message[: match.start() + 1] if match else message)
 
 
 def fields(headers: bytes, name: str) -> list[str]:

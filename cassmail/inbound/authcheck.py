@@ -307,6 +307,7 @@ def strip_forged_results(message: bytes, authserv_id: str) -> tuple[bytes, int]:
     if b"authentication-results" not in header_section(message).lower():
         return message, 0
     block, rest = split_header(message)
+    block = bytes(block)
     kept: list[bytes] = []
     removed = 0
     ours = authserv_id.lower()

@@ -25,6 +25,9 @@ import regex
 
 from cassmail.sieve.parse import Argument, Command, Number, SieveSyntaxError, Strings, Tag, Test, parse
 
+#: The empty line that ends a message's header section.
+_HEADER_END = re.compile(rb"\r\n\r\n")
+
 
 class SieveError(ValueError):
     """A script that cannot be run: a syntax error, an unknown command or extension, or a limit."""
@@ -393,14 +396,16 @@ class Message:
     """The message as a script reads it: headers decoded once, the body walked only when a body
     test asks."""
 
-    def __init__(self, raw: bytes, max_body_bytes: int) -> None:
-        self.raw = raw
+    def __init__(self, raw: bytes | bytearray | memoryview, max_body_bytes: int) -> None:
+        self.raw = raw  # a memoryview for a message in a spool file (cassmail.smtp.spool)
         self.size = len(raw)
         self.max_body_bytes = max_body_bytes
         self._parsed: email.message.Message | None = None
         self._headers: dict[str, list[str]] = {}
-        split = raw.find(b"\r\n\r\n")
-        head = raw if split < 0 else raw[:split + 2]
+        found = _HEADER_END.search(raw)
+        head = bytes(raw if found is None else raw[:found.start() + 2])
+        #: Where the body starts (the message's end when it has no empty line).
+        self._body_at = len(raw) if found is None else found.start() + 4
         for name, value in BytesHeaderParser(policy=email.policy.compat32).parsebytes(head).items():
             self._headers.setdefault(name.lower(), []).append(value)
 
@@ -409,9 +414,8 @@ class Message:
         """The whole MIME tree, parsed on first use (only the body test needs it), from at most
         max_body_bytes past the header."""
         if self._parsed is None:
-            split = self.raw.find(b"\r\n\r\n")
-            end = len(self.raw) if split < 0 else split + 4 + self.max_body_bytes
-            self._parsed = email.message_from_bytes(self.raw[:end], policy=email.policy.compat32)
+            end = self._body_at + self.max_body_bytes
+            self._parsed = email.message_from_bytes(bytes(self.raw[:end]), policy=email.policy.compat32)
         return self._parsed
 
     def raw_headers(self, name: str) -> list[str]:
@@ -421,9 +425,7 @@ class Message:
         return [_decoded(v) for v in self.raw_headers(name)]
 
     def body_raw(self) -> str:
-        split = self.raw.find(b"\r\n\r\n")
-        start = split + 4 if split >= 0 else len(self.raw)
-        return self.raw[start:start + self.max_body_bytes].decode("utf-8", "replace")
+        return bytes(self.raw[self._body_at:self._body_at + self.max_body_bytes]).decode("utf-8", "replace")
 
     def body_parts(self, types: Sequence[str] | None) -> list[str]:
         """Decoded text of the leaf parts whose type matches (RFC 5173 :content; :text is "text")."""

@@ -17,6 +17,7 @@ from cassmail.smtp.handler import (
     LMTP_ROLE, MX, SUBMISSION, SUBMISSIONS, DeliveryHandler, QueueHandoff, Role, advertised_size,
 )
 from cassmail.smtp.protocol import SASL_MECHANISMS, CassmailLMTP, CassmailSMTP, RateLimits
+from cassmail.smtp.spool import SpoolPolicy
 from cassmail.store.base import Store
 from cassmail.tls import server_context
 
@@ -36,6 +37,7 @@ def _factory(
     limit = advertised_size(settings.store.max_message_size)
     # One table of peer addresses per listener and worker, shared by its sessions.
     rates = RateLimits(listener.max_command_rate, listener.max_connection_rate, listener.rate_limit_exempt)
+    spool = SpoolPolicy(listener.spool_above, listener.spool_dir)
 
     # aiosmtpd asks for TLS before AUTH (auth_require_tls) only where STARTTLS is to come; an
     # implicit-TLS session is secure from its first byte.
@@ -59,6 +61,7 @@ def _factory(
             command_call_limit=listener.max_commands,
             command_length=listener.max_command_length,
             rates=rates,
+            spool=spool,
         )
 
     return make, handler

@@ -25,6 +25,7 @@ from cassmail.logs import Timer, kv
 from cassmail.model import Address, InvalidInput
 from cassmail.sessions import Sessions
 from cassmail.store.base import (
+    Body,
     MessageTooLarge,
     NoSuchMailbox,
     NoSuchUser,
@@ -37,6 +38,7 @@ from cassmail.store.base import (
 )
 from cassmail.sieve.delivery import SieveFilter
 from cassmail.smtp.protocol import peer_ip
+from cassmail.smtp.spool import Spooled
 from cassmail.tls import describe
 
 log = logging.getLogger("cassmail.smtp")
@@ -269,7 +271,7 @@ class DeliveryHandler(Sessions):
         timer = Timer()
         queue_id = uuid.uuid4().hex[:16]
         body = envelope.original_content
-        assert isinstance(body, (bytes, bytearray))
+        assert isinstance(body, (bytes, bytearray, Spooled))
         size = len(body)
         targets = [Target(user) for user in _recipients(envelope)]
         sent_copy = None
@@ -281,6 +283,7 @@ class DeliveryHandler(Sessions):
         fields = self._delivery_fields(session, envelope, size, queue_id)
         added = b""
         if self.inbound is not None:
+            # The checks read the message in memory (DKIM hashes the whole body), a spooled one too.
             verdict = await self.inbound.check(bytes(body), _peer(session), session.host_name or "", sender,
                                                _recipients(envelope), queue_id)
             if verdict.reply:
@@ -290,13 +293,20 @@ class DeliveryHandler(Sessions):
             body, added = verdict.message, verdict.headers
             targets = verdict.file(targets, self.inbound.settings.junk_mailbox)
         elif self.results_guard is not None:
-            body = self.results_guard.without_forged_results(body)
+            seen = body.view() if isinstance(body, Spooled) else body
+            stripped = self.results_guard.without_forged_results(seen)
+            if stripped is not seen:  # a forged field went: the message is a new one
+                body = stripped
         trace = self.trace_headers(server, session, envelope, queue_id) + added
-        if isinstance(body, bytearray):
+        message: Body
+        if isinstance(body, Spooled):
+            # In the room left at the spool file's start: the message stays where it is.
+            message = body.put_in_front(trace)
+        elif isinstance(body, bytearray):
             # DATA's own buffer (read_data): the headers go in front of it in place, so a large
             # message is not copied once more.
             body[0:0] = trace
-            message: bytes | bytearray = body
+            message = body
         else:
             message = trace + body
         # The worker of this process takes a message queued here at once, when it has room.
@@ -366,7 +376,7 @@ class DeliveryHandler(Sessions):
             return "\r\n".join(self.quota_reply(r) if r in quota.refused else ok for r in envelope.rcpt_tos)
         return self.per_recipient(envelope, ok)
 
-    async def _deliver_local(self, message: bytes | bytearray, targets: list[Target]
+    async def _deliver_local(self, message: Body, targets: list[Target]
                              ) -> tuple[list[Target], list[uuid.UUID], set[str]]:
         """Store the local copies, leaving out the users the store finds over quota (it refuses
         the whole call, naming them, before writing anything): (targets stored, their ids, the
@@ -390,7 +400,7 @@ class DeliveryHandler(Sessions):
             return f"452 4.2.2 {who}Mailbox full, try again later"
         return f"552 5.2.2 {who}Mailbox full"
 
-    async def _quota_notice(self, users: list[str], message: bytes | bytearray, sender: str) -> None:
+    async def _quota_notice(self, users: list[str], message: Body, sender: str) -> None:
         """A DSN (RFC 3464) to the sender naming the recipients over quota that the reply to DATA
         could not refuse (other recipients took the message); none to <>. Into the sender's
         mailbox when local (dropped, logged, when they are full too), queued otherwise. A store

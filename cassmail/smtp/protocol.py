@@ -53,13 +53,14 @@ import re
 import time
 from base64 import b64encode
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, AnyStr
+from typing import TYPE_CHECKING, Any, AnyStr, BinaryIO
 
 from aiosmtpd.lmtp import LMTP
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult
 
 from cassmail import auth
 from cassmail.logs import kv
+from cassmail.smtp.spool import SpoolPolicy, Spooled
 
 log = logging.getLogger("cassmail.smtp")
 
@@ -141,13 +142,17 @@ class DataTooLarge(Exception):
 
 
 async def read_data(
-    reader: asyncio.StreamReader, limit: int, progress: Callable[[], None] | None = None
-) -> bytearray:
+    reader: asyncio.StreamReader,
+    limit: int,
+    progress: Callable[[], None] | None = None,
+    spool: SpoolPolicy | None = None,
+) -> bytearray | Spooled:
     """Read a DATA payload up to CRLF . CRLF; return it with dot-stuffing undone.
 
     The message is the buffer it was read into, cut in place: a large message costs its own
     size once (and once more only when a line starts with a dot), not a copy per step, and the
-    caller may put the trace headers in front of it the same way.
+    caller may put the trace headers in front of it the same way. Past `spool.above` bytes the
+    rest goes to a spool file and the message comes back as `Spooled` (cassmail.smtp.spool).
 
     Bytes after the marker (commands a client pipelined) go back to the reader.
     Raises DataTooLarge (after draining to the marker) past `limit` bytes, and
@@ -161,34 +166,58 @@ async def read_data(
     scanned = 0
     dropped = 0
     too_large = False
-    while True:
-        chunk = await reader.read(READ_SIZE)
-        if not chunk:
-            raise ConnectionResetError("client closed the connection during DATA")
-        if progress is not None:
-            progress()
-        buf += chunk
-        end = buf.find(END_OF_DATA, max(scanned - 4, 0))
-        if end >= 0:
-            rest = buf[end + len(END_OF_DATA) :]
-            if rest:
-                _unread(reader, bytes(rest))
-            # `end` is the size of the message as sent (its last CRLF included, the doubled dots
-            # too): a message of `limit` octets is taken, one more is not.
-            if too_large or end > limit:
-                raise DataTooLarge(dropped + end)
-            del buf[end + 2 :]
-            # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
-            if buf.find(b"\r\n.") >= 0:
-                buf = buf.replace(b"\r\n.", b"\r\n")
-            del buf[:2]
-            return buf
-        if len(buf) > limit + 2 + len(END_OF_DATA):
-            # Keep reading to the marker, but only its possible beginning.
-            too_large = True
-            dropped += len(buf) - len(END_OF_DATA) - 2
-            del buf[2 : len(buf) - len(END_OF_DATA)]
-        scanned = len(buf)
+    file: BinaryIO | None = None
+    spooled = 0  # bytes of `buf` already written to `file` (the virtual CRLF included)
+    try:
+        while True:
+            chunk = await reader.read(READ_SIZE)
+            if not chunk:
+                raise ConnectionResetError("client closed the connection during DATA")
+            if progress is not None:
+                progress()
+            buf += chunk
+            end = buf.find(END_OF_DATA, max(scanned - 4, 0))
+            if end >= 0:
+                rest = buf[end + len(END_OF_DATA) :]
+                if rest:
+                    _unread(reader, bytes(rest))
+                # `end` is the size of the message as sent (its last CRLF included, the doubled
+                # dots too): a message of `limit` octets is taken, one more is not.
+                if too_large or spooled + end > limit:
+                    raise DataTooLarge(dropped + spooled + end)
+                del buf[end + 2 :]
+                if file is not None:
+                    file.write(buf)
+                    message = Spooled.finish(file)
+                    file = None
+                    return message
+                # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
+                if buf.find(b"\r\n.") >= 0:
+                    buf = buf.replace(b"\r\n.", b"\r\n")
+                del buf[:2]
+                return buf
+            if spooled + len(buf) > limit + 2 + len(END_OF_DATA):
+                # Keep reading to the marker, but only its possible beginning.
+                too_large = True
+                if file is not None:
+                    file.close()
+                    file = None
+                dropped += spooled + len(buf) - len(END_OF_DATA) - 2
+                spooled = 0
+                del buf[2 : len(buf) - len(END_OF_DATA)]
+            elif not too_large and spool is not None and spool.above and spooled + len(buf) > spool.above \
+                    and len(buf) > len(END_OF_DATA):
+                # Into the file, all but the tail that may hold the marker's beginning.
+                if file is None:
+                    file = spool.open()
+                keep = len(END_OF_DATA) - 1
+                file.write(memoryview(buf)[:-keep])
+                spooled += len(buf) - keep
+                del buf[:-keep]
+            scanned = len(buf)
+    finally:
+        if file is not None:
+            file.close()
 
 
 def _unread(reader: asyncio.StreamReader, data: bytes) -> None:
@@ -401,13 +430,15 @@ class _CassmailEngine(_Engine):
         *,
         command_length: int = 512,
         rates: RateLimits | None = None,
+        spool: SpoolPolicy | None = None,
         **options: Any,
     ) -> None:
         """`command_length`: the longest command line, CRLF not counted, after HELO and after EHLO
         alike (MAIL after EHLO may be MAIL_EXTENSIONS_ALLOWANCE longer). Lines past it get 500 5.5.2.
         `rates`: the listener's command and connection rates in this worker (shared by its
-        sessions; None = no limits)."""
+        sessions; None = no limits). `spool`: where large DATA goes (None: kept in memory)."""
         self.rates = rates
+        self.spool = spool
         self.command_size_limit = command_length
         self.command_size_limits = _CommandLimits(command_length)
         # aiosmtpd builds its line reader with this limit; a line past it is drained and refused
@@ -554,7 +585,8 @@ class _CassmailEngine(_Engine):
         await self.push("354 End data with <CR><LF>.<CR><LF>")
         started = time.monotonic()
         try:
-            content = await read_data(self._reader, self.data_size_limit or (1 << 62), self._reset_timeout)
+            content = await read_data(self._reader, self.data_size_limit or (1 << 62), self._reset_timeout,
+                                      self.spool)
         except DataTooLarge as too_large:
             self.event_handler.log_too_large(self, too_large.size, int((time.monotonic() - started) * 1000))
             self._set_post_data_state()

@@ -225,6 +225,15 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
         return await asyncio.gather(*(one(c) for c in coros))
 
+    async def _put_chunks(self, body_id: uuid.UUID, view: memoryview, chunk: int) -> None:
+        """Write a body in chunks of `chunk` bytes, each copied out of `view` only once its write
+        may start (a large message is not copied whole: it may be a spool file's mapping)."""
+
+        async def put(i: int) -> None:
+            await self.tables.body_chunks.insert(body_id, i, bytes(view[i * chunk : (i + 1) * chunk]))
+
+        await self._gather_limited(put(i) for i in range(math.ceil(view.nbytes / chunk)))
+
     # ================================================================= domains
 
     async def add_domain(self, domain: str) -> None:
@@ -570,10 +579,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
         body_id = new_message_id()
         chunk = self.settings.chunk_size
-        nchunks = math.ceil(size / chunk)
-        await self._gather_limited(
-            self.tables.body_chunks.insert(body_id, i, bytes(view[i * chunk : (i + 1) * chunk])) for i in range(nchunks)
-        )
+        await self._put_chunks(body_id, view, chunk)
         # Ids are stamped once the body is stored, just before the rows that carry them: a row
         # lands at most one write after its id's time, which `arrivals` relies on.
         ids = {k: new_message_id() for k in unique}

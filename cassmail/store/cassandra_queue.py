@@ -133,6 +133,7 @@ class CassandraQueue(Store):
     cql: Cql
     tables: Tables
     _gather_limited: Any
+    _put_chunks: Any
     _chunk: Any
     settings: Any
 
@@ -161,10 +162,7 @@ class CassandraQueue(Store):
         if inline:
             body_id, chunk = None, 0
         else:
-            await self._gather_limited(
-                self.tables.body_chunks.insert(body_id, i, bytes(view[i * chunk : (i + 1) * chunk]))
-                for i in range(math.ceil(size / chunk))
-            )
+            await self._put_chunks(body_id, view, chunk)
         queue = self.tables.queue
         batch = self.cql.batch(BatchType.UNLOGGED)  # one partition: applied as a whole
         batch.add(queue.entry_statement(entry_id, sender, _ts(now), _ts(due), owner, _ts(until), size,
