@@ -368,15 +368,16 @@ def _drained(ticks: list[Tick]) -> bool:
 def run_postal(server: str, port: int | Sequence[tuple[str, int]], sizes: tuple[int, int], users_file: Path,
                workdir: Path, seconds: float, threads: int = 32, per_connection: int = 10, interval: float = 60.0,
                average_last: int = 5, probes: Probes | None = None,
-               actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print) -> LoadRun:
+               actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print,
+               rate: int = UNLIMITED_RATE) -> LoadRun:
     """postal -t THREADS against 127.0.0.1:port (or round-robin over several (host, port), THREADS
-    each) for `seconds`; one recipient per message from users_file."""
+    each) for `seconds`, at most `rate` messages a minute; one recipient per message from users_file."""
     servers = [(HOST, port)] if isinstance(port, int) else list(port)
     lo_k, hi_k = postal_kib(*sizes)
     run = LoadRun("postal", server, range_label(*sizes), interval, average_last)
     run.settings = {"threads": str(threads), "messages per connection": f"1..{per_connection}"}
     cmd = ["postal", "-t", str(threads), "-c", str(per_connection), "-M", str(lo_k), "-m", str(hi_k),
-           "-r", str(UNLIMITED_RATE), ",".join(f"[{h}]{p}" for h, p in servers), str(users_file)]
+           "-r", str(rate), ",".join(f"[{h}]{p}" for h, p in servers), str(users_file)]
     say(f"  {server}: {' '.join(cmd)}  ({seconds:g} s)")
     return run_tool(run, cmd, "postal.log", workdir, seconds, probes, interrupt_first=True, actions=actions, say=say)
 

@@ -57,23 +57,31 @@ def smtp_send(host: str, port: int, rcpt: str, message: bytes, timeout: float = 
     return Outcome(kind, f"{code} {words}", code)
 
 
-def pop3_read(host: str, port: int, user: str, password: str, timeout: float = 60) -> Outcome:
-    """Log in, STAT, RETR every message, QUIT."""
+def pop3_read(host: str, port: int, user: str, password: str, timeout: float = 60,
+              delete: bool = False) -> Outcome:
+    """Log in, STAT, RETR every message (and DELE it, with `delete`: the deletions happen at
+    QUIT), QUIT. The messages are those retrieved, also when the session failed later: the user
+    has seen them."""
     try:
         client = poplib.POP3(host, port, timeout=timeout)
     except OSError as exc:
         return Outcome("dropped", repr(exc))
+    messages: list[bytes] = []
     try:
         client.user(user)
         client.pass_(password)
         count, _ = client.stat()
-        messages = [b"\r\n".join(client.retr(i)[1]) for i in range(1, count + 1)]
+        for i in range(1, count + 1):
+            messages.append(b"\r\n".join(client.retr(i)[1]))
+            if delete:
+                client.dele(i)
         client.quit()
         return Outcome("ok", f"{count} message(s)", messages=messages)
     except poplib.error_proto as exc:
-        return Outcome("temp", exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc))
+        text = exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        return Outcome("temp", text, messages=messages)
     except OSError as exc:
-        return Outcome("dropped", repr(exc))
+        return Outcome("dropped", repr(exc), messages=messages)
     finally:
         client.close()
 

@@ -283,6 +283,33 @@ def test_large_messages_stay_out_of_the_workers_memory(tmp_path_factory: pytest.
         assert node.stop() == 0
 
 
+def test_a_spool_file_that_cannot_be_made_is_answered_451_and_the_session_goes_on(
+        tmp_path_factory: pytest.TempPathFactory, hard) -> None:
+    """When the spool directory is gone, a message past spool_above is read to its end and
+    refused with 451 (the client keeps it), the error is logged without a traceback, and the
+    next message of the session, a small one, is taken."""
+    small, _, user = hard
+    settings = dataclasses.replace(small.settings)
+    settings.store = dataclasses.replace(small.settings.store, max_message_size=MAX_SIZE)
+    spool = tmp_path_factory.mktemp("spool")
+    node = Node(settings, tmp_path_factory.mktemp("spoolnode"), smtp={"spool_dir": str(spool)}).start()
+    try:
+        spool.rmdir()
+        raw = Raw(node.port("smtp"))
+        assert raw.cmd("EHLO client.test").startswith("250")
+        for body, reply in ((b"Subject: big\r\n\r\n" + (b"z" * 76 + b"\r\n") * 30_000, "451 4.3.0"),
+                            (b"Subject: small\r\n\r\nhi\r\n", "250 2.0.0")):
+            assert raw.cmd("MAIL FROM:<x@remote.test>").startswith("250")
+            assert raw.cmd(f"RCPT TO:<{user}>").startswith("250")
+            assert raw.cmd("DATA").startswith("354")
+            assert raw.cmd(body + b".").startswith(reply)
+        assert raw.cmd("QUIT").startswith("221")
+    finally:
+        assert node.stop() == 0
+    log = node.log_text()
+    assert "result=tempfail" in log and "spool file" in log and "Traceback" not in log
+
+
 async def _inbox_sizes(settings: Settings, user: str) -> list[int]:
     store = make_store(settings)
     await store.open()

@@ -2,7 +2,9 @@
 
 `cassmail cluster up --netns --nodes 3 --rf 3` on CQL port 39042, then for each consistency level
 (ONE, QUORUM, ALL: the front ends restarted with it for reads and writes) a short fault-free
-baseline and three faults in turn, each for PHASE seconds, under a steady SMTP load on every node
+baseline and three faults in turn, each for PHASE seconds, under load on every node: a steady
+smtplib sender per node whose every message has a name of its own, postal over all the nodes, a
+POP3 reader per node that retrieves and deletes (as rabid does) what the senders send to its user,
 and state-checking IMAP sessions (tests/imap_stress.py) spread over the nodes:
 
 - node 3 partitioned from the other nodes both ways (`cassmail cluster partition 3`),
@@ -10,8 +12,10 @@ and state-checking IMAP sessions (tests/imap_stress.py) spread over the nodes:
 - 200 ms added to, and 5% lost of, what every node sends to the others (`cassmail cluster delay`).
 
 After each `cassmail cluster heal`, the seconds until every node takes a delivery and serves an IMAP
-session again. At the end of a level every node's view of every mailbox gives: acknowledged messages
-lost (goal 0), duplicates, and UIDs naming two messages (goal 0). The table is printed, and written
+session again. At the end of a level every node's view of every mailbox, with what POP3 retrieved,
+gives: acknowledged messages lost (goal 0), duplicates, and UIDs naming two messages (goal 0); postal's
+count of accepted messages against its users' mailboxes gives its losses (goal 0), and every message
+POP3 retrieved must be the one sent. The table is printed, and written
 as markdown to $CASSMAIL_PARTITION_REPORT when set.
 
 It takes about nine minutes and needs root (ip netns, iptables), so the drill runs only with
@@ -26,11 +30,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import imaplib
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,16 +46,23 @@ import pytest
 from cassmail import netns
 from cassmail.cluster import DEFAULT_PORTS
 from tests import imap_stress
-from tests.cluster_clients import imap_uids, make_message, smtp_send, subject_of
-from tests.conftest import unavailable
+from tests.cluster_clients import Outcome, imap_uids, make_message, pop3_read, smtp_send, subject_of
+from tests.conftest import REPO, unavailable
 from tests.test_cluster import HEAP_MB, LEVELS, NATIVE_PORT, STORAGE_PORT, Cluster, Load, _alive, _cluster_pids, \
     _password, _prepare, _users, run
+
+sys.path.insert(0, str(REPO / "loadtest"))
+from postal import LoadRun, run_postal, write_users  # noqa: E402
 
 DRILL = os.environ.get("CASSMAIL_PARTITION_TESTS") == "1"
 PHASE = float(os.environ.get("CASSMAIL_PARTITION_PHASE_SECONDS", "20"))
 BASELINE = 10.0
 NODES = 3
 CUT = 3  # the node the partitions cut off
+#: postal beside the drill's own senders: threads per node, messages a minute in all, sizes in bytes.
+POSTAL_THREADS = 1
+POSTAL_RATE = 600
+POSTAL_SIZES = (1_000, 20_000)
 #: Seconds a node may take to serve again after a heal before the drill calls it not back.
 RECOVERY_LIMIT = 180.0
 #: The drill's tests: opt-in, and longer than the suite's timeout (the module's fixtures run in the first one's time).
@@ -96,6 +109,8 @@ class Phase:
     #: A UID naming two different messages (across the nodes' views) among messages of this phase.
     uid_conflicts: list[str] = dataclasses.field(default_factory=list)
     faults_seen: list[str] = dataclasses.field(default_factory=list)
+    #: POP3 sessions (each retrieving and deleting every message) started while the fault was in place.
+    pop3: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     def violations(self, kind: str) -> list[str]:
         return [v for v in self.imap_violations if _violation_kind(v) == kind]
@@ -107,6 +122,53 @@ class Level:
     phases: list[Phase]
     #: Acknowledged messages some node still did not show a minute after the last heal.
     unseen_on_some_node: int
+    #: Messages retrieved over POP3 that were not the message sent (its Subject named).
+    pop3_wrong: list[str]
+    #: postal over the whole level: messages it saw accepted, and its users' messages on the node
+    #: that shows fewest and on the one that shows most.
+    postal_accepted: int
+    postal_stored: tuple[int, int]
+
+    @property
+    def postal_lost(self) -> int:
+        return max(0, self.postal_accepted - self.postal_stored[1])
+
+
+class Pop3Drain(threading.Thread):
+    """One node's POP3 reader, as rabid reads: sessions one after another as `user`, each
+    retrieving and deleting every message, until stopped. Keeps each session's outcome, the
+    Subject of every message retrieved, and those whose bytes were not the message sent."""
+
+    def __init__(self, name: str, host: str, port: int, user: str, pause: float = 0.5) -> None:
+        super().__init__(name=name, daemon=True)
+        self.host, self.port, self.user, self.pause = host, port, user, pause
+        self.sessions: list[tuple[float, Outcome]] = []
+        self.retrieved: set[str] = set()
+        self.wrong: list[str] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            started = time.monotonic()
+            got = pop3_read(self.host, self.port, self.user, _password(self.user), timeout=15, delete=True)
+            self.sessions.append((started, got))
+            for message in got.messages:
+                subject = subject_of(message)
+                self.retrieved.add(subject)
+                if not (message + b"\r\n").endswith(make_message(subject)):  # after the trace headers
+                    self.wrong.append(subject)
+            self.halt.wait(self.pause)
+
+
+def _imap_count(host: str, port: int, user: str) -> int | None:
+    """The messages in a user's INBOX as one node's IMAP SELECT says (None: not answered)."""
+    try:
+        with imaplib.IMAP4(host, port, timeout=30) as client:
+            client.login(user, _password(user))
+            kind, data = client.select("INBOX", readonly=True)
+            return int(data[0]) if kind == "OK" else None
+    except (imaplib.IMAP4.error, OSError, ValueError):
+        return None
 
 
 def _violation_kind(text: str) -> str:
@@ -168,6 +230,8 @@ def _run_level(cluster: NetnsCluster, level: str) -> Level:
     cluster.must(*_up_args(level), timeout=900)
     tag = level.lower()
     load_users, probe_user = _users(f"{tag}-load", 3), f"{tag}-probe@cluster.test"
+    pop_users = _users(f"{tag}-pop", NODES)  # node i's POP3 reader drains pop_users[i - 1]
+    postal_users = _users(f"{tag}-postal", 4)
     faults: list[tuple[str, list[list[str]]]] = [
         ("none (baseline)", []),
         (f"node {CUT} partitioned, both ways", [["partition", str(CUT)]]),
@@ -176,12 +240,21 @@ def _run_level(cluster: NetnsCluster, level: str) -> Level:
          [["delay", str(i), "--ms", "200", "--loss", "5"] for i in range(1, NODES + 1)]),
     ]
     stress_users = [f"{tag}-stress{k}@cluster.test" for k in range(len(faults))]
-    run(_prepare(cluster.store_settings(), [*load_users, probe_user, *stress_users], 0))
-    loads = [Load(f"{tag}-n{i}", cluster.address(i), cluster.ports["smtp"], load_users) for i in range(1, NODES + 1)]
+    run(_prepare(cluster.store_settings(), [*load_users, probe_user, *stress_users, *pop_users, *postal_users], 0))
+    loads = [Load(f"{tag}-n{i}", cluster.address(i), cluster.ports["smtp"], [*load_users, *pop_users])
+             for i in range(1, NODES + 1)]
+    drains = [Pop3Drain(f"{tag}-pop{i}", cluster.address(i), cluster.ports["pop3"], pop_users[i - 1])
+              for i in range(1, NODES + 1)]
+    postal_file, _ = write_users(postal_users, cluster.base / "postal" / tag)
+    postal_run: list[LoadRun] = []
+    postal = threading.Thread(target=lambda: postal_run.append(run_postal(
+        f"drill-{tag}", [(cluster.address(i), cluster.ports["smtp"]) for i in range(1, NODES + 1)], POSTAL_SIZES,
+        postal_file, cluster.base / "postal" / tag, BASELINE + 3 * PHASE, threads=POSTAL_THREADS, interval=5.0,
+        rate=POSTAL_RATE, say=lambda _: None)), daemon=True)
     probes: list[tuple[str, float]] = []
     phases: list[Phase] = []
-    for load in loads:
-        load.start()
+    for worker in [*loads, *drains, postal]:
+        worker.start()
     try:
         for k, (fault, commands) in enumerate(faults):
             phase = Phase(level, fault, "; ".join("cassmail cluster " + " ".join(c) for c in commands) or "-",
@@ -201,12 +274,13 @@ def _run_level(cluster: NetnsCluster, level: str) -> Level:
                 phase.recovery = _service_back(cluster, probe_user, f"{tag}{k}", probes)
             phase.ended = time.monotonic()
     finally:
-        for load in loads:
-            load.halt.set()
-        for load in loads:
-            load.join(120)
+        for stoppable in [*loads, *drains]:
+            stoppable.halt.set()
+        for worker in [*loads, *drains, postal]:
+            worker.join(120)
     deliveries = [d for load in loads for d in load.deliveries]
     acked = {d.subject: d.sent for d in deliveries if d.outcome.ok} | dict(probes)
+    retrieved = set().union(*(drain.retrieved for drain in drains))
 
     def phase_of(when: float) -> Phase:
         return next((p for p in reversed(phases) if p.started <= when), phases[0])
@@ -221,17 +295,24 @@ def _run_level(cluster: NetnsCluster, level: str) -> Level:
             p.dropped += 1
         else:
             p.refused += 1
+    for drain in drains:
+        for started, outcome in drain.sessions:
+            p = phase_of(started)
+            if p.healed is None or started < p.healed:
+                p.pop3[outcome.kind] += 1
     # Every node's view, read again until each holds every acknowledged message (hints and read
     # repair catch a node up) or a minute has passed.
-    users = [*load_users, probe_user]
+    # A message POP3 retrieved (and deleted) counts as seen everywhere.
+    users = [*load_users, *pop_users, probe_user]
     deadline = time.monotonic() + 60
     while True:
         views = _views(cluster, users)
-        missing_somewhere = {s for i in views for s in acked if s not in {t for u in views[i] for _, t in views[i][u]}}
+        missing_somewhere = {s for i in views for s in acked
+                             if s not in retrieved and s not in {t for u in views[i] for _, t in views[i][u]}}
         if not missing_somewhere or time.monotonic() > deadline:
             break
         time.sleep(2)
-    everywhere = {t for i in views for u in views[i] for _, t in views[i][u]}
+    everywhere = {t for i in views for u in views[i] for _, t in views[i][u]} | retrieved
     for subject, when in acked.items():
         if subject not in everywhere:
             phase_of(when).lost.append(subject)
@@ -252,7 +333,20 @@ def _run_level(cluster: NetnsCluster, level: str) -> Level:
                 phase_of(when).uid_conflicts.append(f"{user} UID {uid}: {sorted(names)}")
     for subject, extra in duplicates.items():
         phase_of(acked.get(subject, phases[-1].started)).duplicates += extra
-    return Level(level, phases, len(missing_somewhere))
+    # postal's messages carry no name of ours: its count against its users' mailboxes, per node.
+    accepted = _lines(cluster.base / "postal" / tag / postal_run[0].slug / "postal.log") if postal_run else 0
+    counts = [sum(_imap_count(cluster.address(i), cluster.ports["imap"], u) or 0 for u in postal_users)
+              for i in range(1, NODES + 1)]
+    return Level(level, phases, len(missing_somewhere), [w for d in drains for w in d.wrong], accepted,
+                 (min(counts), max(counts)))
+
+
+def _lines(path: Path) -> int:
+    """Lines in a file (postal writes one per message accepted); 0 when there is none."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 @pytest.fixture(scope="module")
@@ -277,17 +371,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsCluster]:
 
 
 def _table(levels: list[Level]) -> str:
-    head = ("| CL | fault | SMTP acked | refused | dropped | lost | duplicates | IMAP commands (runs) "
-            "| UID conflicts | IMAP NO / stalled / other | service back after heal |")
+    head = ("| CL | fault | SMTP acked | refused | dropped | lost | duplicates | POP3 sessions ok / -ERR / dropped "
+            "| IMAP commands (runs) | UID conflicts | IMAP NO / stalled / other | service back after heal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for lv in levels:
         for p in lv.phases:
             back = "-" if p.healed is None else (f"{p.recovery:.1f} s" if p.recovery is not None else "not back")
             lines.append(
                 f"| {p.level} | {p.fault} | {p.acked} | {p.refused} | {p.dropped} | {len(p.lost)} | {p.duplicates} | "
+                f"{p.pop3['ok']} / {p.pop3['temp']} / {p.pop3['dropped']} | "
                 f"{p.imap_commands} ({p.imap_runs}) | {len(p.violations('uid')) + len(p.uid_conflicts)} | "
                 f"{len(p.violations('refused'))} / {len(p.violations('stalled'))} / {len(p.violations('other'))} | "
                 f"{back} |")
+    head = ("| CL | postal: messages accepted | stored (node showing fewest / most) | lost "
+            "| POP3 messages retrieved with other bytes |")
+    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for lv in levels:
+        lines.append(f"| {lv.level} | {lv.postal_accepted} | {lv.postal_stored[0]} / {lv.postal_stored[1]} | "
+                     f"{lv.postal_lost} | {len(lv.pop3_wrong)} |")
     return "\n".join(lines)
 
 
@@ -330,6 +431,15 @@ def test_no_acknowledged_message_is_lost(results: list[Level]) -> None:
     lost = {f"{p.level} / {p.fault}": p.lost[:5] for lv in results for p in lv.phases if p.lost}
     assert not lost, lost
     assert all(p.acked for lv in results for p in lv.phases[:1]), "the baseline delivered nothing"
+
+
+@drill
+@DRILL_TIMEOUT
+def test_postal_and_pop3_lose_and_garble_nothing(results: list[Level]) -> None:
+    assert all(lv.postal_accepted > 0 for lv in results), [lv.postal_accepted for lv in results]
+    assert not [lv.level for lv in results if lv.postal_lost], [(lv.postal_accepted, lv.postal_stored) for lv in results]
+    assert not [w for lv in results for w in lv.pop3_wrong]
+    assert all(lv.phases[0].pop3["ok"] for lv in results), "POP3 served nothing in a baseline"
 
 
 @drill

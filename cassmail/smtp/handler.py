@@ -433,11 +433,15 @@ class DeliveryHandler(Sessions):
             except StoreError as exc:
                 log.warning(kv("delivery-undo", user=target.user, mailbox=target.mailbox, result="fail", error=exc))
 
-    def log_too_large(self, server: Any, size: int, ms: int) -> None:
-        """The delivery line of a message refused while DATA was read (past max_message_size):
-        nothing reached the store, but the attempt is logged like any other delivery."""
+    def log_unkept(self, server: Any, size: int, ms: int, result: str, error: Exception | None = None) -> None:
+        """The delivery line of a message refused while DATA was read (past max_message_size:
+        too-large; its spool file failed: tempfail): nothing reached the store, but the attempt
+        is logged like any other delivery."""
         fields = self._delivery_fields(server.session, server.envelope, size, None)
-        log.info(kv("delivery", **fields, result="too-large", ms=ms))
+        if error is None:
+            log.info(kv("delivery", **fields, result=result, ms=ms))
+        else:
+            log.error(kv("delivery", **fields, result=result, ms=ms, error=error))
 
     def _delivery_fields(self, session: Session, envelope: Envelope, size: int, queue_id: str | None) -> dict[str, Any]:
         expansions = _expansions(envelope)

@@ -141,6 +141,16 @@ class DataTooLarge(Exception):
         self.size = size
 
 
+class SpoolFailed(Exception):
+    """The spool file could not be written (or mapped); the rest of the message was read and
+    thrown away."""
+
+    def __init__(self, size: int, error: OSError) -> None:
+        super().__init__(f"spool file: {error}")
+        #: Bytes the client sent before the end-of-data marker.
+        self.size = size
+
+
 async def read_data(
     reader: asyncio.StreamReader,
     limit: int,
@@ -155,8 +165,9 @@ async def read_data(
     rest goes to a spool file and the message comes back as `Spooled` (cassmail.smtp.spool).
 
     Bytes after the marker (commands a client pipelined) go back to the reader.
-    Raises DataTooLarge (after draining to the marker) past `limit` bytes, and
-    ConnectionResetError if the client goes away in the middle. `progress` is
+    Raises DataTooLarge (after draining to the marker) past `limit` bytes, SpoolFailed (after
+    draining too) when the spool file fails, and ConnectionResetError if the client goes away
+    in the middle. `progress` is
     called for every block received (the idle timer counts from the last one,
     so a large message on a slow link is not cut off).
     """
@@ -168,6 +179,7 @@ async def read_data(
     too_large = False
     file: BinaryIO | None = None
     spooled = 0  # bytes of `buf` already written to `file` (the virtual CRLF included)
+    failure: OSError | None = None
     try:
         while True:
             chunk = await reader.read(READ_SIZE)
@@ -183,22 +195,27 @@ async def read_data(
                     _unread(reader, bytes(rest))
                 # `end` is the size of the message as sent (its last CRLF included, the doubled
                 # dots too): a message of `limit` octets is taken, one more is not.
-                if too_large or spooled + end > limit:
+                if failure is None and (too_large or spooled + end > limit):
                     raise DataTooLarge(dropped + spooled + end)
+                if failure is not None:
+                    raise SpoolFailed(dropped + spooled + end, failure)
                 del buf[end + 2 :]
                 if file is not None:
-                    file.write(buf)
-                    message = Spooled.finish(file)
-                    file = None
-                    return message
+                    spool_file, file = file, None
+                    try:
+                        spool_file.write(buf)
+                        return Spooled.finish(spool_file)
+                    except OSError as exc:
+                        spool_file.close()
+                        raise SpoolFailed(spooled + end, exc) from None
                 # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
                 if buf.find(b"\r\n.") >= 0:
                     buf = buf.replace(b"\r\n.", b"\r\n")
                 del buf[:2]
                 return buf
-            if spooled + len(buf) > limit + 2 + len(END_OF_DATA):
+            if failure is not None or spooled + len(buf) > limit + 2 + len(END_OF_DATA):
                 # Keep reading to the marker, but only its possible beginning.
-                too_large = True
+                too_large = failure is None
                 if file is not None:
                     file.close()
                     file = None
@@ -208,12 +225,16 @@ async def read_data(
             elif not too_large and spool is not None and spool.above and spooled + len(buf) > spool.above \
                     and len(buf) > len(END_OF_DATA):
                 # Into the file, all but the tail that may hold the marker's beginning.
-                if file is None:
-                    file = spool.open()
                 keep = len(END_OF_DATA) - 1
-                file.write(memoryview(buf)[:-keep])
-                spooled += len(buf) - keep
-                del buf[:-keep]
+                try:
+                    if file is None:
+                        file = spool.open()
+                    file.write(memoryview(buf)[:-keep])
+                except OSError as exc:
+                    failure = exc  # drained from the next block on, answered at the marker
+                else:
+                    spooled += len(buf) - keep
+                    del buf[:-keep]
             scanned = len(buf)
     finally:
         if file is not None:
@@ -587,10 +608,14 @@ class _CassmailEngine(_Engine):
         try:
             content = await read_data(self._reader, self.data_size_limit or (1 << 62), self._reset_timeout,
                                       self.spool)
-        except DataTooLarge as too_large:
-            self.event_handler.log_too_large(self, too_large.size, int((time.monotonic() - started) * 1000))
+        except (DataTooLarge, SpoolFailed) as refused:
+            ms = int((time.monotonic() - started) * 1000)
+            failed = isinstance(refused, SpoolFailed)
+            self.event_handler.log_unkept(self, refused.size, ms, "tempfail" if failed else "too-large",
+                                          refused if failed else None)
             self._set_post_data_state()
-            await self.push("552 5.3.4 Message too big for system")
+            await self.push("451 4.3.0 Mail system temporarily unavailable, try again later" if failed
+                            else "552 5.3.4 Message too big for system")
             return
         except ConnectionResetError:
             if self.transport is not None:
