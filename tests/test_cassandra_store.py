@@ -816,3 +816,14 @@ async def test_status_counts_are_kept_through_changes_and_read_without_the_listi
     assert 1200 <= rows < 1300  # the tail, and again at ALL to fold it
     folded, rows = await status()
     assert folded.messages == 2595 and rows <= 3
+
+
+async def test_body_chunks_are_kept_uncompressed(cassandra_settings) -> None:
+    """Schema 012: the table of bodies has compression off (mail bodies are mostly compressed
+    already; LZ4 cost Cassandra a third of its CPU per message delivered, loadtest/RESULTS.md)."""
+    async with CassandraStore(cassandra_settings) as store:
+        rows = await store.cql.run(store.session.prepare(
+            "SELECT compression FROM system_schema.tables WHERE keyspace_name = ? AND table_name = 'body_chunks'"
+        ).bind((cassandra_settings.keyspace,)))
+        [row] = list(rows)
+        assert row.compression.get("enabled") == "false", row.compression
