@@ -282,11 +282,12 @@ def _quoted(text: str, limit: int = 200) -> str:
 
 
 def split_header(message: bytes) -> tuple[bytes, bytes]:
-    """(the header section with its last line ending, the rest from the empty line on)."""
+    """(the header section with its last line ending, as bytes like header_section's, the rest
+    from the empty line on)."""
     end = len(header_section(message))
     if message[end - 1:end + 1] == b"\r\n":
         end += 1  # the CR of the last line's CRLF ends the section there: keep its LF with it
-    return message[:end], message[end:]
+    return bytes(message[:end]), message[end:]
 
 
 def header_fields(block: bytes) -> list[bytes]:
@@ -307,7 +308,6 @@ def strip_forged_results(message: bytes, authserv_id: str) -> tuple[bytes, int]:
     if b"authentication-results" not in header_section(message).lower():
         return message, 0
     block, rest = split_header(message)
-    block = bytes(block)
     kept: list[bytes] = []
     removed = 0
     ours = authserv_id.lower()

@@ -195,10 +195,10 @@ async def read_data(
                     _unread(reader, bytes(rest))
                 # `end` is the size of the message as sent (its last CRLF included, the doubled
                 # dots too): a message of `limit` octets is taken, one more is not.
-                if failure is None and (too_large or spooled + end > limit):
-                    raise DataTooLarge(dropped + spooled + end)
                 if failure is not None:
                     raise SpoolFailed(dropped + spooled + end, failure)
+                if too_large or spooled + end > limit:
+                    raise DataTooLarge(dropped + spooled + end)
                 del buf[end + 2 :]
                 if file is not None:
                     spool_file, file = file, None
