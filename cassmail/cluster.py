@@ -473,7 +473,7 @@ class LocalMailCluster:
             return {}
         # Both queries on one node: system.local and system.peers together describe the ring only there.
         profile = ExecutionProfile(load_balancing_policy=WhiteListRoundRobinPolicy(up[:1]))
-        cluster = Cluster(contact_points=up[:1], port=cs.port, protocol_version=5, connect_timeout=5,
+        cluster = Cluster(contact_points=up[:1], port=cs.port, protocol_version=cs.protocol_version, connect_timeout=5,
                           execution_profiles={EXEC_PROFILE_DEFAULT: profile})
         try:
             session = cluster.connect()

@@ -78,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cassandra", default="launch",
                    help="HOST:PORT of a Cassandra to use, or 'launch' (a node of its own on port 29042)")
     p.add_argument("--keep", action="store_true", help="keep the work directory, keyspace and Cassandra node")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a cassmail setting for both stores, after the benchmark's own (repeatable)")
     args = p.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = set(args.targets) - {"postfix", "cassandra", "mbox"}
@@ -207,7 +209,7 @@ def cassmail_settings(backend: str, args: argparse.Namespace, workdir: Path, sin
                       f"store.cassandra.keyspace=bench_out_{secrets.token_hex(4)}"]
     else:
         overrides += ["store.backend=mbox", f"store.mbox.path={workdir / 'mbox'}"]
-    settings = config.load(env={}, overrides=overrides)
+    settings = config.load(env={}, overrides=[*overrides, *args.overrides])
     settings.delivery = dataclasses.replace(settings.delivery, enabled=True)
     return settings
 

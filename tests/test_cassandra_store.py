@@ -203,6 +203,17 @@ async def test_consistency_levels_come_from_settings(make_store) -> None:
     assert tables.users.prepared["create"].serial_consistency_level == ConsistencyLevel.LOCAL_SERIAL
 
 
+@pytest.mark.parametrize("version", [4, 5])
+async def test_the_native_protocol_version_comes_from_settings_and_carries_bodies_of_many_chunks(make_store,
+                                                                                                  version) -> None:
+    store = await make_store(protocol_version=version, chunk_size=4096)
+    assert store._cluster.protocol_version == version
+    user = await new_user(store)
+    body = b"Subject: v%d\r\n\r\n" % version + bytes(range(256)) * 700  # 44 chunks
+    [message_id] = await store.deliver(body, [Target(user)])
+    assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
+
+
 async def test_too_few_replicas_for_the_write_level_is_unavailable_and_shows_nothing(cassandra_settings) -> None:
     """RF=3 on a one-node cluster: QUORUM writes cannot succeed, ONE writes can."""
     settings = dataclasses.replace(cassandra_settings, keyspace=f"cmrf3_{uuid.uuid4().hex[:8]}", write_consistency="ONE")

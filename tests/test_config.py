@@ -73,6 +73,7 @@ def test_environment_lists_and_tables_are_parsed() -> None:
         ("[store.cassandra]\nserial_consistency = 'ONE'", "store.cassandra.serial_consistency: must be SERIAL or LOCAL_SERIAL"),
         ("[store.cassandra]\nkeyspace = 'bad-name'", "store.cassandra.keyspace: must be letters"),
         ("[store.cassandra]\nchunk_size = 16777216", "store.cassandra.chunk_size: must be between"),
+        ("[store.cassandra]\nprotocol_version = 3", "store.cassandra.protocol_version: must be 4 or 5"),
         ("[store.cassandra]\nreplication_strategy = 'NetworkTopologyStrategy'", "store.cassandra.datacenters: NetworkTopologyStrategy needs"),
         ("[store.cassandra]\ncontact_points = '10.0.0.1'", "store.cassandra.contact_points: must be a list"),
         ("[smtp]\nlisten = 'localhost'", 'smtp.listen: must be "host:port"'),

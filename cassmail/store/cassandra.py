@@ -159,7 +159,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             auth_provider=auth,
             connect_timeout=s.connect_timeout,
             control_connection_timeout=s.connect_timeout,
-            protocol_version=5,
+            protocol_version=s.protocol_version,
         )
 
     async def open(self) -> None:

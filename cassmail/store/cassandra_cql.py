@@ -44,7 +44,8 @@ DRIVER_FAILURES: tuple[type[Exception], ...] = (
 )
 #: CQL protocol v5's CAS_WRITE_UNKNOWN error (Cassandra 4+): a Paxos proposal was accepted by
 #: fewer replicas than a quorum, so its outcome is unknown. The driver (3.x) has no class for it
-#: and raises its plain ErrorMessage with this code.
+#: and raises its plain ErrorMessage with this code. Over protocol v4 Cassandra sends the same
+#: case as a WriteTimeout of write type CAS.
 CAS_WRITE_UNKNOWN = 0x1700
 _READ_EVENT = re.compile(r"Read (\d+) live rows? and (\d+) tombstone cells?")
 
