@@ -32,7 +32,7 @@ from typing import Any
 
 from cassandra import DriverException
 from cassandra.auth import PlainTextAuthProvider
-from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, DefaultConnection, ExecutionProfile, Session
 from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
 from cassandra.query import BatchStatement, BatchType
 
@@ -107,6 +107,14 @@ LWT_ATTEMPTS = 32
 _EPOCH_OFFSET_100NS = 0x01B21DD213814000
 
 
+class _Connection(DefaultConnection):  # type: ignore[misc,valid-type]
+    """The driver's connection, writing each request with one send() where the driver cuts it
+    into 4 KiB pieces (`out_buffer_size`, a class attribute of cassandra-driver 3.x; a test fails
+    if it goes): with TCP_NODELAY each piece would be a packet of its own, a 256 KiB chunk 64."""
+
+    out_buffer_size = 1 << 20
+
+
 def _floor_uuid(timestamp_100ns: int) -> uuid.UUID:
     """The smallest timeuuid of a 100 ns tick: a bound for `id > bound` range reads."""
     t = max(timestamp_100ns, 0)
@@ -164,6 +172,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             # Without it Nagle's algorithm holds a small request sent behind a larger one until
             # Cassandra's delayed ACK (40 ms): a queue entry's due row waited that long.
             sockopts=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+            connection_class=_Connection,
         )
 
     async def open(self) -> None:
