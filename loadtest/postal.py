@@ -248,7 +248,7 @@ class LoadRun:
         return path
 
 
-class _LineCounter:
+class LineCounter:
     """Counts the lines of a file another process appends to, reading only what is new."""
 
     def __init__(self, path: Path) -> None:
@@ -282,7 +282,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
     rundir = workdir / run.slug
     rundir.mkdir(parents=True, exist_ok=True)
     probes = dict(probes or {})
-    counter = _LineCounter(rundir / log_name)
+    counter = LineCounter(rundir / log_name)
     stdbuf = shutil.which("stdbuf")
     full = ([stdbuf, "-oL"] if stdbuf else []) + cmd
     run.command = cmd

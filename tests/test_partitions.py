@@ -52,7 +52,7 @@ from tests.test_cluster import HEAP_MB, LEVELS, NATIVE_PORT, STORAGE_PORT, Clust
     _password, _prepare, _users, run
 
 sys.path.insert(0, str(REPO / "loadtest"))
-from postal import LoadRun, _LineCounter, run_postal, write_users  # noqa: E402
+from postal import LoadRun, LineCounter, run_postal, write_users  # noqa: E402
 
 DRILL = os.environ.get("CASSMAIL_PARTITION_TESTS") == "1"
 PHASE = float(os.environ.get("CASSMAIL_PARTITION_PHASE_SECONDS", "20"))
@@ -334,7 +334,7 @@ def _run_level(cluster: NetnsCluster, level: str) -> Level:
     for subject, extra in duplicates.items():
         phase_of(acked.get(subject, phases[-1].started)).duplicates += extra
     # postal's messages carry no name of ours: its count against its users' mailboxes, per node.
-    accepted = _LineCounter(cluster.base / "postal" / tag / postal_run[0].slug / "postal.log").count() \
+    accepted = LineCounter(cluster.base / "postal" / tag / postal_run[0].slug / "postal.log").count() \
         if postal_run else 0
     counts = [sum(_imap_count(cluster.address(i), cluster.ports["imap"], u) or 0 for u in postal_users)
               for i in range(1, NODES + 1)]
