@@ -4,6 +4,7 @@ that repairs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -88,3 +89,37 @@ async def test_deleting_a_mailbox_takes_its_mail_off_the_counter(store: Cassandr
     assert await store.tables.quota_usage.get(user) == (4000, 4)
     await store.delete_mailbox(user, "Lists")
     assert await store.tables.quota_usage.get(user) == (1000, 1)
+
+
+async def test_rcpts_quota_check_reuses_the_account_row_its_user_lookup_read(
+        store: CassandraStore, cassandra_settings: CassandraSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RCPT looks the user up (the account row, limit included) and then asks whether the message
+    fits: one read of the row, not two, for `mailbox_cache` seconds. A limit this store sets is
+    seen at once; one set elsewhere once the row is older than that (and by the delivery, which
+    checks the limit on the mailbox row it reads, at once)."""
+    store.settings = dataclasses.replace(store.settings, mailbox_cache=60.0)  # a slow test stays in it
+    user = await new_user(store)
+    await store.set_quota(user, 1500)
+    await store.deliver(BODY, [Target(user)])
+    reads = 0
+    real_account = store.tables.users.account
+
+    async def counted(key: str, serial: bool = False) -> object:
+        nonlocal reads
+        reads += 1
+        return await real_account(key, serial)
+
+    monkeypatch.setattr(store.tables.users, "account", counted)
+    assert await store.user_exists(user)
+    assert await store.quota_allows(user, 400) is True
+    assert await store.quota_allows(user, 600) is False
+    assert reads == 1
+    await store.set_quota(user, 5000)  # this store's own change: forgotten at once
+    assert await store.quota_allows(user, 600) is True
+    async with CassandraStore(cassandra_settings) as other:  # another node lowers the limit
+        await other.set_quota(user, 1000)
+    assert await store.quota_allows(user, 600) is True  # the row read a moment ago
+    with pytest.raises(QuotaExceeded):
+        await store.deliver(BODY, [Target(user)])  # the delivery reads the limit afresh
+    store.settings = dataclasses.replace(store.settings, mailbox_cache=0.0)
+    assert await store.quota_allows(user, 600) is False

@@ -139,6 +139,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self._chunk_slots = asyncio.Semaphore(settings.max_chunks_in_flight)
         #: (user, mailbox) -> (when read, row), for `_resolve(cached=True)`.
         self._mailboxes: dict[tuple[str, str], tuple[float, Any]] = {}
+        #: user -> (when read, account row), for `_recent_account`.
+        self._accounts: dict[str, tuple[float, Any]] = {}
         self._queue_init()
 
     @property
@@ -310,8 +312,22 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def _account(self, key: str, serial: bool = False) -> Any:
         row = await self.tables.users.account(key, serial)
         if row is None or row.password_hash is None:
+            self._accounts.pop(key, None)
             raise NoSuchUser(key)
+        if self.settings.mailbox_cache > 0:
+            if len(self._accounts) >= MAILBOX_CACHE_ROWS:
+                self._accounts.clear()
+            self._accounts[key] = (time.monotonic(), row)
         return row
+
+    def _recent_account(self, key: str) -> Any:
+        """The account row this store read less than `mailbox_cache` seconds ago, else None: for
+        checks that may be that late, such as RCPT's quota check right after its user lookup
+        (the delivery after DATA checks the limit again, on the mailbox row it reads)."""
+        hit = self._accounts.get(key)
+        if hit is not None and time.monotonic() - hit[0] < self.settings.mailbox_cache:
+            return hit[1]
+        return None
 
     async def get_password_hash(self, user: str) -> str:
         return (await self._account(address_key(user))).password_hash
@@ -470,7 +486,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     def _forget_mailboxes(self, key: str) -> None:
         """When this store changes one of the user's mailbox rows (creates, renames, deletes,
-        subscribes) or deletes the user."""
+        subscribes), the user's quota limit, or deletes the user."""
+        self._accounts.pop(key, None)
         for pair in [pair for pair in self._mailboxes if pair[0] == key]:
             del self._mailboxes[pair]
 

@@ -58,18 +58,20 @@ class CassandraQuota(Store):
 
     cql: Cql
     tables: Tables
+    _account: Any
+    _recent_account: Any
+    _forget_mailboxes: Any
 
     async def _limit_row(self, key: str) -> Any:
-        row = await self.tables.users.quota_limit(key)
-        if row is None or row.password_hash is None:
-            raise NoSuchUser(key)
-        return row
+        """The account's row, with its `quota_limit`; NoSuchUser without one."""
+        return await self._account(key)
 
     # ----------------------------------------------------------------- the contract
 
     async def set_quota(self, user: str, limit: int | None) -> None:
         key, limit = address_key(user), check_quota_limit(limit)
         before = (await self._limit_row(key)).quota_limit
+        self._forget_mailboxes(key)
         if not await self.tables.users.set_quota_limit(key, limit):
             raise NoSuchUser(key)
         if limit is not None and before is None:
@@ -91,7 +93,7 @@ class CassandraQuota(Store):
 
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
-        limit = (await self._limit_row(key)).quota_limit
+        limit = (self._recent_account(key) or await self._limit_row(key)).quota_limit
         if limit is None:
             return True
         used, _ = await self.tables.quota_usage.get(key)

@@ -121,8 +121,8 @@ class Users(Table):
             CONDITIONAL,
             "INSERT INTO users (user, password_hash, created, next_uidvalidity) VALUES (?, ?, ?, ?) IF NOT EXISTS",
         ),
-        "account": (READ, "SELECT password_hash, next_uidvalidity FROM users WHERE user = ? LIMIT 1"),
-        "account_serial": (SERIAL_READ, "SELECT password_hash, next_uidvalidity FROM users WHERE user = ? LIMIT 1"),
+        "account": (READ, "SELECT password_hash, next_uidvalidity, quota_limit FROM users WHERE user = ? LIMIT 1"),
+        "account_serial": (SERIAL_READ, "SELECT password_hash, next_uidvalidity, quota_limit FROM users WHERE user = ? LIMIT 1"),
         "set_password": (CONDITIONAL, "UPDATE users SET password_hash = ? WHERE user = ? IF password_hash != null"),
         "delete": (WRITE, "DELETE FROM users WHERE user = ?"),
         "with_account": (READ, "SELECT user, password_hash FROM users WHERE user IN ? PER PARTITION LIMIT 1"),
@@ -157,7 +157,6 @@ class Users(Table):
             CONDITIONAL,
             "UPDATE users SET low_water = ?, low_water_due = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
         ),
-        "quota_limit": (READ, "SELECT password_hash, quota_limit FROM users WHERE user = ? LIMIT 1"),
         "set_quota_limit": (CONDITIONAL, "UPDATE users SET quota_limit = ? WHERE user = ? IF password_hash != null"),
     }
 
@@ -165,7 +164,8 @@ class Users(Table):
         return self.bind("create", user, password_hash, created, next_uidvalidity)
 
     async def account(self, user: str, serial: bool = False) -> Any:
-        """The account's row (password_hash, next_uidvalidity), None when the partition is empty."""
+        """The account's row (password_hash, next_uidvalidity, quota_limit), None when the
+        partition is empty."""
         return _first(await self._run("account_serial" if serial else "account", user))
 
     async def set_password_hash(self, user: str, password_hash: str) -> bool:
@@ -220,10 +220,6 @@ class Users(Table):
     ) -> bool:
         applied, _ = await self._conditional("set_low_water", mark, due, user, mailbox, mailbox_id)
         return applied
-
-    async def quota_limit(self, user: str) -> Any:
-        """The account's (password_hash, quota_limit), None when the partition is empty."""
-        return _first(await self._run("quota_limit", user))
 
     async def set_quota_limit(self, user: str, limit: int | None) -> bool:
         """False when the user has no account (nothing written)."""
