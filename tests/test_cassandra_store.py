@@ -473,7 +473,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve"), (8, "modseq"), (9, "events"), (10, "quota"), (11, "counts"),
-                       (12, "plain_bodies")]
+                       (12, "plain_bodies"), (13, "body_compaction")]
 
 
 def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:
@@ -845,12 +845,16 @@ async def test_status_counts_are_kept_through_changes_and_read_without_the_listi
     assert folded.messages == 2595 and rows <= 3
 
 
-async def test_body_chunks_are_kept_uncompressed(cassandra_settings) -> None:
+async def test_body_chunks_are_kept_uncompressed_and_compacted_in_tiers_of_eight(cassandra_settings) -> None:
     """Schema 012: the table of bodies has compression off (mail bodies are mostly compressed
-    already; LZ4 cost Cassandra a third of its CPU per message delivered, loadtest/RESULTS.md)."""
+    already; LZ4 cost Cassandra a third of its CPU per message delivered, loadtest/RESULTS.md).
+    Schema 013: it is compacted by the unified strategy in tiers of eight (write-once chunks,
+    rewritten less often than by size tiers of four)."""
     async with CassandraStore(cassandra_settings) as store:
         rows = await store.cql.run(store.session.prepare(
-            "SELECT compression FROM system_schema.tables WHERE keyspace_name = ? AND table_name = 'body_chunks'"
+            "SELECT compression, compaction FROM system_schema.tables WHERE keyspace_name = ? AND table_name = 'body_chunks'"
         ).bind((cassandra_settings.keyspace,)))
         [row] = list(rows)
         assert row.compression.get("enabled") == "false", row.compression
+        assert row.compaction["class"].endswith("UnifiedCompactionStrategy"), row.compaction
+        assert row.compaction.get("scaling_parameters") == "T8", row.compaction
