@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds two nodes' clocks may be apart, for `arrivals` (beyond the request timeout).
 ARRIVAL_SKEW = 3.0
-#: Mailbox rows a store keeps for `_resolve(cached=True)` at most (then it starts afresh).
+#: Rows (mailbox and account rows) a store keeps for reuse at most (then it starts afresh).
 MAILBOX_CACHE_ROWS = 10_000
 #: Rows per conditional batch when assigning UIDs (keeps batches far below batch_size_fail_threshold).
 UID_BATCH = 256
@@ -137,10 +137,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         # Chunk reads and writes in flight across every message of this process: backpressure
         # instead of filling the driver's socket buffers until it refuses requests.
         self._chunk_slots = asyncio.Semaphore(settings.max_chunks_in_flight)
-        #: (user, mailbox) -> (when read, row), for `_resolve(cached=True)`.
-        self._mailboxes: dict[tuple[str, str], tuple[float, Any]] = {}
-        #: user -> (when read, account row), for `_recent_account`.
-        self._accounts: dict[str, tuple[float, Any]] = {}
+        #: (user, mailbox) -> (when read, mailbox row), and (user, None) -> (when read, account
+        #: row): for `_recent`.
+        self._rows: dict[tuple[str, str | None], tuple[float, Any]] = {}
         self._queue_init()
 
     @property
@@ -300,7 +299,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         applied, _ = await self.cql.conditional(batch)
         if not applied:
             raise UserExists(key)
-        self._forget_mailboxes(key)
+        self._forget_user(key)
         # Again, idempotent: a delete_user of the same address that ran between the two writes
         # removed the first one, and an account must never be missing from the index. The user
         # exists now, so a failure here is logged rather than reported as a failed creation.
@@ -312,22 +311,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def _account(self, key: str, serial: bool = False) -> Any:
         row = await self.tables.users.account(key, serial)
         if row is None or row.password_hash is None:
-            self._accounts.pop(key, None)
+            self._rows.pop((key, None), None)
             raise NoSuchUser(key)
-        if self.settings.mailbox_cache > 0:
-            if len(self._accounts) >= MAILBOX_CACHE_ROWS:
-                self._accounts.clear()
-            self._accounts[key] = (time.monotonic(), row)
+        self._keep(key, None, row)
         return row
-
-    def _recent_account(self, key: str) -> Any:
-        """The account row this store read less than `mailbox_cache` seconds ago, else None: for
-        checks that may be that late, such as RCPT's quota check right after its user lookup
-        (the delivery after DATA checks the limit again, on the mailbox row it reads)."""
-        hit = self._accounts.get(key)
-        if hit is not None and time.monotonic() - hit[0] < self.settings.mailbox_cache:
-            return hit[1]
-        return None
 
     async def get_password_hash(self, user: str) -> str:
         return (await self._account(address_key(user))).password_hash
@@ -359,7 +346,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         batch.add(self.tables.aliases_by_user.purge_statement(key))
         self._sieve_purge(batch, key)
         await self.cql.run(batch)
-        self._forget_mailboxes(key)
+        self._forget_user(key)
 
     async def list_users(self, domain: str | None = None) -> list[str]:
         if domain is not None:
@@ -468,28 +455,39 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         calls on a mailbox's messages, never for delivery or for what the row's low-water mark
         decides (listing, deleting)."""
         name = mailbox_name(name)
-        ttl = self.settings.mailbox_cache
-        if cached and ttl > 0:
-            hit = self._mailboxes.get((key, name))
-            if hit is not None and time.monotonic() - hit[0] < ttl:
-                return hit[1]
+        if cached:
+            hit = self._recent(key, name)
+            if hit is not None:
+                return hit
         row = await self.tables.users.mailbox(key, name, serial)
         if row is not None and row.mailbox_id is not None:
-            if ttl > 0:
-                if len(self._mailboxes) >= MAILBOX_CACHE_ROWS:
-                    self._mailboxes.clear()
-                self._mailboxes[(key, name)] = (time.monotonic(), row)
+            self._keep(key, name, row)
             return row
-        self._mailboxes.pop((key, name), None)
+        self._rows.pop((key, name), None)
         await self._account(key)
         raise NoSuchMailbox(key, name)
 
-    def _forget_mailboxes(self, key: str) -> None:
+    def _recent(self, key: str, name: str | None) -> Any:
+        """A row of user `key` this store read less than `mailbox_cache` seconds ago, else None:
+        of its mailbox `name`, or with None its account row (RCPT's quota check reuses the one its
+        user lookup read; the delivery after DATA checks the limit again, on the mailbox row)."""
+        hit = self._rows.get((key, name))
+        if hit is not None and time.monotonic() - hit[0] < self.settings.mailbox_cache:
+            return hit[1]
+        return None
+
+    def _keep(self, key: str, name: str | None, row: Any) -> None:
+        """Keep a row just read for `_recent` (not when `mailbox_cache` is 0)."""
+        if self.settings.mailbox_cache > 0:
+            if len(self._rows) >= MAILBOX_CACHE_ROWS:
+                self._rows.clear()
+            self._rows[(key, name)] = (time.monotonic(), row)
+
+    def _forget_user(self, key: str) -> None:
         """When this store changes one of the user's mailbox rows (creates, renames, deletes,
         subscribes), the user's quota limit, or deletes the user."""
-        self._accounts.pop(key, None)
-        for pair in [pair for pair in self._mailboxes if pair[0] == key]:
-            del self._mailboxes[pair]
+        for pair in [pair for pair in self._rows if pair[0] == key]:
+            del self._rows[pair]
 
     async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
         key = address_key(user)
@@ -499,7 +497,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def set_subscribed(self, user: str, name: str, subscribed: bool) -> None:
         key, name = address_key(user), mailbox_name(name)
         row = await self._resolve(key, name, serial=True)
-        self._forget_mailboxes(key)
+        self._forget_user(key)
         if not await self.tables.users.set_subscribed(key, name, row.mailbox_id, subscribed):
             raise NoSuchMailbox(key, name)
 
@@ -521,7 +519,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             batch.add(users.insert_mailbox_statement(key, name, mailbox_id, uidvalidity, special_use, True, None, None))
             applied, row = await self.cql.conditional(batch)
             if applied:
-                self._forget_mailboxes(key)
+                self._forget_user(key)
                 return MailboxInfo(name, uidvalidity, special_use, True)
             if await users.mailbox(key, name, serial=True) is not None:
                 raise MailboxExists(key, name)
@@ -556,7 +554,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                     batch.add(users.delete_mailbox_statement(key, source, r.mailbox_id))
             applied, _ = await self.cql.conditional(batch)
             if applied:
-                self._forget_mailboxes(key)
+                self._forget_user(key)
                 return
             await _backoff()
         raise StoreUnavailable(f"could not rename mailbox {old!r} of {key}: too much contention")
@@ -571,7 +569,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             statement = self.tables.users.delete_mailbox_statement(key, name, row.mailbox_id)
             applied, _ = await self.cql.conditional(statement)
             if applied:
-                self._forget_mailboxes(key)
+                self._forget_user(key)
                 await self._quota_freed_totals(key, *await self._purge_mailbox(row.mailbox_id))
                 return
             await _backoff()

@@ -58,21 +58,21 @@ class CassandraQuota(Store):
 
     cql: Cql
     tables: Tables
+    #: The account's row, with its `quota_limit`; NoSuchUser without one.
     _account: Any
-    _recent_account: Any
-    _forget_mailboxes: Any
-
-    async def _limit_row(self, key: str) -> Any:
-        """The account's row, with its `quota_limit`; NoSuchUser without one."""
-        return await self._account(key)
+    _recent: Any
+    _forget_user: Any
 
     # ----------------------------------------------------------------- the contract
 
     async def set_quota(self, user: str, limit: int | None) -> None:
         key, limit = address_key(user), check_quota_limit(limit)
-        before = (await self._limit_row(key)).quota_limit
-        self._forget_mailboxes(key)
-        if not await self.tables.users.set_quota_limit(key, limit):
+        before = (await self._account(key)).quota_limit
+        try:
+            applied = await self.tables.users.set_quota_limit(key, limit)
+        finally:  # (also when the outcome is unknown: the row read above may be old now)
+            self._forget_user(key)
+        if not applied:
             raise NoSuchUser(key)
         if limit is not None and before is None:
             # No counter was kept without a limit: the mailboxes are counted now, once the limit
@@ -81,7 +81,7 @@ class CassandraQuota(Store):
 
     async def get_quota(self, user: str) -> Quota:
         key = address_key(user)
-        limit = (await self._limit_row(key)).quota_limit
+        limit = (await self._account(key)).quota_limit
         if limit is None:
             used, messages = await self.count_usage(key)
         else:
@@ -89,11 +89,11 @@ class CassandraQuota(Store):
         return Quota(limit, max(used, 0), max(messages, 0))
 
     async def quota_limit(self, user: str) -> int | None:
-        return (await self._limit_row(address_key(user))).quota_limit  # type: ignore[no-any-return]
+        return (await self._account(address_key(user))).quota_limit  # type: ignore[no-any-return]
 
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
-        limit = (self._recent_account(key) or await self._limit_row(key)).quota_limit
+        limit = (self._recent(key, None) or await self._account(key)).quota_limit
         if limit is None:
             return True
         used, _ = await self.tables.quota_usage.get(key)
@@ -101,7 +101,7 @@ class CassandraQuota(Store):
 
     async def recount_quota(self, user: str) -> Quota:
         key = address_key(user)
-        limit = (await self._limit_row(key)).quota_limit
+        limit = (await self._account(key)).quota_limit
         if limit is None:  # nothing kept to repair: the usage is counted whenever asked
             return Quota(None, *await self.count_usage(key))
         return Quota(limit, *await self._recount(key))
@@ -167,7 +167,7 @@ class CassandraQuota(Store):
         if not messages:
             return
         try:
-            limit = (await self._limit_row(key)).quota_limit
+            limit = (await self._account(key)).quota_limit
         except (NoSuchUser, StoreUnavailable) as exc:
             log.warning(kv("quota-drift", user=key, bytes=-size, messages=-messages, error=exc))
             return
