@@ -36,18 +36,19 @@ cassandra-status: install
 	$(BIN)/cassmail cassandra status
 
 # The whole suite against a real Cassandra (its own node on 127.0.0.1:19042, started and stopped by the
-# tests; or CASSMAIL_TEST_CASSANDRA=host:port). pytest's "no tests collected" (exit 5) is a failure.
+# tests; or CASSMAIL_TEST_CASSANDRA=host:port), with the 1-node compose cluster in containers (so the
+# container tools too). pytest's "no tests collected" (exit 5) is a failure.
 test-tools:
 	@missing=""; for t in $(TEST_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$(echo $$t | sed -e s/^getmail$$/getmail6/ -e s/^mbsync$$/isync/)"; done; \
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; fi
 
-test: install test-tools
+test: install test-tools compose-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The compose cluster in containers: podman (with runc) and debootstrap from Debian, Docker Compose v2
-# built from its Go module unless the docker CLI has it; images built locally (deploy/images.py).
+# from Debian's docker-compose package (trixie) unless the docker CLI has it; images built locally (deploy/images.py).
 COMPOSE_TOOLS := podman runc debootstrap
 compose-tools:
 	@missing=""; for t in $(COMPOSE_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
@@ -58,11 +59,11 @@ compose-tools:
 images: compose-tools
 	$(PYTHON) deploy/images.py all
 
-# Build the images, run `docker compose up` (COMPOSE_NODES=1 by default; 3 adds a Cassandra container
-# stopped under load), mail in and out through the published ports, then `down -v`. Minutes: not in `test`.
+# Build the images, run `docker compose up` (COMPOSE_NODES=1 as in `test`; 3 or 5 add a Cassandra container
+# stopped under load), mail in and out through the published ports, then `down -v`. Minutes.
 COMPOSE_NODES ?= 1
 compose-test: install images
-	CASSMAIL_COMPOSE_TEST=1 CASSMAIL_COMPOSE_NODES=$(COMPOSE_NODES) $(BIN)/python -m pytest -s -p no:cacheprovider tests/test_compose_run.py
+	CASSMAIL_COMPOSE_NODES=$(COMPOSE_NODES) $(BIN)/python -m pytest -s -p no:cacheprovider tests/test_compose_run.py
 
 # Store benchmark against the local node started by `make cassandra`.
 bench: install

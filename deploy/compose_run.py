@@ -8,8 +8,8 @@
 With a Docker daemon this is plain ``docker compose`` on the project's compose file. With
 podman (no Docker daemon), it starts ``podman system service`` on a private socket for the
 duration of the command and points Docker Compose v2 at it (``python deploy/images.py
-compose`` builds Compose v2 from the Go module proxy when the docker CLI has no compose
-plugin; ``podman-compose`` is used when neither is there). Podman runs healthchecks from
+compose`` installs Compose v2 from Debian's docker-compose package when the docker CLI has
+no compose plugin; ``podman-compose`` is used when neither is there). Podman runs healthchecks from
 systemd timers; where there is no systemd, this process runs them itself every few seconds,
 so ``depends_on: service_healthy`` and ``--wait`` work.
 

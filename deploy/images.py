@@ -13,8 +13,8 @@ official ``debian:bookworm-slim``. Where no registry is reachable, this script m
                from Maven Central into ``~/.cache/cassmail`` (reused when present), tagged
                ``cassandra:5.0`` so that the compose file's ``image:`` lines resolve to it;
 ``cassmail``   deploy/Dockerfile on that base, tagged ``cassmail:latest``;
-``compose``    (not part of ``all``) Docker Compose v2, the docker CLI's plugin, built from its
-               Go module where the docker CLI has none.
+``compose``    (not part of ``all``) Docker Compose v2, the docker CLI's plugin, from Debian's
+               ``docker-compose`` package of trixie where the docker CLI has none.
 
 Re-runs are fast: the base is made once (``--rebuild-base`` makes it again), and the other
 two are ordinary builds whose layers the engine caches. Standard library only.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -42,8 +41,10 @@ DEBIAN_MIRROR = os.environ.get("CASSMAIL_DEBIAN_MIRROR", "http://deb.debian.org/
 #: The names compose resolves: a Docker engine calls `cassandra:5.0` docker.io/library/cassandra:5.0.
 CASSANDRA_TAGS = ("docker.io/library/cassandra:5.0", "localhost/cassmail-cassandra:5.0")
 CASSMAIL_TAGS = ("localhost/cassmail:latest", "docker.io/library/cassmail:latest")
-COMPOSE_MODULE = "github.com/docker/compose/v2"
-COMPOSE_VERSION = "v2.40.3"
+#: Docker Compose v2 comes from Debian's docker-compose package of this suite (bookworm's is v1).
+COMPOSE_SUITE = os.environ.get("CASSMAIL_COMPOSE_SUITE", "trixie")
+COMPOSE_PLUGIN = "usr/libexec/docker/cli-plugins/docker-compose"
+DEBIAN_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 #: What a sandboxed build step may ask of the kernel (podman's defaults exceed some sandboxes).
 BUILD_ULIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000")
 #: Podman writes OCI images by default, which have no HEALTHCHECK; the Docker format keeps it.
@@ -185,39 +186,46 @@ def build_cassmail(engine: list[str]) -> None:
 
 
 def build_compose() -> None:
-    """Docker Compose v2 as the docker CLI's plugin, built from its Go module (once, cached).
+    """Docker Compose v2 as the docker CLI's plugin, where the docker CLI has none.
 
-    The module's go.mod has exclude directives, so `go install module@version` refuses it;
-    its source comes from the Go module proxy (`go mod download`) and is built in place.
+    It is Debian's own ``docker-compose`` package of COMPOSE_SUITE (trixie packages v2, a
+    static Go binary; bookworm's is v1). apt fetches it with a state folder of its own in the
+    cache, verified against Debian's archive keys, so the host's sources and packages are
+    not touched; the plugin is taken out of the package.
     """
     docker = shutil.which("docker")
     if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
         print("docker compose: present")
         return
-    go = shutil.which("go")
-    if go is None:
-        raise ImageError("go not found: Docker Compose v2 is built from its Go module (or install podman-compose)")
-    cache = _launcher_cache() / "compose"
-    binary = cache / f"docker-compose-{COMPOSE_VERSION}"
-    if not binary.is_file():
-        found = subprocess.run([go, "mod", "download", "-json", f"{COMPOSE_MODULE}@{COMPOSE_VERSION}"],
-                               capture_output=True, text=True, cwd=tempfile.gettempdir())
-        if found.returncode != 0:
-            raise ImageError(f"go mod download {COMPOSE_MODULE}@{COMPOSE_VERSION} failed: {found.stderr.strip()[-300:]}")
-        source = Path(json.loads(found.stdout)["Dir"])
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="compose-src-", dir=cache) as tmp:
-            work = Path(tmp) / "src"
-            shutil.copytree(source, work)
-            for path in [work, *work.rglob("*")]:
-                path.chmod(path.stat().st_mode | 0o200)  # the module cache is read-only
-            run([go, "build", "-trimpath", "-ldflags",
-                 f"-s -w -X {COMPOSE_MODULE}/internal.Version={COMPOSE_VERSION}",
-                 "-o", str(binary), "./cmd"], cwd=work)
+    apt, dpkg_deb = shutil.which("apt-get"), shutil.which("dpkg-deb")
+    if apt is None or dpkg_deb is None:
+        raise ImageError("apt-get not found: install Docker Compose v2 (Docker's docker-compose-plugin) or podman-compose")
+    state = _launcher_cache() / "compose" / "apt"
+    for sub in ("sources", "lists/partial", "cache/archives/partial"):
+        (state / sub).mkdir(parents=True, exist_ok=True)
+    (state / "sources" / "compose.sources").write_text(
+        f"Types: deb\nURIs: {DEBIAN_MIRROR}\nSuites: {COMPOSE_SUITE}\nComponents: main\nSigned-By: {DEBIAN_KEYRING}\n"
+    )
+    options = [
+        "-q", "-o", f"Dir::Etc::SourceList={state / 'none.list'}", "-o", f"Dir::Etc::SourceParts={state / 'sources'}",
+        "-o", f"Dir::State::Lists={state / 'lists'}", "-o", f"Dir::Cache={state / 'cache'}",
+        # The package is written into a folder of this user's: apt's own user could not write there.
+        "-o", "APT::Sandbox::User=root" if os.geteuid() == 0 else "APT::Sandbox::User=",
+    ]
+    run([apt, *options, "update"], stdout=subprocess.DEVNULL)
     plugins = Path.home() / ".docker" / "cli-plugins"
     plugins.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(binary, plugins / "docker-compose")
-    print(f"docker compose: {plugins / 'docker-compose'} ({COMPOSE_VERSION})")
+    with tempfile.TemporaryDirectory(prefix="compose-deb-") as tmp:
+        run([apt, *options, "download", "docker-compose"], cwd=tmp, stdout=subprocess.DEVNULL)
+        deb = next(Path(tmp).glob("docker-compose_*.deb"), None)
+        if deb is None:
+            raise ImageError(f"apt-get download docker-compose ({COMPOSE_SUITE}) left no package")
+        run([dpkg_deb, "-x", str(deb), str(Path(tmp) / "root")])
+        shutil.copy2(Path(tmp) / "root" / COMPOSE_PLUGIN, plugins / "docker-compose")
+    version = subprocess.run([str(plugins / "docker-compose"), "version", "--short"], capture_output=True, text=True)
+    if version.returncode != 0 or not version.stdout.strip().lstrip("v").startswith("2"):
+        raise ImageError(f"{deb.name} is not Docker Compose v2: {(version.stdout + version.stderr).strip()[:200]}")
+    print(f"docker compose: {plugins / 'docker-compose'} ({deb.name}, {version.stdout.strip()})")
 
 
 def _launcher_cache() -> Path:

@@ -59,9 +59,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str, what: str = "Cassandra") -> None:
+    """A part the test needs cannot be had: a failure in CI, a skip elsewhere."""
     if IN_CI:
-        pytest.fail(f"Cassandra is required in CI: {reason}", pytrace=False)
+        pytest.fail(f"{what} is required in CI: {reason}", pytrace=False)
     pytest.skip(reason)
 
 
