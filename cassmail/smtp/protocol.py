@@ -50,6 +50,7 @@ import asyncio
 import ipaddress
 import logging
 import re
+import socket
 import time
 from base64 import b64encode
 from collections.abc import Callable, Sequence
@@ -149,6 +150,24 @@ class SpoolFailed(Exception):
         super().__init__(f"spool file: {error}")
         #: Bytes the client sent before the end-of-data marker.
         self.size = size
+
+
+def quick_ack(transport: asyncio.BaseTransport | None) -> None:
+    """Acknowledge what the client sends next at once, not after Linux's delayed-ACK timer (40 ms
+    and more). A client that writes the message and the final CRLF . CRLF apart with Nagle's
+    algorithm on (postal does, as does any client that writes the end marker on its own) sends
+    the marker only once its last write is acknowledged; the server has nothing to answer before
+    the marker, so every message waited for the timer. TCP_QUICKACK takes the connection out of
+    the delayed-ACK mode of request and answer until the server next answers (the reply to the
+    message); where there is no such option nothing is done."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    option = getattr(socket, "TCP_QUICKACK", None)
+    if sock is None or option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, 1)
+    except OSError:
+        pass  # a connection already gone: the read that follows finds out
 
 
 async def read_data(
@@ -604,6 +623,7 @@ class _CassmailEngine(_Engine):
             await self.push("501 5.5.4 Syntax: DATA")
             return
         await self.push("354 End data with <CR><LF>.<CR><LF>")
+        quick_ack(self.transport)
         started = time.monotonic()
         try:
             content = await read_data(self._reader, self.data_size_limit or (1 << 62), self._reset_timeout,
