@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -152,3 +153,23 @@ def strip_trace(message: bytes) -> tuple[bytes, bytes]:
     match = re.match(rb"(Return-Path: [^\r]*\r\n(?:Received: .*?\r\n)(?:\t[^\r]*\r\n)*)", message, re.S)
     assert match, message[:300]
     return match.group(1), message[match.end() :]
+
+
+def server_end_quickack(client: socket.socket) -> int:
+    """TCP_QUICKACK of the server's end of `client`'s connection, the server listening in this
+    process: its socket is found by the connection's ports in /proc/self/net/tcp and its inode
+    among this process's file descriptors. 1: out of the delayed-ACK mode, 0: in it."""
+    mine, theirs = client.getsockname()[1], client.getpeername()[1]
+    inode = next(
+        fields[9] for fields in (line.split() for line in open("/proc/self/net/tcp").read().splitlines()[1:])
+        if int(fields[1].rsplit(":", 1)[1], 16) == theirs and int(fields[2].rsplit(":", 1)[1], 16) == mine
+    )
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == f"socket:[{inode}]":
+                server_end = socket.socket(fileno=os.dup(int(fd)))
+                try:
+                    return server_end.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK)
+                finally:
+                    server_end.close()  # the duplicate only
+    raise AssertionError(f"no descriptor of this process is socket {inode}")

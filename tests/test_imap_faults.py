@@ -12,6 +12,7 @@ import dataclasses
 import imaplib
 import logging
 import re
+import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from cassmail.config import CassandraSettings, Settings
 from cassmail.model import MessageSummary
 from cassmail.store.base import Store, StoreUnavailable, Target
 from tests.conftest import FAST_HASH, hash_password, opened_store
-from tests.nodes import node_settings
+from tests.nodes import node_settings, server_end_quickack
 from tests.test_imap import Raw, message
 
 pytestmark = pytest.mark.cassandra
@@ -345,3 +346,27 @@ async def test_copyuid_is_left_out_when_a_copy_is_expunged_before_it_is_numbered
     m = re.fullmatch(rb"\[COPYUID \d+ ([\d:,]+) ([\d:,]+)\] COPY completed", data[0])
     assert typ == "OK" and m and m.group(1) == b"1,3" and _set_size(m.group(2)) == 2, data
     await asyncio.to_thread(client.logout)
+
+
+async def test_a_literal_is_acknowledged_at_once_for_clients_that_send_the_crlf_after_it_apart(
+    faulty_imap, store: Store, users
+) -> None:
+    """After the continuation of a synchronising literal the server's end leaves the delayed-ACK
+    mode: imaplib (Nagle's algorithm on) sends the literal and then the CRLF that ends the command
+    on its own, which would otherwise wait for the literal's delayed ACK, 40 ms and more, on every
+    APPEND."""
+    _, port = faulty_imap
+    raw = await asyncio.to_thread(Raw, port)
+    raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+    assert (await cmd(raw, f"LOGIN {users['anne']} anne"))[-1].startswith(b"t1 OK")
+    for n in range(2):
+        for _ in range(3):
+            assert (await cmd(raw, "NOOP"))[-1].split()[1] == b"OK"
+        literal = message(n)
+        await asyncio.to_thread(raw.send, b"a%d APPEND Drafts {%d}\r\n" % (n, len(literal)))
+        assert (await asyncio.to_thread(raw.file.readline)).startswith(b"+ ")
+        assert await asyncio.to_thread(server_end_quickack, raw.sock) == 1
+        await asyncio.to_thread(raw.send, literal)
+        await asyncio.to_thread(raw.send, b"\r\n")
+        assert (await asyncio.to_thread(raw.until, b"a%d" % n))[-1].startswith(b"a%d OK" % n)
+    assert len([s async for s in store.list_messages(users["anne"], "Drafts")]) >= 2

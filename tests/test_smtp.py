@@ -27,7 +27,7 @@ from cassmail.model import INBOX
 from cassmail.smtp.handler import advertised_size
 from cassmail.store.base import MessageTooLarge, Store, StoreUnavailable
 from tests.conftest import FAST_HASH, hash_password
-from tests.nodes import CASSMAIL, CLIENT_TLS, MAX_SIZE, Node, inbox, node_settings, strip_trace
+from tests.nodes import CASSMAIL, CLIENT_TLS, MAX_SIZE, Node, inbox, node_settings, server_end_quickack, strip_trace
 
 pytestmark = pytest.mark.cassandra
 
@@ -963,26 +963,6 @@ async def test_a_store_failure_during_auth_is_454(backend_settings: Settings, st
         assert (await cmd(f"MAIL FROM:<{users['anne']}>")).startswith("250 2.1.0")
 
 
-def _server_end_quickack(client: socket.socket) -> int:
-    """TCP_QUICKACK of the server's end of `client`'s connection, the server listening in this
-    process: its socket is found by the connection's ports in /proc/self/net/tcp and its inode
-    among this process's file descriptors. 1: out of the delayed-ACK mode, 0: in it."""
-    mine, theirs = client.getsockname()[1], client.getpeername()[1]
-    inode = next(
-        fields[9] for fields in (line.split() for line in open("/proc/self/net/tcp").read().splitlines()[1:])
-        if int(fields[1].rsplit(":", 1)[1], 16) == theirs and int(fields[2].rsplit(":", 1)[1], 16) == mine
-    )
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}") == f"socket:[{inode}]":
-                server_end = socket.socket(fileno=os.dup(int(fd)))
-                try:
-                    return server_end.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK)
-                finally:
-                    server_end.close()  # the duplicate only
-    raise AssertionError(f"no descriptor of this process is socket {inode}")
-
-
 async def test_the_message_is_acknowledged_at_once_for_clients_that_send_the_end_marker_apart(
     backend_settings: Settings, store: Store, users
 ) -> None:
@@ -998,7 +978,7 @@ async def test_the_message_is_acknowledged_at_once_for_clients_that_send_the_end
             for line in ("MAIL FROM:<a@b.test>", f"RCPT TO:<{users['anne']}>", "NOOP", "NOOP"):
                 assert (await cmd(line)).startswith("250")
             assert (await cmd("DATA")).startswith("354")
-            assert await asyncio.to_thread(_server_end_quickack, client) == 1
+            assert await asyncio.to_thread(server_end_quickack, client) == 1
             await asyncio.to_thread(client.sendall, b"Subject: apart\r\n\r\nthe message\r\n")
             assert (await cmd(".")).startswith("250 ")
     messages = await inbox(store, users["anne"])

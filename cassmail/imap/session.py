@@ -30,6 +30,7 @@ from cassmail.imap.errors import Bad, No
 from cassmail.imap.view import Changes, Listing, MailboxView
 from cassmail.logs import kv
 from cassmail.model import HIERARCHY_DELIMITER, InvalidInput, mailbox_name
+from cassmail.sessions import quick_ack
 from cassmail.store.base import NoSuchMailbox, QuotaExceeded, Store, StoreError, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -140,7 +141,12 @@ class Session:
 
     def _read_command(self) -> Awaitable[Frame]:
         return self.conn.read_command(self.listener.message_limit, self.settings.max_string_literal,
-                                      self.settings.max_line_length, lambda: self.continuation(b"Ready for literal data"))
+                                      self.settings.max_line_length, self._literal_wanted)
+
+    def _literal_wanted(self) -> None:
+        """The continuation a synchronising literal waits for; its bytes are acknowledged at once."""
+        self.continuation(b"Ready for literal data")
+        quick_ack(self.conn.transport)
 
     async def execute(self, frame: Frame) -> None:
         """Parse, check the state, run, answer."""

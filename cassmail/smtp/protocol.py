@@ -50,7 +50,6 @@ import asyncio
 import ipaddress
 import logging
 import re
-import socket
 import time
 from base64 import b64encode
 from collections.abc import Callable, Sequence
@@ -61,6 +60,7 @@ from aiosmtpd.smtp import MISSING, SMTP, AuthResult
 
 from cassmail import auth
 from cassmail.logs import kv
+from cassmail.sessions import quick_ack
 from cassmail.smtp.spool import SpoolPolicy, Spooled
 
 log = logging.getLogger("cassmail.smtp")
@@ -150,24 +150,6 @@ class SpoolFailed(Exception):
         super().__init__(f"spool file: {error}")
         #: Bytes the client sent before the end-of-data marker.
         self.size = size
-
-
-def quick_ack(transport: asyncio.BaseTransport | None) -> None:
-    """Acknowledge what the client sends next at once, not after Linux's delayed-ACK timer (40 ms
-    and more). A client that writes the message and the final CRLF . CRLF apart with Nagle's
-    algorithm on (postal does, as does any client that writes the end marker on its own) sends
-    the marker only once its last write is acknowledged; the server has nothing to answer before
-    the marker, so every message waited for the timer. TCP_QUICKACK takes the connection out of
-    the delayed-ACK mode of request and answer until the server next answers (the reply to the
-    message); where there is no such option nothing is done."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    option = getattr(socket, "TCP_QUICKACK", None)
-    if sock is None or option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, option, 1)
-    except OSError:
-        pass  # a connection already gone: the read that follows finds out
 
 
 async def read_data(
