@@ -6,7 +6,7 @@ drives Docker or podman's Docker API (deploy/compose_run.py). Mail goes in over 
 node 1's published port and comes out over POP3 and IMAP on the last node's; users are
 made with `compose exec`, as an operator would.
 
-The default run (`make test`, and so CI) brings up one node: about 3 minutes on 2 cores with
+The default run (`make test`, and so CI) brings up one node: 2 to 3 minutes on 2 cores with
 nothing cached (podman, the images, Compose v2), 1 with the images built. Without a container
 engine the test fails in CI and is skipped elsewhere; CASSMAIL_COMPOSE_TEST=0 leaves it out.
 `make compose-test COMPOSE_NODES=3` (or 5) is the run from the command line, which also stops
