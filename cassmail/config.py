@@ -115,6 +115,11 @@ class CassandraSettings:
     #: Bodies are cut into chunks of this many bytes, each its own partition (well under
     #: Cassandra's cell and frame limits).
     chunk_size: int = 256 * 1024
+    #: A queued outbound message of up to this many bytes (one chunk at least) is kept in its queue entry (one write
+    #: to queue it, one delete to finish it); a larger one in chunks like a mailbox's body.
+    #: Kept well under Cassandra's largest mutation (half of `commitlog_segment_size`, 16 MiB by
+    #: default) and frame (`native_transport_max_frame_size`, 16 MiB).
+    queue_inline_max: int = 4 * 1024 * 1024
     #: Chunk reads/writes kept in flight per message.
     chunk_concurrency: int = 8
     #: Chunk reads/writes in flight across all messages of one process (64 x 256 KiB = 16 MiB).
@@ -166,6 +171,11 @@ class CassandraSettings:
             4096 <= self.chunk_size <= 1024 * 1024,
             f"{prefix}.chunk_size",
             f"must be between 4096 and 1048576 bytes, got {self.chunk_size}",
+        )
+        _check(
+            0 <= self.queue_inline_max <= 8 * 1024 * 1024,
+            f"{prefix}.queue_inline_max",
+            f"must be between 0 and 8388608 bytes, got {self.queue_inline_max}",
         )
         _check(self.chunk_concurrency >= 1, f"{prefix}.chunk_concurrency", "must be >= 1")
         _check(self.max_chunks_in_flight >= 1, f"{prefix}.max_chunks_in_flight", "must be >= 1")

@@ -133,6 +133,7 @@ def cassandra_settings(cassandra_endpoint: tuple[str, int]) -> Iterator[Cassandr
         write_consistency="ONE",
         serial_consistency="SERIAL",
         chunk_size=64 * 1024,
+        queue_inline_max=128 * 1024,  # so the queue's tests see bodies in the entry and in chunks
     )
     cassandra_schema.apply(settings)
     yield settings

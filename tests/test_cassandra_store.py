@@ -465,6 +465,28 @@ async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
     assert await store.tables.bodies.refs(shared_body) is None
 
 
+async def test_a_queued_message_up_to_queue_inline_max_is_one_write_and_a_larger_one_is_chunked(make_store) -> None:
+    """Most outbound mail is kept in its queue entry: one write queues it and one delete
+    finishes it; past `queue_inline_max` the body goes to chunks, which finishing deletes."""
+    store = await make_store()
+    assert store.settings.queue_inline_max == 128 * 1024 and store.settings.chunk_size == 64 * 1024
+    small = b"Subject: q\r\n\r\n" + os.urandom(100_000)  # over a chunk, under the limit
+    large = b"Subject: q\r\n\r\n" + os.urandom(150_000)
+    small_id = await store.enqueue(small, "a@here.example", ["b@there.example"])
+    large_id = await store.enqueue(large, "a@here.example", ["b@there.example"])
+    [small_head] = await store.tables.queue.entry(small_id)
+    [large_head] = await store.tables.queue.entry(large_id)
+    assert small_head.body_id is None and await store.tables.queue.body(small_id) == small
+    assert large_head.body_id is not None and await store.tables.queue.body(large_id) is None
+    chunks = [await store.tables.body_chunks.get(large_head.body_id, i) for i in range(3)]
+    assert b"".join(chunks) == large  # type: ignore[arg-type]
+    assert await store.read_queued(small_id) == small and await store.read_queued(large_id) == large
+    for entry_id in (small_id, large_id):
+        await store.finish(entry_id)
+    assert not any([await store.tables.body_chunks.get(large_head.body_id, i) for i in range(3)])
+    assert await store.tables.queue.entry(small_id) == [] and await store.tables.queue.entry(large_id) == []
+
+
 async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_settings) -> None:
     assert cassandra_schema.apply(cassandra_settings) == []
     async with CassandraStore(cassandra_settings) as store:

@@ -337,6 +337,36 @@ def test_kill_node_sends_sigkill_only_to_that_node(tmp_path: Path, sleeper) -> N
     assert daemons[0].poll() is None
 
 
+# --------------------------------------------------------------------------- timer slack
+
+
+def test_timer_slack_is_set_for_the_calling_thread_and_inherited_by_what_it_starts() -> None:
+    before = launcher.timer_slack()
+    assert before > 0  # Linux: 50 us unless something changed it
+    try:
+        assert launcher.timer_slack(launcher.TIMER_SLACK_NS) == before
+        child = subprocess.run(["cat", "/proc/self/timerslack_ns"], capture_output=True, text=True, check=True)
+        assert int(child.stdout) == launcher.TIMER_SLACK_NS
+    finally:
+        launcher.timer_slack(before)
+    assert launcher.timer_slack() == before
+
+
+@pytest.mark.cassandra
+def test_the_suites_cassandra_node_and_its_threads_run_with_the_launchers_timer_slack(cassandra_endpoint) -> None:
+    """The node the suite started with the launcher: its idle pool workers' short parks are
+    grouped (see TIMER_SLACK_NS), and the launcher's own thread got its slack back."""
+    if os.environ.get("CASSMAIL_TEST_CASSANDRA"):
+        pytest.skip("CASSMAIL_TEST_CASSANDRA names a Cassandra the launcher did not start")
+    state = json.loads((Path(__file__).resolve().parent.parent / "var" / "test-cassandra" / "state.json").read_text())
+    pid = state["nodes"][0]["pid"]
+    threads = os.listdir(f"/proc/{pid}/task")
+    assert len(threads) > 20  # Cassandra's pools
+    slacks = {int(Path(f"/proc/{tid}/timerslack_ns").read_text()) for tid in threads}
+    assert slacks == {launcher.TIMER_SLACK_NS}
+    assert launcher.timer_slack() != launcher.TIMER_SLACK_NS
+
+
 # --------------------------------------------------------------------------- CQL probe
 
 

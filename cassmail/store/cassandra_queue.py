@@ -158,7 +158,9 @@ class CassandraQueue(Store):
         owner, until = (lease[0], now + lease[1]) if lease else ("", 0.0)
         chunk = self.settings.chunk_size
         size = view.nbytes
-        inline = size <= chunk  # kept in the entry: one write to accept, none more to finish
+        # Kept in the entry: one write to accept and one delete to finish, where chunks cost a
+        # write and a delete each (most mail; store.cassandra.queue_inline_max).
+        inline = size <= max(chunk, self.settings.queue_inline_max)
         if inline:
             body_id, chunk = None, 0
         else:

@@ -124,6 +124,7 @@ def main() -> int:
     except launcher.LauncherError as exc:
         print(f"cassandra: {exc}", file=sys.stderr)
         return 1
+    launcher.timer_slack(launcher.TIMER_SLACK_NS)  # kept across exec (see TIMER_SLACK_NS)
     os.execv(argv[0], argv)
     return 1  # not reached
 

@@ -48,7 +48,7 @@ async def test_an_enqueued_message_is_listed_with_its_envelope_and_read_back_byt
     assert [e.id for e in await store.list_queue()] == [entry_id]
     assert [e.id for e in await store.list_queue("ELSE.example")] == [entry_id]
     assert await store.list_queue("nowhere.example") == []
-    large = MESSAGE + os.urandom(300 * 1024)  # more than a Cassandra body chunk (64 KiB in tests)
+    large = MESSAGE + os.urandom(300 * 1024)  # in chunks on Cassandra (more than its 128 KiB kept in the entry in tests)
     large_id = await store.enqueue(large, "anne@here.example", ["dan@there.example"])
     assert await store.read_queued(large_id) == large and (await store.get_queued(large_id)).size == len(large)
     await store.finish(large_id)
