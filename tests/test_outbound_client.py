@@ -7,6 +7,7 @@ import inspect
 import random
 
 import aiosmtplib.protocol
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,12 +26,39 @@ def test_aiosmtplib_still_transforms_data_through_the_two_names_cassmail_replace
     assert isinstance(aiosmtplib.protocol.PERIOD_REGEX, client.PeriodQuoting)
 
 
-@given(LINES)
-def test_the_fast_data_transformations_equal_aiosmtplibs(data: bytes) -> None:
+def _as_aiosmtplib_does(data: bytes) -> None:
+    """Both replaced steps on their own and in the order DATA runs them, against aiosmtplib's."""
     assert client.normalize_line_endings(data) == client._NORMALIZE(data)
     normalized = client._NORMALIZE(data)
     assert client.PeriodQuoting().sub(b"..", normalized) == client._PERIOD_REGEX.sub(b"..", normalized)
     assert client.PeriodQuoting().sub(b"..", data) == client._PERIOD_REGEX.sub(b"..", data)
+    expected = client._PERIOD_REGEX.sub(b"..", client._NORMALIZE(data))
+    assert client.PeriodQuoting().sub(b"..", client.normalize_line_endings(data)) == expected
+
+
+@given(LINES)
+def test_the_fast_data_transformations_equal_aiosmtplibs(data: bytes) -> None:
+    _as_aiosmtplib_does(data)
+
+
+@given(LINES)
+def test_the_vector_look_equals_aiosmtplibs_across_its_blocks(data: bytes) -> None:
+    """The numpy look of large messages, made to run on every input and in blocks of 7 bytes,
+    so that line ends and dots fall on each side of a block's edge."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client, "VECTOR_MIN", 1)
+        patch.setattr(client, "_BLOCK", 7)
+        _as_aiosmtplib_does(data)
+
+
+def test_a_large_clean_message_is_sent_as_it_is_unless_a_line_starts_with_a_dot() -> None:
+    body = b"".join(b"%06d abcdefghijklmnopqrstuvwxyz. ABCDEFGHIJKLMNOPQRSTUVWXYZ\r\n" % i for i in range(40_000))
+    assert len(body) > 2 * client._BLOCK and len(body) >= client.VECTOR_MIN
+    assert client.PeriodQuoting().sub(b"..", client.normalize_line_endings(body)) is body
+    dotted = body[:client._BLOCK - 1] + b"\r\n.x" + body[client._BLOCK - 1:]  # a dot just past the first block
+    assert client.PeriodQuoting().sub(b"..", client.normalize_line_endings(dotted)).count(b"\n..x") == 1
+    bare = body[:client._BLOCK] + b"\n" + body[client._BLOCK:]  # a bare LF at the edge of a block
+    assert client.normalize_line_endings(bare) == client._NORMALIZE(bare) != bare
 
 
 def test_8bit_body_parts_are_downgraded_and_the_rest_kept() -> None:
