@@ -115,10 +115,10 @@ class CassandraSettings:
     #: Bodies are cut into chunks of this many bytes, each its own partition (well under
     #: Cassandra's cell and frame limits).
     chunk_size: int = 256 * 1024
-    #: A queued outbound message of up to this many bytes (one chunk at least) is kept in its queue entry (one write
-    #: to queue it, one delete to finish it); a larger one in chunks like a mailbox's body.
-    #: Kept well under Cassandra's largest mutation (half of `commitlog_segment_size`, 16 MiB by
-    #: default) and frame (`native_transport_max_frame_size`, 16 MiB).
+    #: A queued outbound message of up to this many bytes (one chunk at least) is kept in its
+    #: queue entry (one write to queue it, one delete to finish it); a larger one in chunks like
+    #: a mailbox's body. Well under Cassandra's largest mutation (half of
+    #: `commitlog_segment_size`, 16 MiB by default) and frame (`native_transport_max_frame_size`).
     queue_inline_max: int = 4 * 1024 * 1024
     #: Chunk reads/writes kept in flight per message.
     chunk_concurrency: int = 8

@@ -32,7 +32,7 @@ DATA_RATE = 64 * 1024
 # aiosmtplib turns every message's bare CR and LF into CRLF and doubles the dots that start
 # lines with two regular expressions over the whole message, which cost more CPU than the rest
 # of a delivery. The same transformations are done here: a message of VECTOR_MIN bytes or more
-# is looked at once with numpy (both questions in one look, about 0.3 ms a megabyte where
+# is looked at once with numpy (both questions in one look, about 0.4 ms a megabyte where
 # bytes.count and bytes.replace took 3 ms, a quarter of a worker's event loop when relaying
 # large mail); a smaller one with bytes operations. A message with bare CR or LF still takes
 # aiosmtplib's own path. These stand in for two names of aiosmtplib.protocol, so the version is
@@ -63,8 +63,7 @@ def _look(message: bytes) -> tuple[bool, bool]:
     for start in range(0, len(octets) - 1, _BLOCK):
         window = octets[start:start + _BLOCK + 1]
         before, after = window[:-1], window[1:]
-        lf_after = after == 10
-        if not numpy.array_equal(before == 13, lf_after):
+        if not numpy.array_equal(before == 13, after == 10):
             return False, dotted
         dotted = dotted or bool(numpy.any((before == 10) & (after == 46)))
     return True, dotted

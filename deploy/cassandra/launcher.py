@@ -66,8 +66,8 @@ STATE_FILE = "state.json"
 #: Timer slack of Cassandra's threads, in nanoseconds (Linux's PR_SET_TIMERSLACK; 50 us by
 #: default). While requests keep arriving, the idle workers of Cassandra's shared thread pool
 #: park for 10 us to 1 ms at a time to be ready for the next one: on a node of two cores about
-#: 24,000 wake-ups a second, a third of Cassandra's CPU under cassmail's outbound load
-#: (loadtest/RESULTS.md). With 1 ms of slack the kernel groups those wake-ups (4,000 a second).
+#: 24,000 wake-ups a second, half of Cassandra's CPU under cassmail's outbound load
+#: (loadtest/RESULTS.md#timer-slack). With 1 ms of slack the kernel groups them (4,300 a second).
 #: Work handed to a parked worker still wakes it at once; only timed waits may end up to 1 ms
 #: late. Operators running Cassandra under systemd get the same with `TimerSlackNSec=1ms`.
 TIMER_SLACK_NS = 1_000_000
