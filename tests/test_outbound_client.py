@@ -8,7 +8,7 @@ import random
 
 import aiosmtplib.protocol
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cassmail.delivery import client, dsn, message
@@ -41,6 +41,7 @@ def test_the_fast_data_transformations_equal_aiosmtplibs(data: bytes) -> None:
     _as_aiosmtplib_does(data)
 
 
+@settings(deadline=None)  # the first example imports numpy, which is slow on a busy machine
 @given(LINES)
 def test_the_vector_look_equals_aiosmtplibs_across_its_blocks(data: bytes) -> None:
     """The numpy look of large messages, made to run on every input and in blocks of 7 bytes,
