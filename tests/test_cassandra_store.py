@@ -278,6 +278,24 @@ async def test_a_request_that_times_out_is_unavailable(make_store) -> None:
         await store.deliver(b"x" * 300_000, [Target(user)])
 
 
+async def test_numbering_in_many_batches_on_two_nodes_at_once_gives_each_message_one_uid(
+        make_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large mailbox is numbered in batches of UID_BATCH rows, a Paxos round each: made 16 here,
+    so 120 messages take eight batches, interleaved with another node's numbering of a part."""
+    from cassmail.store import cassandra
+
+    monkeypatch.setattr(cassandra, "UID_BATCH", 16)
+    node_a, node_b = await make_store(), await make_store()
+    user = await new_user(node_a)
+    ids = await deliver_many(node_a, user, 120)
+    results = await asyncio.gather(node_a.assign_uids(user, INBOX, ids), node_b.assign_uids(user, INBOX, ids[40:]))
+    final = await node_b.assign_uids(user, INBOX, ids)
+    assert sorted(final.values()) == list(range(1, 121))
+    for result in results:
+        assert {i: final[i] for i in result} == result
+    assert await node_a.uid_next(user, INBOX) == 121
+
+
 async def test_two_nodes_assigning_uids_at_once_never_collide(make_store) -> None:
     node_a, node_b = await make_store(), await make_store()
     user = await new_user(node_a)
