@@ -719,8 +719,9 @@ async def test_taking_from_a_queue_that_delivered_many_walks_no_tombstones(make_
     with store.tracing() as after_delivery:
         assert await store.take_due("w", 100, lease=60.0) == []
     assert after_delivery.tombstones == 0 and after_delivery.live_rows == 0
-    # One small read per shard (two when a minute ended between the takes and this look).
-    assert after_delivery.statements in (cassandra_queue.SHARDS, 2 * cassandra_queue.SHARDS)
+    # One small read per shard; two for a shard whose position was still in a minute that ended
+    # before this look (each shard keeps its own position, so any number of them).
+    assert cassandra_queue.SHARDS <= after_delivery.statements <= 2 * cassandra_queue.SHARDS
     sweeping = await make_store(tombstone_grace=0.0)
     with sweeping.tracing() as sweep:
         assert await sweeping.take_due("w2", 100, lease=60.0) == []
