@@ -73,17 +73,18 @@ def normalize_line_endings(message: bytes) -> bytes:
     """aiosmtplib's normalize_message_line_endings: CRLF line ends, a final CRLF."""
     global _looked_at
     _looked_at = None
+    dotted: bool | None = None  # not known: PeriodQuoting looks for itself
     if len(message) >= VECTOR_MIN:
         clean, dotted = _look(message)
-        if not clean:
-            return _NORMALIZE(message)
-        message = message if message.endswith(b"\r\n") else message + b"\r\n"
-        _looked_at = (message, dotted)
-        return message
-    crlf = message.count(b"\r\n")
-    if message.count(b"\n") != crlf or message.count(b"\r") != crlf:
+    else:
+        crlf = message.count(b"\r\n")
+        clean = message.count(b"\n") == crlf and message.count(b"\r") == crlf
+    if not clean:
         return _NORMALIZE(message)
-    return message if message.endswith(b"\r\n") else message + b"\r\n"
+    message = message if message.endswith(b"\r\n") else message + b"\r\n"
+    if dotted is not None:
+        _looked_at = (message, dotted)
+    return message
 
 
 class PeriodQuoting:
