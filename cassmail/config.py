@@ -524,6 +524,10 @@ class ImapSettings(MailboxListenerSettings):
     #: Bytes of parsed message headers each worker keeps (ENVELOPE, HEADER.FIELDS and SEARCH on
     #: headers read a message's header from the store once); 0 keeps none.
     header_cache_bytes: int = 32 * 1024 * 1024
+    #: Messages of closed mailbox views each worker keeps: the next SELECT of such a mailbox in
+    #: that worker reads only what changed since, not the whole listing (about 300 bytes per
+    #: message beside what sessions hold); 0 keeps none.
+    snapshot_messages: int = 200_000
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -533,6 +537,7 @@ class ImapSettings(MailboxListenerSettings):
         _check(0.1 <= self.idle_poll <= 600, f"{prefix}.idle_poll", "must be 0.1..600 seconds")
         _check(1 <= self.idle_refresh <= 3600, f"{prefix}.idle_refresh", "must be 1..3600 seconds")
         _check(0 <= self.header_cache_bytes <= 1 << 34, f"{prefix}.header_cache_bytes", "must be 0..17179869184 bytes")
+        _check(0 <= self.snapshot_messages <= 100_000_000, f"{prefix}.snapshot_messages", "must be 0..100000000")
 
 
 @dataclass

@@ -223,6 +223,40 @@ async def time_selects(port: int, user: str, expect: int, n: int) -> tuple[float
     return times[0], times[1:]
 
 
+async def time_resyncs(port: int, user: str, expect: int, n: int, changes: int = 10) -> tuple[list[float], list[float]]:
+    """SELECT after `changes` flag changes made by another session, `n` times: a plain SELECT,
+    then a QRESYNC one (RFC 7162) from the HIGHESTMODSEQ of the SELECT before, which must
+    report exactly those messages. Both in one session, so on one worker (see MailboxView.load)."""
+    client, changer = await login(port, user), await login(port, user)
+    rng, keyword = random.Random(7), f"$b{secrets.token_hex(3)}_"
+    plain, qresync = [], []
+    try:
+        await client.cmd("ENABLE QRESYNC")
+        await changer.cmd("SELECT INBOX")
+        lines, _ = await client.cmd("SELECT INBOX")
+        for i in range(2 * n):
+            uidvalidity = int(re.search(rb"UIDVALIDITY (\d+)", b"".join(lines)).group(1))
+            highest = int(re.search(rb"HIGHESTMODSEQ (\d+)", b"".join(lines)).group(1))
+            seqs = rng.sample(range(1, expect + 1), changes)
+            for seq in seqs:
+                await changer.cmd(f"STORE {seq} FLAGS.SILENT ({keyword}{i})")  # a change, whatever it had
+            await client.cmd("UNSELECT")
+            with_qresync = i % 2 == 1
+            text = f"SELECT INBOX (QRESYNC ({uidvalidity} {highest}))" if with_qresync else "SELECT INBOX"
+            started = time.perf_counter()
+            lines, _ = await client.cmd(text)
+            (qresync if with_qresync else plain).append(time.perf_counter() - started)
+            if b"* %d EXISTS\r\n" % expect not in lines:
+                raise RuntimeError(f"SELECT of {user} did not show {expect} messages")
+            told = sum(1 for line in lines if b" FETCH (" in line)
+            if with_qresync and told != changes:
+                raise RuntimeError(f"QRESYNC told {told} changed messages, not {changes}")
+    finally:
+        await client.close()
+        await changer.close()
+    return plain, qresync
+
+
 async def time_statuses(port: int, store: Store, user: str, expect: int, n: int) -> tuple[float, list[float]]:
     """STATUS of the mailbox from another session: the first, then `n` each after a new delivery
     (so that no worker can answer from what it counted before)."""
@@ -336,6 +370,18 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
             print(f"SELECT {size}: first {first:.3f} s, then median {statistics.median(rest):.3f} s", flush=True)
         out += ["SELECT INBOX, seconds from command to tagged OK (the first one gives every message its UID):", ""]
         out += markdown(["messages", "first SELECT", "SELECT (median)", "SELECT (max)"], rows, set())
+        out.append("")
+        rows = []
+        for size, user in box_users.items():
+            if size < 10:
+                continue
+            plain, qresync = await time_resyncs(port, user, size, args.selects)
+            rows.append([f"{size:,}", *(fmt(f(t) * 1000, ".1f") for t in (plain, qresync) for f in (statistics.median, max))])
+            print(f"after 10 changes {size}: SELECT median {statistics.median(plain) * 1000:.1f} ms, "
+                  f"QRESYNC median {statistics.median(qresync) * 1000:.1f} ms", flush=True)
+        out += ["SELECT INBOX again after 10 flag changes by another session, milliseconds: plain, and with QRESYNC "
+                "(which reports the 10):", ""]
+        out += markdown(["messages", "SELECT (median)", "SELECT (max)", "QRESYNC (median)", "QRESYNC (max)"], rows, set())
         out.append("")
         rows = []
         for size, user in box_users.items():

@@ -1044,6 +1044,67 @@ async def test_a_message_listed_late_gets_a_uid_above_all_others(plain_node: Nod
     assert [s.uid async for s in store.list_messages(user, "Junk")] == [4, 1, 2, 3]
 
 
+async def test_a_later_select_starts_from_the_worker_snapshot_of_the_mailbox(plain_node: Node, store: Store,
+                                                                               users) -> None:
+    """A view a session closes is kept by its worker, and the next SELECT of that mailbox there
+    starts from it: unchanged, with no listing at all; changed elsewhere meanwhile (flags, a new
+    keyword, an expunge, a delivery), it shows what a listing shows, with \\Recent for the new
+    message only."""
+    from tests.test_metrics import scrape, value
+
+    user, box = users["carol"], f"Snap{random.randrange(10**6)}"
+    await store.create_mailbox(user, box)
+    await deliver(store, user, [message(i) for i in range(4)], box)
+
+    def listings() -> float:
+        return value(scrape(plain_node), "cassmail_store_seconds_count", op="list_messages") or 0
+
+    def session() -> Raw:
+        raw = Raw(plain_node.port("imap"))
+        raw.login(user, "carol")
+        return raw
+
+    first = session()
+    assert b"* 4 RECENT\r\n" in first.cmd(f"SELECT {box}")
+    first.cmd("LOGOUT")
+    # (The first SELECT's claim of \\Recent is a change on mbox, and WheelFS gives no changes
+    # token for a second after one: the next SELECT may list once.)
+    time.sleep(1.2)
+    for _ in range(2):
+        second = session()
+        before = listings()
+        again = second.cmd(f"SELECT {box}")
+        assert b"* 4 EXISTS\r\n" in again and b"* 0 RECENT\r\n" in again
+        second.cmd("LOGOUT")
+    assert listings() == before  # the snapshot was taken in without reading the mailbox
+    second = session()
+    second.cmd(f"SELECT {box}")
+    second.cmd("STORE 2 +FLAGS (\\Flagged)")
+    second.cmd("STORE 1 +FLAGS (\\Deleted)")
+    assert b"* 1 EXPUNGE\r\n" in second.cmd("EXPUNGE")
+    second.cmd("LOGOUT")  # its view (three messages, one flagged) is the snapshot now
+    other = session()
+    other.cmd(f"SELECT {box}")
+    other.cmd("STORE 3 FLAGS (\\Seen $Label1)")  # changed by a view that stays open
+    await deliver(store, user, [message(9)], box)
+
+    third = session()
+    restored = third.cmd(f"SELECT {box}")
+    assert b"* 4 EXISTS\r\n" in restored and b"* 1 RECENT\r\n" in restored, restored
+    assert b"$Label1" in b"".join(line for line in restored if line.startswith(b"* FLAGS"))  # announced
+    fetched = third.cmd("FETCH 1:* (UID FLAGS)")[:-1]
+    fresh = session()
+    fresh.cmd(f"EXAMINE {box}")  # its own listing (read-only: it claims no \\Recent)
+    listed = fresh.cmd("FETCH 1:* (UID FLAGS)")[:-1]
+    assert [line.replace(b"\\Recent", b"").replace(b" )", b")").replace(b"( ", b"(") for line in fetched] == listed
+    assert b"\\Recent" in fetched[-1] and len(listed) == 4
+    flags = {int(m.group(1)): set(m.group(2).decode().split())
+             for m in re.finditer(rb"UID (\d+) FLAGS \(([^)]*)\)", b"".join(listed))}
+    assert flags == {s.uid: set(s.flags) async for s in store.list_messages(user, box)}
+    for raw in (other, third, fresh):
+        raw.cmd("LOGOUT")
+
+
 def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> None:
     node = Node(node_settings(backend_settings), tmp_path, imap={**tls_files, "implicit_tls": True}).start()
     try:

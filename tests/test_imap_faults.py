@@ -51,7 +51,7 @@ class FaultyStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def arrivals_mark(self, summaries: Any) -> None:
+    def arrivals_mark(self, summaries: Any, started: Any = None) -> None:
         """None: a view over this wrapper lists in full at every refresh, so the stale listings it
         makes are what the view compares with (not changed_since and arrivals, which it leaves
         alone)."""

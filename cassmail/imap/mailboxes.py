@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from cassmail.imap import commands as c
 from cassmail.imap import condstore, wire
 from cassmail.imap.errors import Bad, No
-from cassmail.imap.view import MailboxView, read_listing
+from cassmail.imap.view import MailboxView
 from cassmail.logs import kv
 from cassmail.model import HIERARCHY_DELIMITER, INBOX, MailboxInfo, flag_set
 from cassmail.store.base import (
@@ -45,10 +45,8 @@ async def select(session: Session, args: c.Select) -> str:
     view = MailboxView(store, user, name, info.uidvalidity, args.readonly, settings.page_size,
                        session.listener.recent_marks)
     view.condstore = session.condstore
-    listing = await read_listing(store, user, name, settings.page_size, highest=True)
-    await view.refresh(expunge=True, listing=listing)
-    uid_next = await view.select_uid_next(listing.uid_next())
-    view.keywords = {f for s in view.messages.values() for f in s.flags if not f.startswith("\\")}
+    snapshot = session.listener.snapshots.get((user, name))
+    uid_next = await view.load(snapshot if snapshot is not None and snapshot.uidvalidity == info.uidvalidity else None)
     session.view, session.state = view, "selected"
     session.flags_response()
     session.untagged(b"%d EXISTS" % len(view))

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from cassmail.imap.cache import Lru
@@ -52,6 +52,18 @@ TOKEN_TRUST = 10.0
 #: without a MODSEQ) shows by then, as a change whose token write lost does (TOKEN_TRUST).
 FULL_LISTING = TOKEN_TRUST
 
+#: Seconds added to that period per message of the view. A full listing costs about 20 us of CPU
+#: per message (the store's and the worker's, on Cassandra), so one every 10 s would keep a fifth
+#: of a core busy for each session on a 100,000-message mailbox; at 1 ms per message a session's
+#: full listings cost about 2% of a core whatever the size, and what only they see shows within
+#: 100 s on such a mailbox.
+FULL_LISTING_PER_MESSAGE = 0.001
+
+
+def full_listing_period(messages: int) -> float:
+    """Seconds a view of `messages` messages goes on from changes and arrivals between two full listings."""
+    return max(FULL_LISTING, messages * FULL_LISTING_PER_MESSAGE)
+
 #: Renumbering asks the store at most this many times per refresh: a message renumbered by
 #: another session meanwhile comes back with that session's UID, which may still be one this
 #: view has shown, and is renumbered again. What is left waits for the next refresh.
@@ -68,6 +80,11 @@ class Listing:
     #: The store's HIGHESTMODSEQ read before the listing (None: not read): every change up to it
     #: is in the listing.
     highest: int | None = None
+    #: When (time.time()) the listing began, for Store.arrivals_mark (None: not known).
+    started: float | None = None
+    #: None for a whole listing; for one of only what changed since the view's HIGHESTMODSEQ and
+    #: what arrived (MailboxView._changes), the UIDs expunged since.
+    vanished: set[int] | None = None
 
     def uid_next(self) -> int | None:
         """UIDNEXT as the assignment left it (the counter after the UIDs it handed out), when
@@ -80,8 +97,9 @@ async def read_listing(store: Store, user: str, name: str, page_size: int, highe
     write for all of them, whatever their number); with `highest`, the store's HIGHESTMODSEQ
     read first."""
     modseq = await store.highest_modseq(user, name) if highest else None
+    started = time.time()
     summaries = [s async for s in store.list_messages(user, name, page_size)]
-    return Listing(summaries, await number(store, user, name, summaries), modseq)
+    return Listing(summaries, await number(store, user, name, summaries), modseq, started)
 
 
 async def number(store: Store, user: str, name: str, summaries: list[MessageSummary]) -> dict[uuid.UUID, int]:
@@ -97,6 +115,30 @@ async def number(store: Store, user: str, name: str, summaries: list[MessageSumm
         # session goes on with the numbered mail, and the rest joins, above it, once it can.
         log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
         return {}
+
+
+def _keywords(summaries: Iterable[MessageSummary]) -> set[str]:
+    return {f for s in summaries for f in s.flags if not f.startswith("\\")}
+
+
+@dataclass
+class Snapshot:
+    """A closed view's state, kept by its worker (`Listener.snapshots`) so that the next SELECT of
+    the mailbox there starts from it and reads only what changed since (`MailboxView.restore`),
+    instead of the whole listing. Everything in it is the store's, as of the view's last
+    refresh; nothing a session told its client (\\Recent, keywords announced) is kept."""
+
+    uidvalidity: int
+    uids: list[int]
+    messages: dict[int, MessageSummary]
+    #: The keywords of its messages (a superset: those its session announced).
+    keywords: frozenset[str]
+    highest: int
+    uid_next: int
+    token: Hashable | None
+    listed_at: float
+    mark: Hashable | None
+    full_at: float
 
 
 @dataclass
@@ -150,6 +192,47 @@ class MailboxView:
         self.incremental = store.arrivals_mark(()) is not None
         self.mark: Hashable | None = None
         self.full_at = 0.0
+        #: Whether the last refresh took in every expunge it found (see `refresh`): only then is
+        #: the view what the store held, for a snapshot.
+        self.clean = True
+
+    def snapshot(self) -> Snapshot | None:
+        """The state of a view being closed (it is not used after: the snapshot takes its lists)
+        for a later SELECT of its mailbox in this worker; None when the view is not the store's
+        state (messages gone from the store still shown) or holds nothing."""
+        if not self.clean or not self.uids:
+            return None
+        return Snapshot(self.uidvalidity, self.uids, self.messages, frozenset(self.keywords),
+                        self.highest, self.uid_next, self.token, self.listed_at, self.mark, self.full_at)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Start from a snapshot of a view of this mailbox (same UIDVALIDITY): the next refresh
+        reads what changed since it, or nothing if its changes token still holds, or the whole
+        listing when one is due (`full_listing_period`). The UIDs in it count as shown: a message
+        listed below them later is renumbered, as any view of them would."""
+        self.uids, self.messages = list(snapshot.uids), dict(snapshot.messages)
+        self.highest, self.uid_next = snapshot.highest, snapshot.uid_next
+        self.token, self.listed_at = snapshot.token, snapshot.listed_at
+        self.mark, self.full_at = snapshot.mark, snapshot.full_at
+        self.shown = self.uids[-1] if self.uids else 0
+
+    async def load(self, snapshot: Snapshot | None) -> int:
+        """Fill a new view for SELECT and return UIDNEXT: from `snapshot` when one is given (see
+        `restore`), else from the whole listing, with the store's HIGHESTMODSEQ (every SELECT
+        tells it) and its changes token read first (the next refresh may need no listing)."""
+        if snapshot is not None:
+            self.restore(snapshot)
+            last = self.uids[-1] if self.uids else 0
+            changes = await self.refresh(expunge=True)
+            told = changes.flags + changes.modseqs + self.uids[bisect.bisect_right(self.uids, last):]
+            self.keywords = set(snapshot.keywords) | _keywords(self.messages[u] for u in told)
+            return await self.select_uid_next(None)
+        token = await self.store.changes_token(self.user, self.name)
+        listing = await read_listing(self.store, self.user, self.name, self.page_size, highest=True)
+        await self.refresh(expunge=True, listing=listing)
+        self.token, self.listed_at = token, time.monotonic()
+        self.keywords = _keywords(self.messages.values())
+        return await self.select_uid_next(listing.uid_next())
 
     # ------------------------------------------------------------------ numbers
 
@@ -208,6 +291,8 @@ class MailboxView:
 
     def remove(self, uids: list[int]) -> list[int]:
         """Take messages out of the view; their sequence numbers, descending, as EXPUNGE wants them."""
+        if not uids:
+            return []
         seqs = sorted((self.seq(u) for u in uids if u in self.messages), reverse=True)
         gone = set(uids)
         self.uids = [u for u in self.uids if u not in gone]
@@ -239,6 +324,8 @@ class MailboxView:
             token = await self.store.changes_token(self.user, self.name)
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
+                if self.recent_mark is None:  # restored from a snapshot: \\Recent not yet claimed
+                    await self._claim_recent()
                 return Changes()  # nothing changed since the last listing: no need to read it
             listing = await self._changes() if self.incremental else None
             if listing is None:
@@ -256,7 +343,10 @@ class MailboxView:
                 current[uid] = s if s.uid == uid else dataclasses.replace(s, uid=uid)
         changes = Changes()
         before = (len(self.uids), len(self.recent))
-        gone = [u for u in self.uids if u not in current]
+        if listing.vanished is None:
+            gone = [u for u in self.uids if u not in current]
+        else:  # only what changed: the work follows the changes, not the mailbox
+            gone = sorted(u for u in listing.vanished if u in self.messages)
         if expunge:
             changes.expunged = self.remove(gone)
             changes.vanished = gone
@@ -264,9 +354,9 @@ class MailboxView:
             # Kept in the view for now: the token must not say this listing was taken in, or the
             # next refresh that may expunge would find it unchanged and keep them for ever.
             self.token = None
-        for uid in self.uids:
-            now, old = current.get(uid), self.messages[uid]
-            if now is None or (now.modseq is not None and old.modseq is not None and now.modseq < old.modseq):
+        for uid in self.uids if listing.vanished is None else sorted(current):
+            now, old = current.get(uid), self.messages.get(uid)
+            if now is None or old is None or (now.modseq is not None and old.modseq is not None and now.modseq < old.modseq):
                 continue  # an older state than the view's (a stale read): nothing to take from it
             if now.flags != old.flags:
                 self.messages[uid] = now
@@ -291,20 +381,24 @@ class MailboxView:
             self.highest = max(self.highest, listing.highest)  # everything up to it is taken in
         if (len(self.uids), len(self.recent)) != before or changes.expunged:
             changes.exists, changes.recent = len(self.uids), len(self.recent)
+        self.clean = expunge or not gone
         return changes
 
     def _listed_in_full(self, listing: Listing) -> None:
         if self.incremental and listing.highest is not None:
-            self.mark, self.full_at = self.store.arrivals_mark(listing.summaries), time.monotonic()
+            self.mark = self.store.arrivals_mark(listing.summaries, listing.started)
+            self.full_at = time.monotonic()
         else:
             self.mark = None
 
     async def _changes(self) -> Listing | None:
-        """The mailbox as a listing would show it, from the view and what changed since its
-        HIGHESTMODSEQ (Store.changes_since) and what arrived since its last listing
+        """A listing of only what changed since the view's HIGHESTMODSEQ (Store.changes_since:
+        the messages, and the UIDs expunged) and what arrived since its last listing
         (Store.arrivals): a few small reads instead of the whole mailbox. None when a full
-        listing is due: none yet, one older than FULL_LISTING, expunges the store forgot."""
-        if self.mark is None or not self.highest or time.monotonic() - self.full_at > FULL_LISTING:
+        listing is due: none yet, one older than `full_listing_period`, expunges the store forgot."""
+        if self.mark is None or not self.highest:
+            return None
+        if time.monotonic() - self.full_at > full_listing_period(len(self.uids)):
             return None
         store, user, name = self.store, self.user, self.name
         highest = await store.highest_modseq(user, name)
@@ -316,15 +410,15 @@ class MailboxView:
                 return None
             vanished = set(gone)
         arrived, mark = await store.arrivals(user, name, self.mark)
-        by_id = {s.id: s for s in self.messages.values() if s.uid not in vanished}
+        latest: dict[uuid.UUID, MessageSummary] = {}
         for s in [*changed, *arrived]:
-            known = by_id.get(s.id)
+            known = latest.get(s.id)
             if known is None or s.uid != known.uid or (s.modseq or 0) >= (known.modseq or 0):
-                by_id[s.id] = s
-        summaries = [s for s in by_id.values() if s.uid not in vanished or s.uid is None]
+                latest[s.id] = s
+        summaries = [s for s in latest.values() if s.uid is None or s.uid not in vanished]
         assigned = await number(store, user, name, summaries)
         self.mark = mark
-        return Listing(summaries, assigned, highest)
+        return Listing(summaries, assigned, highest, vanished=vanished)
 
     async def _claim_recent(self) -> None:
         """RFC 3501: a message is \\Recent in exactly one session, the first read-write one told
@@ -339,7 +433,7 @@ class MailboxView:
             if self.recent_mark is None:
                 self.recent_mark = await self.store.recent_mark(self.user, self.name)
             if self.readonly:
-                self.recent.update(u for u in self.uids if u >= self.recent_mark)
+                self.recent.update(self.uids[bisect.bisect_left(self.uids, self.recent_mark):])
                 return
             key = (self.user, self.name, self.uidvalidity)
             known = self.recent_marks.get(key) if self.recent_marks is not None else None
@@ -351,7 +445,7 @@ class MailboxView:
         except StoreUnavailable as exc:  # \\Recent waits for the next refresh; the session goes on
             log.warning(kv("imap-recent", user=self.user, mailbox=self.name, error=exc))
             return
-        self.recent.update(u for u in self.uids if before <= u < top)
+        self.recent.update(self.uids[bisect.bisect_left(self.uids, before):])  # (all below `top`)
         self.recent_mark = max(top, before)
         if self.recent_marks is not None:
             self.recent_marks.put(key, max(self.recent_mark, self.recent_marks.get(key) or 0))
@@ -360,8 +454,10 @@ class MailboxView:
         """Give a new UID to every listed message whose UID this session may no longer show (at
         or below the highest it has shown, yet not in the view), in `current` in place: the old
         UID goes, the new one (above every UID handed out) comes in and joins as a new message."""
-        in_view = {s.id for s in self.messages.values()}
-        late = {s.id: s for uid, s in current.items() if uid <= self.shown and s.id not in in_view}
+        late = {s.id: s for uid, s in current.items() if uid <= self.shown and uid not in self.messages}
+        if late:  # (a UID in the view names its message; else the message may be there under another)
+            in_view = {s.id for s in self.messages.values()}
+            late = {i: s for i, s in late.items() if i not in in_view}
         if not late:
             return
         for summary in late.values():

@@ -669,9 +669,10 @@ class Store(abc.ABC):
     # vanished_since; what these cannot tell is mail delivered since (unnumbered, no MODSEQ).
     # A store that can list recent deliveries without the whole mailbox says so with a mark.
 
-    def arrivals_mark(self, summaries: Iterable[MessageSummary]) -> Hashable | None:
-        """A mark for `arrivals`, from every summary of a mailbox as a listing just gave them;
-        None (this default) when the store has no cheaper way to find new mail than listing."""
+    def arrivals_mark(self, summaries: Iterable[MessageSummary], started: float | None = None) -> Hashable | None:
+        """A mark for `arrivals`, from every summary of a mailbox as a listing just gave them,
+        and when (`time.time()`) that listing began, if known; None (this default) when the
+        store has no cheaper way to find new mail than listing."""
         return None
 
     async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:

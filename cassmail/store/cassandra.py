@@ -126,8 +126,13 @@ def _floor_uuid(timestamp_100ns: int) -> uuid.UUID:
     return uuid.UUID(fields=(t & 0xFFFFFFFF, (t >> 32) & 0xFFFF, ((t >> 48) & 0x0FFF) | 0x1000, 0x80, 0x00, 0))
 
 
+def _ticks(unix_seconds: float) -> int:
+    """A time as a timeuuid's (100 ns ticks since 1582)."""
+    return int(unix_seconds * 10_000_000) + _EPOCH_OFFSET_100NS
+
+
 def _now_100ns() -> int:
-    return int(time.time() * 10_000_000) + _EPOCH_OFFSET_100NS
+    return _ticks(time.time())
 
 
 class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts):
@@ -1070,26 +1075,33 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         fresh = [s for s in found.values() if s.modseq is not None and s.modseq > modseq]
         return sorted(fresh, key=lambda s: (s.id.time, s.id.bytes)), gone
 
-    def arrivals_mark(self, summaries: Iterable[MessageSummary]) -> Hashable | None:
-        """The time of the newest message id listed (100 ns ticks), or of now for an empty
-        mailbox: ids are stamped just before their row is written (see `deliver`)."""
-        return max((s.id.time for s in summaries), default=_now_100ns())
+    def arrivals_mark(self, summaries: Iterable[MessageSummary], started: float | None = None) -> Hashable | None:
+        """The time (100 ns ticks) of the newest message id listed, or when the listing began if
+        that is later, or of now for an empty mailbox: ids are stamped just before their row is
+        written (see `deliver`), and a row stamped more than the arrival window (see `arrivals`)
+        before the listing began had landed by then. (From the newest id alone, every look of a mailbox that has
+        been quiet since a burst would read that burst's last seconds again.)"""
+        newest = max((s.id.time for s in summaries), default=None)
+        if started is not None:
+            return max(newest or 0, _ticks(started))
+        return _now_100ns() if newest is None else newest
 
     async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
-        """The rows of ids stamped since `mark` less ARRIVAL_WINDOW: a row lands at most one
+        """The rows of ids stamped since `mark` less the arrival window: a row lands at most one
         write (the request timeout) after its id's time, plus the clocks of two nodes apart; a
         row later than that is seen by the next full listing (see MailboxView)."""
         assert isinstance(mark, int)
         key, name = address_key(user), mailbox_name(mailbox)
         mailbox_id = (await self._resolve(key, name, cached=True)).mailbox_id
         window = int((self.settings.request_timeout + CHANGES_SETTLE + ARRIVAL_SKEW) * 10_000_000)
+        started = _now_100ns()  # (a row stamped a window before this has landed: see arrivals_mark)
         after: uuid.UUID | None = _floor_uuid(mark - window)
         found: list[MessageSummary] = []
         while after is not None:
             page = await self._page(mailbox_id, after, 500)
             found.extend(page.items)
             after = page.cursor
-        return found, max([mark, *(s.id.time for s in found)])
+        return found, max([mark, started, *(s.id.time for s in found)])
 
     # ================================================================= IMAP \Recent
 
@@ -1137,7 +1149,23 @@ def _summary(row: Any) -> MessageSummary:
         when = when.replace(tzinfo=timezone.utc)
     # A message numbered before MODSEQs (schema 008) has none: MODSEQ 1 (see Store.highest_modseq).
     modseq = (row.modseq or 1) if row.uid else None
-    return MessageSummary(row.id, row.size, frozenset(row.flags or ()), when, row.uid or None, modseq)
+    return MessageSummary(row.id, row.size, _flag_set(row.flags), when, row.uid or None, modseq)
+
+
+#: Flag sets listed so far, shared by the summaries that have them: a mailbox has few distinct
+#: ones, and a summary kept in a view or a snapshot (cassmail.imap.view) then costs no set of its own.
+_FLAG_SETS: dict[tuple[str, ...], frozenset[str]] = {}
+_FLAG_SETS_KEPT = 4096
+
+
+def _flag_set(flags: Iterable[str] | None) -> frozenset[str]:
+    key = tuple(flags) if flags else ()  # (the driver's sets are sorted)
+    found = _FLAG_SETS.get(key)
+    if found is None:
+        found = frozenset(key)
+        if len(_FLAG_SETS) < _FLAG_SETS_KEPT:
+            _FLAG_SETS[key] = found
+    return found
 
 
 def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:
