@@ -182,6 +182,40 @@ async def test_arrivals_after_a_listing_read_only_the_window_before_it_began(mak
     assert [s.id for s in found] == [behind, now]
 
 
+async def test_a_listing_that_numbered_its_mail_takes_in_the_highestmodseq_after_it(make_store, monkeypatch) -> None:
+    """A listing whose numbering took every MODSEQ between the HIGHESTMODSEQ read before it and
+    the one after (one per batch of UIDs) knows nothing else changed: its HIGHESTMODSEQ is the
+    one after the numbering,
+    so the next look at changes does not read the numbering back. A change by someone else
+    meanwhile keeps the one read before the listing, and that change is then read."""
+    from cassmail.imap.view import read_listing
+
+    monkeypatch.setattr(cassandra_module, "UID_BATCH", 16)
+    store = await make_store()
+    user = await new_user(store)
+    await deliver_many(store, user, 40)
+    before = await store.highest_modseq(user, INBOX)
+    listing = await read_listing(store, user, INBOX, 100, highest=True)
+    assert len(listing.assigned) == 40 and set(listing.modseqs.values()) == {before + 1, before + 2, before + 3}
+    assert listing.highest == await store.highest_modseq(user, INBOX) == before + 3
+    assert await store.changes_since(user, INBOX, listing.highest) == ([], [])
+
+    first = (await deliver_many(store, user, 20))[0]
+    numbering = store.assign_uids
+
+    async def and_another_change(*args, **kwargs):  # another session's STORE while this one numbers
+        got = await numbering(*args, **kwargs)
+        await store.store_flags(user, INBOX, [first], ["\\Seen"], "add")
+        return got
+
+    monkeypatch.setattr(store, "assign_uids", and_another_change)
+    before = await store.highest_modseq(user, INBOX)
+    listing = await read_listing(store, user, INBOX, 100, highest=True)
+    assert len(listing.assigned) == 20 and listing.highest == before
+    changed, _ = await store.changes_since(user, INBOX, listing.highest)
+    assert len(changed) == 20 and {s.id: s.flags for s in changed}[first] == {"\\Seen"}
+
+
 async def test_a_sessions_calls_reuse_the_mailbox_row_for_mailbox_cache_and_delivery_never(make_store) -> None:
     store = await make_store(mailbox_cache=0.5)
     other = await make_store()  # another node

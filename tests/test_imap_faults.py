@@ -69,14 +69,15 @@ class FaultyStore:
                 yield summary
 
     async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID],
-                          renumber: dict[uuid.UUID, int] | None = None) -> dict[uuid.UUID, int]:
+                          renumber: dict[uuid.UUID, int] | None = None,
+                          modseqs: dict[uuid.UUID, int] | None = None) -> dict[uuid.UUID, int]:
         if ids and self.assign_error is not None:
             error, self.assign_error = self.assign_error, None
             raise error
         if ids and self.expunge_before_numbering == mailbox:
             self.expunge_before_numbering = None
             await self.inner.delete_messages(user, mailbox, [ids[0]])
-        return await self.inner.assign_uids(user, mailbox, ids, renumber=renumber)
+        return await self.inner.assign_uids(user, mailbox, ids, renumber=renumber, modseqs=modseqs)
 
     async def read_chunks(self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0,
                           end: int | None = None) -> AsyncIterator[bytes]:

@@ -19,8 +19,9 @@ joins the view at the end as a new message.
 The view also keeps each message's RFC 7162 MODSEQ (from the listing) and the HIGHESTMODSEQ it
 has taken in (`highest`): every change with a MODSEQ at or below it is in the view (the store's
 HIGHESTMODSEQ is read before the listing that brings the view up to date), so it is what a
-client may be told it is in step with. A message numbered by this view's own listing has no
-MODSEQ in it yet (the listing was read before the numbering); `condstore.fill` learns it when a
+client may be told it is in step with. A message numbered by this view's own listing has the
+MODSEQ the numbering gave it where the store tells it (Cassandra), else none yet (the listing
+was read before the numbering); `condstore.fill` learns a missing one when a
 client needs it. What CONDSTORE and QRESYNC tell the client is in `condstore.py`.
 """
 
@@ -85,6 +86,8 @@ class Listing:
     #: None for a whole listing; for one of only what changed since the view's HIGHESTMODSEQ and
     #: what arrived (MailboxView._changes), the UIDs expunged since.
     vanished: set[int] | None = None
+    #: The MODSEQ of each message the read numbered, where the store told it.
+    modseqs: dict[uuid.UUID, int] = field(default_factory=dict)
 
     def uid_next(self) -> int | None:
         """UIDNEXT as the assignment left it (the counter after the UIDs it handed out), when
@@ -99,17 +102,33 @@ async def read_listing(store: Store, user: str, name: str, page_size: int, highe
     modseq = await store.highest_modseq(user, name) if highest else None
     started = time.time()
     summaries = [s async for s in store.list_messages(user, name, page_size)]
-    return Listing(summaries, await number(store, user, name, summaries), modseq, started)
+    modseqs: dict[uuid.UUID, int] = {}
+    assigned = await number(store, user, name, summaries, modseqs)
+    highest = await _numbered_highest(store, user, name, modseq, modseqs)
+    return Listing(summaries, assigned, highest, started, modseqs=modseqs)
 
 
-async def number(store: Store, user: str, name: str, summaries: list[MessageSummary]) -> dict[uuid.UUID, int]:
-    """UIDs for the summaries that have none, in one `assign_uids` call; none when the store
-    cannot number now."""
+async def _numbered_highest(store: Store, user: str, name: str, highest: int | None,
+                            modseqs: dict[uuid.UUID, int]) -> int | None:
+    """The HIGHESTMODSEQ for a listing read at `highest` whose numbering gave out `modseqs`: the
+    store's after the numbering when every MODSEQ between the two is one the numbering took
+    (nothing else changed, so the next look at changes does not read the numbering back: for a
+    first SELECT of 100,000 messages, 100,000 rows); else `highest`."""
+    if highest is None or not modseqs:
+        return highest
+    after = await store.highest_modseq(user, name)
+    return after if set(modseqs.values()) == set(range(highest + 1, after + 1)) else highest
+
+
+async def number(store: Store, user: str, name: str, summaries: list[MessageSummary],
+                 modseqs: dict[uuid.UUID, int] | None = None) -> dict[uuid.UUID, int]:
+    """UIDs for the summaries that have none, in one `assign_uids` call (their MODSEQs into
+    `modseqs`, where the store tells them); none when the store cannot number now."""
     unnumbered = [s.id for s in summaries if s.uid is None]
     if not unnumbered:
         return {}
     try:
-        return await store.assign_uids(user, name, unnumbered)
+        return await store.assign_uids(user, name, unnumbered, modseqs=modseqs)
     except StoreUnavailable as exc:
         # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
         # session goes on with the numbered mail, and the rest joins, above it, once it can.
@@ -340,7 +359,9 @@ class MailboxView:
         for s in listing.summaries:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
             if uid is not None:  # (dataclasses.replace is dear: most summaries carry their UID)
-                current[uid] = s if s.uid == uid else dataclasses.replace(s, uid=uid)
+                if s.uid != uid:
+                    s = dataclasses.replace(s, uid=uid, modseq=listing.modseqs.get(s.id))
+                current[uid] = s
         changes = Changes()
         before = (len(self.uids), len(self.recent))
         if listing.vanished is None:
@@ -416,9 +437,11 @@ class MailboxView:
             if known is None or s.uid != known.uid or (s.modseq or 0) >= (known.modseq or 0):
                 latest[s.id] = s
         summaries = [s for s in latest.values() if s.uid is None or s.uid not in vanished]
-        assigned = await number(store, user, name, summaries)
+        modseqs: dict[uuid.UUID, int] = {}
+        assigned = await number(store, user, name, summaries, modseqs)
         self.mark = mark
-        return Listing(summaries, assigned, highest, vanished=vanished)
+        highest = await _numbered_highest(store, user, name, highest, modseqs)
+        return Listing(summaries, assigned, highest, vanished=vanished, modseqs=modseqs)
 
     async def _claim_recent(self) -> None:
         """RFC 3501: a message is \\Recent in exactly one session, the first read-write one told

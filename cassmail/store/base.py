@@ -581,12 +581,15 @@ class Store(abc.ABC):
         mailbox: str,
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None,
     ) -> dict[uuid.UUID, int]:
         """Give a new UID, one above every UID ever handed out in this mailbox and in the order
         of `ids`, to every id that has none yet and to every id of `renumber` whose UID is still
         the value given there; return the UID of every id (old or new) that still exists. Each
         message given a UID here gets a new MODSEQ with it, and the UID a renumbered message
-        gives up is remembered as expunged (see `vanished_since`).
+        gives up is remembered as expunged (see `vanished_since`). `modseqs`, when given, gets
+        the MODSEQ of each message this call numbered, where the store can tell (Cassandra; the
+        mbox and WheelFS stores leave it as it is).
 
         Renumbering exists for IMAP: a session that has shown UID 6 must never show UID 5
         afterwards, yet a read at a weak consistency level may have hidden an older message

@@ -991,16 +991,18 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         mailbox: str,
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None,
     ) -> dict[uuid.UUID, int]:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         wanted = uid_work(ids, renumber)
         uids: dict[uuid.UUID, int] = {}
         for group in _groups(wanted, UID_BATCH):
-            uids.update(await self._assign_group(mailbox_id, group, renumber))
+            uids.update(await self._assign_group(mailbox_id, group, renumber, modseqs))
         return uids
 
     async def _assign_group(
-        self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None
+        self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None,
+        modseqs: dict[uuid.UUID, int] | None,
     ) -> dict[uuid.UUID, int]:
         """Numbering through `_change`: the batch applies only if the counters are unchanged, i.e.
         nobody numbered or changed anything since the SERIAL read. Every renumbering moves the
@@ -1008,6 +1010,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         message's new UID, no longer the one it was asked to replace."""
         messages = self.tables.messages
         result: dict[uuid.UUID, int] = {}
+        given: dict[uuid.UUID, int] = {}
 
         def missing(rows: list[Any]) -> list[Any]:
             alive = {r.id: r for r in rows if r.size is not None}
@@ -1018,6 +1021,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             first = rows[0].uidnext or 1
             result.clear()
             result.update({r.id: r.uid for r in rows if r.size is not None and r.uid})
+            given.clear()
             statements = []
             for offset, r in enumerate(todo):
                 tally.numbered(r, first + offset)
@@ -1026,9 +1030,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 if r.uid:  # renumbered: the UID it gives up is gone for clients that saw it
                     statements += messages.record_statements(mailbox_id, r.uid, modseq, None)
                 result[r.id] = first + offset
+                given[r.id] = modseq
             return statements
 
-        await self._change(mailbox_id, ids, plan, uids=lambda rows: len(missing(rows)))
+        if await self._change(mailbox_id, ids, plan, uids=lambda rows: len(missing(rows))) and modseqs is not None:
+            modseqs.update(given)
         return {i: result[i] for i in ids if i in result}
 
     async def highest_modseq(self, user: str, mailbox: str) -> int:

@@ -1283,6 +1283,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
         mailbox: str,
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None,
     ) -> dict[uuid.UUID, int]:
         wanted = uid_work(ids, renumber)
         again = dict(renumber or {})
