@@ -165,11 +165,18 @@ async def resync(session: Session, params: c.QResync) -> None:
         gone = _missing(known or [(1, wire.MAX_NUMBER)], view.uids, _matched(view, params.seq_match), view.uid_next)
     if gone:
         session.untagged(b"VANISHED (EARLIER) " + _format(gone))
-    # One pass over the view for what is unknown or newer (a large mailbox makes it the cost).
+    # One pass over the view for what is newer or not known (a large mailbox makes it the cost).
     modseq, messages = params.modseq, view.messages
-    await learn(session, [u for u, s in messages.items() if s.modseq is None])
-    newer = sorted(u for u, s in messages.items() if s.modseq is None or s.modseq > modseq)
-    changed = [u for u in newer if known is None or _within(known, u)]
+    newer, unknown = [], []
+    for uid, summary in messages.items():
+        if summary.modseq is None:
+            unknown.append(uid)
+        elif summary.modseq > modseq:
+            newer.append(uid)
+    if unknown:
+        await learn(session, unknown)
+        newer += [u for u in unknown if u in messages and view.changed_since(u, modseq)]
+    changed = [u for u in sorted(newer) if known is None or _within(known, u)]
     session.announce_flags(changed)
     for uid in changed:
         session.untagged(b"%d FETCH (UID %d FLAGS %s MODSEQ (%d))" % (
