@@ -376,12 +376,14 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
             if size < 10:
                 continue
             plain, qresync = await time_resyncs(port, user, size, args.selects)
-            rows.append([f"{size:,}", *(fmt(f(t) * 1000, ".1f") for t in (plain, qresync) for f in (statistics.median, max))])
+            rows.append([f"{size:,}", *(fmt(f(t) * 1000, ".1f")
+                                        for t in (plain, qresync) for f in (statistics.median, max))])
             print(f"after 10 changes {size}: SELECT median {statistics.median(plain) * 1000:.1f} ms, "
                   f"QRESYNC median {statistics.median(qresync) * 1000:.1f} ms", flush=True)
         out += ["SELECT INBOX again after 10 flag changes by another session, milliseconds: plain, and with QRESYNC "
                 "(which reports the 10):", ""]
-        out += markdown(["messages", "SELECT (median)", "SELECT (max)", "QRESYNC (median)", "QRESYNC (max)"], rows, set())
+        out += markdown(["messages", "SELECT (median)", "SELECT (max)", "QRESYNC (median)", "QRESYNC (max)"],
+                        rows, set())
         out.append("")
         rows = []
         for size, user in box_users.items():

@@ -377,7 +377,9 @@ class MailboxView:
             self.token = None
         for uid in self.uids if listing.vanished is None else sorted(current):
             now, old = current.get(uid), self.messages.get(uid)
-            if now is None or old is None or (now.modseq is not None and old.modseq is not None and now.modseq < old.modseq):
+            if now is None or old is None:
+                continue  # gone, or new (taken in below)
+            if now.modseq is not None and old.modseq is not None and now.modseq < old.modseq:
                 continue  # an older state than the view's (a stale read): nothing to take from it
             if now.flags != old.flags:
                 self.messages[uid] = now
