@@ -27,7 +27,7 @@ from cassmail.imap import commands as c
 from cassmail.imap import condstore, parse, wire
 from cassmail.imap.connection import ClientStalled, Closed, Connection, Frame, LineTooLong, LiteralTooLarge
 from cassmail.imap.errors import Bad, No
-from cassmail.imap.view import Changes, Listing, MailboxView
+from cassmail.imap.view import Changes, Listing, MailboxView, keywords_of
 from cassmail.logs import kv
 from cassmail.model import HIERARCHY_DELIMITER, InvalidInput, mailbox_name
 from cassmail.sessions import quick_ack
@@ -315,7 +315,7 @@ class Session:
     def announce_flags(self, uids: list[int]) -> None:
         """Before a FETCH shows a keyword the client was not told of, a new FLAGS (RFC 3501 7.2.6)."""
         view = self.selected()
-        new = {f for u in uids for f in view.messages[u].flags if not f.startswith("\\")} - view.keywords
+        new = keywords_of(view.messages[u] for u in uids) - view.keywords
         if new:
             view.keywords |= new
             self.flags_response()

@@ -136,7 +136,8 @@ async def number(store: Store, user: str, name: str, summaries: list[MessageSumm
         return {}
 
 
-def _keywords(summaries: Iterable[MessageSummary]) -> set[str]:
+def keywords_of(summaries: Iterable[MessageSummary]) -> set[str]:
+    """The keywords (flags not starting with a backslash) the summaries carry."""
     return {f for s in summaries for f in s.flags if not f.startswith("\\")}
 
 
@@ -243,14 +244,15 @@ class MailboxView:
             self.restore(snapshot)
             last = self.uids[-1] if self.uids else 0
             changes = await self.refresh(expunge=True)
+            await self._claim_recent()  # (a refresh that found nothing changed claimed nothing)
             told = changes.flags + changes.modseqs + self.uids[bisect.bisect_right(self.uids, last):]
-            self.keywords = set(snapshot.keywords) | _keywords(self.messages[u] for u in told)
+            self.keywords = set(snapshot.keywords) | keywords_of(self.messages[u] for u in told)
             return await self.select_uid_next(None)
         token = await self.store.changes_token(self.user, self.name)
         listing = await read_listing(self.store, self.user, self.name, self.page_size, highest=True)
         await self.refresh(expunge=True, listing=listing)
         self.token, self.listed_at = token, time.monotonic()
-        self.keywords = _keywords(self.messages.values())
+        self.keywords = keywords_of(self.messages.values())
         return await self.select_uid_next(listing.uid_next())
 
     # ------------------------------------------------------------------ numbers
@@ -343,8 +345,6 @@ class MailboxView:
             token = await self.store.changes_token(self.user, self.name)
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
-                if self.recent_mark is None:  # restored from a snapshot: \\Recent not yet claimed
-                    await self._claim_recent()
                 return Changes()  # nothing changed since the last listing: no need to read it
             listing = await self._changes() if self.incremental else None
             if listing is None:

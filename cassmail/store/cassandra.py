@@ -1085,8 +1085,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         """The time (100 ns ticks) of the newest message id listed, or when the listing began if
         that is later, or of now for an empty mailbox: ids are stamped just before their row is
         written (see `deliver`), and a row stamped more than the arrival window (see `arrivals`)
-        before the listing began had landed by then. (From the newest id alone, every look of a mailbox that has
-        been quiet since a burst would read that burst's last seconds again.)"""
+        before the listing began had landed by then. (From the newest id alone, every look of a
+        mailbox that has been quiet since a burst would read that burst's last seconds again.)"""
         newest = max((s.id.time for s in summaries), default=None)
         if started is not None:
             return max(newest or 0, _ticks(started))
