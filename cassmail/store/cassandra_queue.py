@@ -68,6 +68,10 @@ SWEEP_SECONDS = 600.0
 #: Minutes one shard's reader moves through per take: a sweep over the default grace (3 h) is done
 #: in one call, a longer one in a few.
 BUCKETS_PER_TAKE = 240
+#: Looks at the shards per take at most, while each found only stale rows.
+TAKE_ROUNDS = 8
+#: Rows of a shard read per look, at the least.
+MIN_PAGE = 16
 #: Reads of a queued body before a missing chunk is reported (see read_queued).
 READ_ATTEMPTS = 4
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -207,7 +211,21 @@ class CassandraQueue(Store):
         if now - self._swept_at > SWEEP_SECONDS or len(self._cursor) < SHARDS:
             self._cursor = {shard: (low, 0.0) for shard, low in (await self._lows(now)).items()}
             self._swept_at = now
-        scans = await asyncio.gather(*(self._scan(shard, now, limit) for shard in range(SHARDS)))
+        # A round that read only stale rows (entries finished, deleted or taken by others) moved
+        # the positions past them: the entries due behind them are looked at in the same call.
+        for _ in range(TAKE_ROUNDS):
+            before = dict(self._cursor)
+            read, taken = await self._take_round(owner, limit, lease, time.time())
+            if taken or not read or self._cursor == before:
+                return taken
+        return []
+
+    async def _take_round(self, owner: str, limit: int, lease: float, now: float) -> tuple[bool, list[QueueEntry]]:
+        """One look at every shard from this reader's positions: (whether it read any row, what it took)."""
+        # At least a few rows a shard: a page of one row that is stale would be read again and
+        # again (a page's last row is where the next one starts, as rows may share a due time).
+        page = max(limit, MIN_PAGE)
+        scans = await asyncio.gather(*(self._scan(shard, now, page) for shard in range(SHARDS)))
         candidates = [(shard, row) for shard, (_, rows) in enumerate(scans) for row in rows]
         random.shuffle(candidates)  # workers of every node start at different entries
         seen: set[uuid.UUID] = set()
@@ -239,7 +257,7 @@ class CassandraQueue(Store):
             # for later; past the last row read nothing was due (unless the page was full).
             if shard in left:
                 reached = min(left[shard])
-            elif len(rows) >= limit:
+            elif len(rows) >= page:
                 reached = _secs(rows[-1].due)
             else:
                 reached = min(now, (bucket + 1) * BUCKET_SECONDS)
@@ -247,7 +265,7 @@ class CassandraQueue(Store):
                 self._cursor[shard] = (bucket, max(self._cursor[shard][1], min(reached, settled)))
         if failure is not None and not taken:
             raise failure
-        return taken
+        return bool(candidates), taken
 
     async def _scan(self, shard: int, now: float, limit: int) -> tuple[int, list[Any]]:
         """The due rows of one shard from this reader's position (and the minute they are in);
