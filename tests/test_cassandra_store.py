@@ -377,6 +377,40 @@ async def test_numbering_in_many_batches_on_two_nodes_at_once_gives_each_message
     assert await node_a.uid_next(user, INBOX) == 121
 
 
+async def test_a_run_of_new_mail_is_read_as_a_slice_and_ids_spread_among_others_by_key(
+        make_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Numbering reads the rows it decides on at SERIAL: a run of ids as the slice from the first
+    to the last (other rows in it are read and left alone), ids spread among many others by key.
+    Either way exactly the ids asked for are numbered, in their order."""
+    store = await make_store()
+    user = await new_user(store)
+    ids = [(await store.deliver(b"Subject: %d\r\n\r\nx\r\n" % i, [Target(user)]))[0] for i in range(300)]
+    reads: list[str] = []
+    for name in ("state", "state_slice"):
+        def spy(*args: object, _read=getattr(store.tables.messages, name), _name=name) -> object:
+            reads.append(_name)
+            return _read(*args)
+        monkeypatch.setattr(store.tables.messages, name, spy)
+
+    async def numbered(asked: list[uuid.UUID]) -> dict[uuid.UUID, int]:
+        reads.clear()
+        given = await store.assign_uids(user, INBOX, asked)
+        assert list(given) == asked and list(given.values()) == sorted(given.values())
+        return given
+
+    assert list((await numbered(ids[:100])).values()) == list(range(1, 101))
+    assert reads == ["state_slice"]
+    await numbered(ids[100::2])  # among as many unnumbered ones, which stay so
+    assert reads == ["state_slice"]
+    spread = ids[101:300:4]  # 50 ids among 200 rows: the slice is too full, so by key
+    monkeypatch.setattr(cassandra_module, "STATE_SLICE_MIN", 32)  # (under 64 ids are read by key anyway)
+    await numbered(spread)
+    assert reads == ["state_slice", "state"]
+    listed = {s.id: s.uid async for s in store.list_messages(user, INBOX)}
+    assert sorted(i for i, uid in listed.items() if uid) == sorted(ids[:100] + ids[100::2] + spread)
+    assert sorted(uid for uid in listed.values() if uid) == list(range(1, 251))
+
+
 async def test_two_nodes_assigning_uids_at_once_never_collide(make_store) -> None:
     node_a, node_b = await make_store(), await make_store()
     user = await new_user(node_a)

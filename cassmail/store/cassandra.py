@@ -99,6 +99,8 @@ MAILBOX_CACHE_ROWS = 10_000
 #: with 256: loadtest/RESULTS.md). A batch of 1024 rows is a few hundred kilobytes, far under
 #: max_mutation_size (conditional batches are not held to batch_size_fail_threshold).
 UID_BATCH = 1024
+#: Ids from which `_state` reads a slice rather than the keys.
+STATE_SLICE_MIN = 64
 #: Ids per `IN (...)` read or delete.
 IN_BATCH = 100
 #: Smallest partial move of a low-water mark by a listing (100 ns units: one minute), so that
@@ -865,7 +867,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         for attempt in range(LWT_ATTEMPTS):
             if attempt:
                 await _backoff(attempt)
-            rows = await messages.state(mailbox_id, ids)
+            rows = await self._state(mailbox_id, ids)
             if not rows:
                 return False
             read = rows[0]
@@ -889,6 +891,22 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 self._notify([mailbox_id])
                 return True
         raise StoreUnavailable("could not change messages: too much contention")
+
+    async def _state(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> list[Any]:
+        """The SERIAL read of `_change`. Many ids (numbering a run of new mail, a change to a
+        whole mailbox) are read as the slice from the first one's tick to the last one's, when
+        that slice holds few other rows: Cassandra answers a slice of a thousand rows in two
+        thirds of the time of an IN of a thousand keys."""
+        messages = self.tables.messages
+        if len(ids) < STATE_SLICE_MIN:
+            return await messages.state(mailbox_id, ids)
+        ticks = [message_id.time for message_id in ids]
+        limit = 2 * len(ids)
+        rows = await messages.state_slice(mailbox_id, _floor_uuid(min(ticks)), _floor_uuid(max(ticks) + 1), limit)
+        if len(rows) >= limit:  # the ids are spread among many others: read them by key
+            return await messages.state(mailbox_id, ids)
+        wanted = set(ids)
+        return [row for row in rows if row.id in wanted]
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""

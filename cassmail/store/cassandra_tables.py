@@ -344,6 +344,9 @@ class Messages(Table):
         "purge": (WRITE, "DELETE FROM messages WHERE mailbox_id = ?"),
         "changes_token": (READ, "SELECT changed, uid, highest_modseq FROM messages WHERE mailbox_id = ? AND id = ?"),
         "state": (SERIAL_READ, f"SELECT {_STATE} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "state_slice": (
+            SERIAL_READ, f"SELECT {_STATE} FROM messages WHERE mailbox_id = ? AND id >= ? AND id < ? LIMIT ?",
+        ),
         "advance": (
             CONDITIONAL,
             "UPDATE messages SET uidnext = ?, highest_modseq = ? WHERE mailbox_id = ? IF uidnext = ? AND highest_modseq = ?",
@@ -456,6 +459,10 @@ class Messages(Table):
         """The rows of these ids with the counters and trim state (static columns, on every row),
         at SERIAL: what a conditional batch decides on. No rows when none of the ids is there."""
         return await self._run("state", mailbox_id, ids)
+
+    async def state_slice(self, mailbox_id: uuid.UUID, low: uuid.UUID, high: uuid.UUID, limit: int) -> list[Any]:
+        """As `state`, for the rows from `low` up to (not including) `high`, at most `limit`."""
+        return await self._run("state_slice", mailbox_id, low, high, limit)
 
     def advance_statement(
         self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None, read: Any
