@@ -902,7 +902,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             return await messages.state(mailbox_id, ids)
         ticks = [message_id.time for message_id in ids]
         limit = 2 * len(ids)
-        rows = await messages.state_slice(mailbox_id, _floor_uuid(min(ticks)), _floor_uuid(max(ticks) + 1), limit)
+        rows = await messages.state_slice(mailbox_id, min(ticks), max(ticks), limit)
         if len(rows) >= limit:  # the ids are spread among many others: read them by key
             return await messages.state(mailbox_id, ids)
         wanted = set(ids)

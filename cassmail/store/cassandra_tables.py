@@ -460,8 +460,11 @@ class Messages(Table):
         at SERIAL: what a conditional batch decides on. No rows when none of the ids is there."""
         return await self._run("state", mailbox_id, ids)
 
-    async def state_slice(self, mailbox_id: uuid.UUID, low: uuid.UUID, high: uuid.UUID, limit: int) -> list[Any]:
-        """As `state`, for the rows from `low` up to (not including) `high`, at most `limit`."""
+    async def state_slice(self, mailbox_id: uuid.UUID, first: int, last: int, limit: int) -> list[Any]:
+        """As `state`, for the rows whose ids' times (100 ns ticks) are `first` to `last`, at most
+        `limit`: from the smallest timeuuid of `first` in Cassandra's order (which takes the
+        bytes after the time as signed) to the smallest of the tick after `last`."""
+        low, high = _timeuuid(first, 0x8080, 0x808080808080), _timeuuid(last + 1, 0x8080, 0x808080808080)
         return await self._run("state_slice", mailbox_id, low, high, limit)
 
     def advance_statement(
