@@ -133,6 +133,11 @@ class CassandraSettings:
     #: another node reaches this one's sessions that much later. RCPT's quota check reuses the
     #: account row its user lookup read for as long (the delivery checks the limit again).
     mailbox_cache: float = 1.0
+    #: A process that delivered this many messages to one mailbox within 10 minutes gives them
+    #: their UIDs in the background (a conditional batch per 1,024, never before the delivery's
+    #: reply), so that the next SELECT of a mailbox that got much mail meanwhile does not number
+    #: all of it; 0 leaves all numbering to the listings (cassmail/store/cassandra_ahead.py).
+    number_ahead: int = 1024
 
     def validate(self, prefix: str) -> None:
         _check(bool(self.contact_points), f"{prefix}.contact_points", "needs at least one host")
@@ -180,6 +185,7 @@ class CassandraSettings:
         _check(self.chunk_concurrency >= 1, f"{prefix}.chunk_concurrency", "must be >= 1")
         _check(self.max_chunks_in_flight >= 1, f"{prefix}.max_chunks_in_flight", "must be >= 1")
         _check(self.tombstone_grace >= 0, f"{prefix}.tombstone_grace", "must be >= 0 seconds")
+        _check(self.number_ahead >= 0, f"{prefix}.number_ahead", "must be >= 0 (0 = off)")
         _check(0 <= self.mailbox_cache <= 60, f"{prefix}.mailbox_cache", "must be 0-60 seconds")
 
 

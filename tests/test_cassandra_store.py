@@ -86,7 +86,8 @@ async def deliver_many(store: CassandraStore, user: str, count: int, mailbox: st
 
 
 async def test_listing_after_mass_deletion_does_not_walk_the_tombstones(make_store) -> None:
-    store = await make_store(tombstone_grace=0.0)
+    # Two mailboxes never numbered, so alike (a numbered one's listing also reads its anchor row).
+    store = await make_store(tombstone_grace=0.0, number_ahead=0)
     user = await new_user(store)
     ids = await deliver_many(store, user, 5000)
     listed = [s.id async for s in store.list_messages(user, INBOX, page_size=1000)]
@@ -409,6 +410,39 @@ async def test_a_run_of_new_mail_is_read_as_a_slice_and_ids_spread_among_others_
     listed = {s.id: s.uid async for s in store.list_messages(user, INBOX)}
     assert sorted(i for i, uid in listed.items() if uid) == sorted(ids[:100] + ids[100::2] + spread)
     assert sorted(uid for uid in listed.values() if uid) == list(range(1, 251))
+
+
+async def test_mail_delivered_in_bulk_to_one_mailbox_is_numbered_in_the_background(make_store) -> None:
+    """store.cassandra.number_ahead (50 here): once a process delivered that many messages to one
+    mailbox, it gives them UIDs in the background, while delivery goes on; what is left under the
+    threshold, and a mailbox that got less, wait for their next listing."""
+    store = await make_store(number_ahead=50)
+    user, quiet = await new_user(store), await new_user(store)
+    ids = await deliver_many(store, user, 120)
+    await deliver_many(store, quiet, 49)
+
+    async def uids(address: str) -> dict[uuid.UUID, int | None]:
+        return {s.id: s.uid async for s in store.list_messages(address, INBOX)}
+
+    for _ in range(200):
+        if sum(1 for uid in (await uids(user)).values() if uid) >= 100:
+            break
+        await asyncio.sleep(0.05)
+    listed = await uids(user)
+    assert sorted(uid for uid in listed.values() if uid) == list(range(1, 101))
+    assert await store.uid_next(user, INBOX) == 101
+    assert not any((await uids(quiet)).values())
+    left = [i for i in ids if not listed[i]]
+    assert sorted((await store.assign_uids(user, INBOX, left)).values()) == list(range(101, 121))
+    status = await store.mailbox_status(user, INBOX, recent=True)  # the counts follow the numberings
+    assert (status.messages, status.unseen, status.uid_next, status.recent) == (120, 120, 121, 120)
+    # A deletion waits for the numbering of its mailbox, so no numbered row outlives its message.
+    emptied = await new_user(store)
+    doomed = await deliver_many(store, emptied, 60)  # a numbering starts at the 50th
+    await store.delete_messages(emptied, INBOX, doomed)
+    mailbox_id = (await store._resolve(address_key(emptied), INBOX)).mailbox_id
+    assert [r.id for r in await store.tables.messages.page(mailbox_id, None, 500) if r.uid and r.size is None] == []
+    assert [s async for s in store.list_messages(emptied, INBOX)] == []
 
 
 async def test_two_nodes_assigning_uids_at_once_never_collide(make_store) -> None:

@@ -80,6 +80,7 @@ from cassmail.store.base import (
     uid_work,
 )
 
+from cassmail.store.cassandra_ahead import NumberAhead
 from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
@@ -151,6 +152,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         #: row): for `_recent`.
         self._rows: dict[tuple[str, str | None], tuple[float, Any]] = {}
         self._queue_init()
+        self._ahead = NumberAhead(settings.number_ahead, self._number_ahead)
 
     @property
     def settings(self) -> CassandraSettings:
@@ -188,6 +190,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def open(self) -> None:
         if self.cql.is_open:
             return
+        self._ahead.threshold = self.settings.number_ahead
         self._cluster = self._make_cluster()
         try:
             self.cql.session = await asyncio.to_thread(self._cluster.connect)
@@ -215,6 +218,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         return f"{','.join(self.settings.contact_points)}:{self.settings.port} keyspace {self.settings.keyspace}"
 
     async def close(self) -> None:
+        await self._ahead.close()
         await self._settle_events()
         if self._cluster is not None:
             cluster, self._cluster, self.cql.session = self._cluster, None, None
@@ -636,6 +640,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 batch.add(self.tables.messages.insert_statement(*params))
             await self.cql.run(batch)
         self._notify(mailbox_ids.values())
+        for k in unique:
+            self._ahead.delivered(mailbox_ids[k], ids[k])
         await self._quota_count(counted)
         return [ids[(t.user, t.mailbox)] for t in targets]
 
@@ -788,6 +794,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         key, name = address_key(user), mailbox_name(mailbox)
         row = await self._resolve(key, name)
         mailbox_id = row.mailbox_id
+        await self._ahead.forget(mailbox_id)
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         newest: uuid.UUID | None = None
         messages = self.tables.messages
@@ -1017,6 +1024,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         for group in _groups(wanted, UID_BATCH):
             uids.update(await self._assign_group(mailbox_id, group, renumber, modseqs))
         return uids
+
+    async def _number_ahead(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> None:
+        """UIDs for mail this process delivered (see cassandra_ahead.py)."""
+        for group in _groups(ids, UID_BATCH):
+            await self._assign_group(mailbox_id, group, None, None)
 
     async def _assign_group(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None,
