@@ -659,6 +659,30 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             await self._catch_up_low_water(key, name, row, page.items[0].id if page.items else None)
         return page
 
+    async def list_messages(self, user: str, mailbox: str, page_size: int = 500) -> AsyncIterator[MessageSummary]:
+        """As `Store.list_messages`, with the next page asked for as soon as this one's rows are
+        in: Cassandra reads it while the worker makes and takes in this one's summaries."""
+        page = await self.list_page(user, mailbox, limit=page_size)  # (the first: the low-water mark)
+        for item in page.items:
+            yield item
+        if page.cursor is None:
+            return
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
+        messages = self.tables.messages
+        ahead = asyncio.ensure_future(messages.page(mailbox_id, page.cursor, page_size))
+        try:
+            while ahead is not None:
+                rows = await ahead
+                ahead = (asyncio.ensure_future(messages.page(mailbox_id, rows[-1].id, page_size))
+                         if len(rows) == page_size else None)
+                for r in rows:
+                    if r.size is not None:
+                        yield _summary(r)
+        finally:
+            if ahead is not None:  # the reader stopped early, or a page failed
+                ahead.cancel()
+                ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
+
     async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
         rows = await self.tables.messages.page(mailbox_id, after, limit)
         items = [_summary(r) for r in rows if r.size is not None]
