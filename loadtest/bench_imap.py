@@ -392,13 +392,13 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
         out += markdown(["messages", "first SELECT", "SELECT (median)", "SELECT (max)"], rows, set())
         out.append("")
         rows = []
+        wait = arrival_window(settings) - (time.monotonic() - filled_at)
+        if wait > 0:  # (the mailboxes filled before the last one are older still)
+            print(f"waiting {wait:.0f} s for the fill to leave the arrival window", flush=True)
+            await asyncio.sleep(wait)
         for size, user in box_users.items():
             if size < 10:
                 continue
-            wait = arrival_window(settings) - (time.monotonic() - filled_at)
-            if wait > 0:  # (the last mailbox filled is the largest; the smaller ones waited for it)
-                print(f"waiting {wait:.0f} s for the fill to leave the arrival window", flush=True)
-                await asyncio.sleep(wait)
             plain, qresync = await time_resyncs(port, user, size, args.selects)
             rows.append([f"{size:,}", *(fmt(f(t) * 1000, ".1f")
                                         for t in (plain, qresync) for f in (statistics.median, max))])

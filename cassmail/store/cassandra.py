@@ -152,7 +152,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         #: row): for `_recent`.
         self._rows: dict[tuple[str, str | None], tuple[float, Any]] = {}
         self._queue_init()
-        self._ahead = NumberAhead(settings.number_ahead, self._number_ahead)
+        self._ahead = NumberAhead(settings.number_ahead, self._assign)
 
     @property
     def settings(self) -> CassandraSettings:
@@ -673,11 +673,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         try:
             while ahead is not None:
                 rows = await ahead
-                ahead = (asyncio.ensure_future(messages.page(mailbox_id, rows[-1].id, page_size))
-                         if len(rows) == page_size else None)
-                for r in rows:
-                    if r.size is not None:
-                        yield _summary(r)
+                cursor = _cursor(rows, page_size)
+                ahead = asyncio.ensure_future(messages.page(mailbox_id, cursor, page_size)) if cursor else None
+                for item in _live(rows):
+                    yield item
         finally:
             if ahead is not None:  # the reader stopped early, or a page failed
                 ahead.cancel()
@@ -685,8 +684,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
         rows = await self.tables.messages.page(mailbox_id, after, limit)
-        items = [_summary(r) for r in rows if r.size is not None]
-        return Page(items, rows[-1].id if len(rows) == limit else None)
+        return Page(_live(rows), _cursor(rows, limit))
 
     async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
@@ -1043,16 +1041,18 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         modseqs: dict[uuid.UUID, int] | None = None,
     ) -> dict[uuid.UUID, int]:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
-        wanted = uid_work(ids, renumber)
+        return await self._assign(mailbox_id, uid_work(ids, renumber), renumber, modseqs)
+
+    async def _assign(
+        self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None,
+    ) -> dict[uuid.UUID, int]:
+        """`assign_uids` of a resolved mailbox, in batches of UID_BATCH; also numbering ahead's
+        (cassandra_ahead.py), for the mail this process delivered."""
         uids: dict[uuid.UUID, int] = {}
-        for group in _groups(wanted, UID_BATCH):
+        for group in _groups(ids, UID_BATCH):
             uids.update(await self._assign_group(mailbox_id, group, renumber, modseqs))
         return uids
-
-    async def _number_ahead(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> None:
-        """UIDs for mail this process delivered (see cassandra_ahead.py)."""
-        for group in _groups(ids, UID_BATCH):
-            await self._assign_group(mailbox_id, group, None, None)
 
     async def _assign_group(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None,
@@ -1233,6 +1233,16 @@ def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:
     if a is None or b is None:
         return a or b
     return max(a, b, key=lambda u: (u.time, u.bytes))
+
+
+def _live(rows: Sequence[Any]) -> list[MessageSummary]:
+    """The summaries of a page of message rows, less rows without a message (a ghost, the anchor)."""
+    return [_summary(r) for r in rows if r.size is not None]
+
+
+def _cursor(rows: Sequence[Any], limit: int) -> uuid.UUID | None:
+    """Where the page after a page of `limit` rows starts; None when it was the last."""
+    return rows[-1].id if len(rows) == limit else None
 
 
 def _ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
