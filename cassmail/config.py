@@ -534,6 +534,10 @@ class ImapSettings(MailboxListenerSettings):
     #: that worker reads only what changed since, not the whole listing (about 300 bytes per
     #: message beside what sessions hold); 0 keeps none.
     snapshot_messages: int = 200_000
+    #: Views of mailboxes of at least this many messages are also left in the store when closed
+    #: (on a store that keeps them: Cassandra), so that a SELECT on any worker or node reads only
+    #: what changed since instead of the whole listing; 0 leaves none there.
+    store_snapshot_messages: int = 10_000
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
@@ -544,6 +548,8 @@ class ImapSettings(MailboxListenerSettings):
         _check(1 <= self.idle_refresh <= 3600, f"{prefix}.idle_refresh", "must be 1..3600 seconds")
         _check(0 <= self.header_cache_bytes <= 1 << 34, f"{prefix}.header_cache_bytes", "must be 0..17179869184 bytes")
         _check(0 <= self.snapshot_messages <= 100_000_000, f"{prefix}.snapshot_messages", "must be 0..100000000")
+        _check(0 <= self.store_snapshot_messages <= 100_000_000, f"{prefix}.store_snapshot_messages",
+               "must be 0..100000000")
 
 
 @dataclass

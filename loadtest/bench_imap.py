@@ -17,7 +17,8 @@ What it does:
 3. SELECT: per mailbox size, the first SELECT (it gives UIDs to the messages that have none: on
    Cassandra one conditional batch per 1,024; the filling process numbers its mail ahead per
    `store.cassandra.number_ahead`, so `--set store.cassandra.number_ahead=0` leaves it all to the
-   first SELECT) and then --selects more, one at a time, timed from the command to its tagged OK.
+   first SELECT) and then --selects more, one at a time, timed from the command to its tagged OK;
+   then --selects more, each in a new session (on whichever worker takes it).
    Then SELECT after 10 flag changes by another session, plain and with QRESYNC, once the fill
    is older than the store's arrival window (`arrival_window`).
 4. Sessions/s: --clients concurrent loops of connect, LOGIN, SELECT INBOX of the 10-message
@@ -211,19 +212,34 @@ async def fill(store: Store, user: str, bodies: list[bytes], concurrency: int) -
 # --------------------------------------------------------------------------- phases
 
 
-async def time_selects(port: int, user: str, expect: int, n: int) -> tuple[float, list[float]]:
+async def time_selects(port: int, user: str, expect: int, n: int) -> tuple[float, list[float], list[float]]:
+    """The first SELECT and `n` more in its session (on its worker), then one in each of `n` new
+    sessions a second apart, on whichever worker takes the connection: (first, again, new)."""
     client = await login(port, user)
     times = []
     try:
         for _ in range(n + 1):
-            started = time.perf_counter()
-            lines, _ = await client.cmd("SELECT INBOX")
-            times.append(time.perf_counter() - started)
-            if b"* %d EXISTS\r\n" % expect not in lines:
-                raise RuntimeError(f"SELECT of {user} did not show {expect} messages")
+            times.append(await time_select(client, user, expect))
     finally:
         await client.close()
-    return times[0], times[1:]
+    fresh = []
+    for _ in range(n):
+        await asyncio.sleep(1)  # (a client that comes back, not one racing the last one's LOGOUT)
+        client = await login(port, user)
+        try:
+            fresh.append(await time_select(client, user, expect))
+        finally:
+            await client.close()
+    return times[0], times[1:], fresh
+
+
+async def time_select(client: Imap, user: str, expect: int) -> float:
+    started = time.perf_counter()
+    lines, _ = await client.cmd("SELECT INBOX")
+    took = time.perf_counter() - started
+    if b"* %d EXISTS\r\n" % expect not in lines:
+        raise RuntimeError(f"SELECT of {user} did not show {expect} messages")
+    return took
 
 
 def arrival_window(settings: Settings) -> float:
@@ -382,14 +398,17 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
     try:
         rows = []
         for size, user in box_users.items():
-            first, rest = await time_selects(port, user, size, args.selects)
-            rows.append([f"{size:,}", f"{first:.3f}", fmt(statistics.median(rest), ".3f"), fmt(max(rest), ".3f")])
-            print(f"SELECT {size}: first {first:.3f} s, then median {statistics.median(rest):.3f} s", flush=True)
+            first, rest, fresh = await time_selects(port, user, size, args.selects)
+            rows.append([f"{size:,}", f"{first:.3f}", fmt(statistics.median(rest), ".3f"), fmt(max(rest), ".3f"),
+                         fmt(statistics.median(fresh), ".3f"), fmt(max(fresh), ".3f")])
+            print(f"SELECT {size}: first {first:.3f} s, then median {statistics.median(rest):.3f} s; "
+                  f"new sessions {' '.join(f'{t:.3f}' for t in fresh)} s", flush=True)
         ahead = (f"; store.cassandra.number_ahead = {settings.store.cassandra.number_ahead}"
                  if settings.store.backend == "cassandra" else "")
         out += ["SELECT INBOX, seconds from command to tagged OK (the first one gives UIDs to the messages that have "
                 f"none{ahead}):", ""]
-        out += markdown(["messages", "first SELECT", "SELECT (median)", "SELECT (max)"], rows, set())
+        out += markdown(["messages", "first SELECT", "SELECT (median)", "SELECT (max)", "new session SELECT (median)",
+                         "new session SELECT (max)"], rows, set())
         out.append("")
         rows = []
         wait = arrival_window(settings) - (time.monotonic() - filled_at)

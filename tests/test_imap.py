@@ -1105,6 +1105,81 @@ async def test_a_later_select_starts_from_the_worker_snapshot_of_the_mailbox(pla
         raw.cmd("LOGOUT")
 
 
+async def test_a_select_on_another_node_starts_from_the_snapshot_the_store_keeps(cassandra_settings, tmp_path: Path) -> None:
+    """On Cassandra a view of a large mailbox (here: 20 messages or more) is also left in the
+    store when its session closes it, and a SELECT on another node starts from it without
+    listing the mailbox, taking in what changed since (a flag change, an expunge, a delivery)
+    as a session that stayed selected would."""
+    import dataclasses
+
+    from cassmail.config import Settings
+    from tests.conftest import FAST_HASH, hash_password, opened_store
+    from tests.test_metrics import scrape, value
+
+    settings = Settings()
+    settings.store.backend = "cassandra"
+    settings.store.cassandra = dataclasses.replace(cassandra_settings)
+    domain = f"snap{random.randrange(10**9)}.example"
+    user, box = f"anne@{domain}", "Big"
+    async with opened_store(settings) as store:
+        await store.add_domain(domain)
+        await store.create_user(user, hash_password("anne", FAST_HASH))
+        await store.create_mailbox(user, box)
+        await deliver(store, user, [message(i) for i in range(30)], box)
+        imap_settings = {"allow_plaintext_auth": True, "store_snapshot_messages": 20}
+        nodes = [Node(node_settings(settings), tmp_path, imap=imap_settings, metrics={"enabled": True}).start()
+                 for _ in range(2)]
+        try:
+            first = logged_in(nodes[0], user, "anne", box)
+            first.cmd("STORE 2 +FLAGS (\\Flagged)")
+            assert await store.view_snapshot(user, box) is None
+            first.cmd("LOGOUT")  # its view is left in the store, in the background
+            deadline = time.monotonic() + 10
+            while await store.view_snapshot(user, box) is None:
+                assert time.monotonic() < deadline, "no snapshot was left in the store"
+                await asyncio.sleep(0.1)
+            other = logged_in(nodes[0], user, "anne", box)
+            other.cmd("STORE 3 FLAGS (\\Seen $Label1)")
+            other.cmd("STORE 1 +FLAGS (\\Deleted)")
+            assert b"* 1 EXPUNGE\r\n" in other.cmd("EXPUNGE")
+            await deliver(store, user, [message(99)], box)
+
+            def count(node: Node, op: str) -> float:
+                return value(scrape(node), "cassmail_store_seconds_count", op=op) or 0
+
+            listed = count(nodes[1], "list_messages")
+            third = logged_in(nodes[1], user, "anne")
+            selected = third.cmd(f"SELECT {box}")
+            assert count(nodes[1], "view_snapshot") == 1 and count(nodes[1], "list_messages") == listed
+            assert b"* 30 EXISTS\r\n" in selected and b"* 1 RECENT\r\n" in selected, selected
+            assert b"$Label1" in b"".join(line for line in selected if line.startswith(b"* FLAGS"))
+            shown = {int(m.group(1)): set(m.group(2).decode().replace("\\Recent", "").split())
+                     for m in re.finditer(rb"UID (\d+) FLAGS \(([^)]*)\)", b"".join(third.cmd("FETCH 1:* (UID FLAGS)")))}
+            stored = {s.uid: set(s.flags) async for s in store.list_messages(user, box)}
+            assert list(shown) == sorted(stored) and shown == stored and len(shown) == 30
+            assert shown[3] == {"\\Seen", "$Label1"} and shown[2] == {"\\Flagged"} and 1 not in shown
+
+            # A snapshot whose view's last full listing is long past: the SELECT starts from it
+            # all the same, and the full listing comes at the refresh after it.
+            from cassmail.imap.snapshots import decode, encode
+
+            kept = await decode(await store.view_snapshot(user, box))
+            assert kept is not None
+            kept.full_at -= 3600
+            await store.keep_view_snapshot(user, box, await encode(kept))
+            listed, read = count(nodes[1], "list_messages"), count(nodes[1], "view_snapshot")
+            fourth = logged_in(nodes[1], user, "anne", box)  # (the third's view is still open)
+            assert count(nodes[1], "view_snapshot") == read + 1 and count(nodes[1], "list_messages") == listed
+            fourth.cmd("NOOP")
+            assert count(nodes[1], "list_messages") == listed + 1
+            for raw in (other, third, fourth):
+                raw.cmd("LOGOUT")
+        finally:
+            for n in nodes:
+                assert n.stop() == 0
+                assert "Traceback" not in n.log_text()
+
+
 def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> None:
     node = Node(node_settings(backend_settings), tmp_path, imap={**tls_files, "implicit_tls": True}).start()
     try:

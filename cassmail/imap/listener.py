@@ -16,7 +16,7 @@ from cassmail.imap.connection import Connection
 from cassmail.imap.cache import Lru
 from cassmail.imap.mime import Entity
 from cassmail.imap.session import Session, load_commands
-from cassmail.imap.view import Snapshot
+from cassmail.imap.snapshots import Snapshots
 from cassmail.inbound.learn import Learner
 from cassmail.logs import kv
 from cassmail.sessions import Sessions
@@ -49,9 +49,9 @@ class Listener(Sessions):
         self.statuses: Lru[tuple[Hashable, dict[str, int]]] = Lru(STATUSES_KEPT)
         #: (user, mailbox, UIDVALIDITY) -> the highest \Recent mark a session learnt (MailboxView).
         self.recent_marks: Lru[int] = Lru(STATUSES_KEPT)
-        #: (user, mailbox) -> the state of the last view of it closed here, which the next SELECT
-        #: of it here starts from (MailboxView.restore), up to snapshot_messages messages in all.
-        self.snapshots: Lru[Snapshot] = Lru(settings.snapshot_messages)
+        #: The states of views closed here (and in the store, of large mailboxes), which the next
+        #: SELECT of their mailbox starts from (MailboxView.restore).
+        self.snapshots = Snapshots(store, settings)
         Sessions.__init__(self, settings.max_connections)
         #: (user, mailbox) -> the Watcher IDLE sessions on that mailbox share (cassmail.imap.idle).
         self.watchers: dict[tuple[str, str], Any] = {}

@@ -45,8 +45,7 @@ async def select(session: Session, args: c.Select) -> str:
     view = MailboxView(store, user, name, info.uidvalidity, args.readonly, settings.page_size,
                        session.listener.recent_marks)
     view.condstore = session.condstore
-    snapshot = session.listener.snapshots.get((user, name))
-    uid_next = await view.load(snapshot if snapshot is not None and snapshot.uidvalidity == info.uidvalidity else None)
+    uid_next = await view.load(await session.listener.snapshots.get(user, name, info.uidvalidity))
     session.view, session.state = view, "selected"
     session.flags_response()
     session.untagged(b"%d EXISTS" % len(view))

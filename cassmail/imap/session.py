@@ -268,7 +268,7 @@ class Session:
     def close_view(self) -> None:
         view = self.view
         if view is not None and (snapshot := view.snapshot()) is not None:
-            self.listener.snapshots.put((view.user, view.name), snapshot, len(snapshot.uids))
+            self.listener.snapshots.put(view.user, view.name, snapshot)
         self.view = None
         if self.state == "selected":
             self.state = "auth"

@@ -212,6 +212,9 @@ class MailboxView:
         self.incremental = store.arrivals_mark(()) is not None
         self.mark: Hashable | None = None
         self.full_at = 0.0
+        #: Set while a SELECT takes in what changed since its snapshot: a full listing that is
+        #: due waits for the next refresh (see `restore`).
+        self.defer_full = False
         #: Whether the last refresh took in every expunge it found (see `refresh`): only then is
         #: the view what the store held, for a snapshot.
         self.clean = True
@@ -227,14 +230,17 @@ class MailboxView:
 
     def restore(self, snapshot: Snapshot) -> None:
         """Start from a snapshot of a view of this mailbox (same UIDVALIDITY): the next refresh
-        reads what changed since it, or nothing if its changes token still holds, or the whole
-        listing when one is due (`full_listing_period`). The UIDs in it count as shown: a message
-        listed below them later is renumbered, as any view of them would."""
+        reads what changed since it, or nothing if its changes token still holds. A full listing
+        that is due (`full_listing_period`) waits for the refresh after the SELECT's, as in a view
+        that had stayed open: the SELECT shows the snapshot with every change and arrival since,
+        and what only a full listing sees may be told at any later refresh. The UIDs in it count
+        as shown: a message listed below them later is renumbered, as any view of them would."""
         self.uids, self.messages = list(snapshot.uids), dict(snapshot.messages)
         self.highest, self.uid_next = snapshot.highest, snapshot.uid_next
         self.token, self.listed_at = snapshot.token, snapshot.listed_at
         self.mark, self.full_at = snapshot.mark, snapshot.full_at
         self.shown = self.uids[-1] if self.uids else 0
+        self.defer_full = True
 
     async def load(self, snapshot: Snapshot | None) -> int:
         """Fill a new view for SELECT and return UIDNEXT: from `snapshot` when one is given (see
@@ -244,6 +250,7 @@ class MailboxView:
             self.restore(snapshot)
             last = self.uids[-1] if self.uids else 0
             changes = await self.refresh(expunge=True)
+            self.defer_full = False
             await self._claim_recent()  # (a refresh that found nothing changed claimed nothing)
             told = changes.flags + changes.modseqs + self.uids[bisect.bisect_right(self.uids, last):]
             self.keywords = set(snapshot.keywords) | keywords_of(self.messages[u] for u in told)
@@ -421,7 +428,7 @@ class MailboxView:
         listing is due: none yet, one older than `full_listing_period`, expunges the store forgot."""
         if self.mark is None or not self.highest:
             return None
-        if time.monotonic() - self.full_at > full_listing_period(len(self.uids)):
+        if time.monotonic() - self.full_at > full_listing_period(len(self.uids)) and not self.defer_full:
             return None
         store, user, name = self.store, self.user, self.name
         highest = await store.highest_modseq(user, name)

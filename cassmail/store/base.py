@@ -684,6 +684,25 @@ class Store(abc.ABC):
         Raises NoSuchMailbox."""
         return [s async for s in self.list_messages(user, mailbox)], mark
 
+    # ----------------------------------------------------------------- view snapshots (IMAP SELECT)
+    # A session that closes its view of a large mailbox may leave the view's state here (bytes
+    # only the IMAP server reads: cassmail.imap.snapshots), so that a SELECT of the mailbox on
+    # any worker or node starts from it and reads only what changed since, instead of listing
+    # every message. What is kept is a cache: it may be lost, and an old one only makes the next
+    # SELECT read more changes. A store whose listing is cheap keeps none (these defaults).
+
+    def keeps_view_snapshots(self) -> bool:
+        return False
+
+    async def view_snapshot(self, user: str, mailbox: str) -> bytes | None:
+        """The newest snapshot kept of the mailbox (this incarnation of it: one deleted and made
+        again has none), or None. Raises NoSuchMailbox."""
+        return None
+
+    async def keep_view_snapshot(self, user: str, mailbox: str, data: bytes) -> None:
+        """Keep `data` as the mailbox's newest snapshot, in place of the one before. Raises
+        NoSuchMailbox."""
+
     # ----------------------------------------------------------------- change notification (IMAP IDLE)
 
     async def changed_mailboxes(

@@ -87,6 +87,7 @@ from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_quota import CassandraQuota
 from cassmail.store.cassandra_sieve import CassandraSieve
+from cassmail.store.cassandra_snapshots import CassandraSnapshots
 from cassmail.store.cassandra_tables import ANCHOR, Tables
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def _now_100ns() -> int:
     return _ticks(time.time())
 
 
-class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts):
+class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts, CassandraSnapshots):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
         #: The one executor of every statement; the tables hold the statements.
         self.cql = Cql(settings)

@@ -879,6 +879,33 @@ class QuotaUsage(Table):
         await self._run("add", size, messages, user)
 
 
+# ===================================================================== view snapshots (schema/014_view_snapshots.cql)
+
+
+class ViewSnapshots(Table):
+    """`view_snapshots`: a partition per mailbox, a row per part of each snapshot, newest first."""
+
+    STATEMENTS = {
+        "heads": (READ, "SELECT taken, part, parts FROM view_snapshots WHERE mailbox_id = ? LIMIT ?"),
+        "parts": (READ, "SELECT part, data FROM view_snapshots WHERE mailbox_id = ? AND taken = ?"),
+        "insert": (WRITE, "INSERT INTO view_snapshots (mailbox_id, taken, part, parts, data) VALUES (?, ?, ?, ?, ?)"),
+        "drop_before": (WRITE, "DELETE FROM view_snapshots WHERE mailbox_id = ? AND taken < ?"),
+    }
+
+    async def heads(self, mailbox_id: uuid.UUID, limit: int) -> list[Any]:
+        """(taken, part, parts) of the newest rows, without their data."""
+        return await self._run("heads", mailbox_id, limit)
+
+    async def parts(self, mailbox_id: uuid.UUID, taken: uuid.UUID) -> list[Any]:
+        return await self._run("parts", mailbox_id, taken)
+
+    async def insert(self, mailbox_id: uuid.UUID, taken: uuid.UUID, part: int, parts: int, data: bytes) -> None:
+        await self._run("insert", mailbox_id, taken, part, parts, data)
+
+    async def drop_before(self, mailbox_id: uuid.UUID, taken: uuid.UUID) -> None:
+        await self._run("drop_before", mailbox_id, taken)
+
+
 class Tables:
     """Every table of the keyspace, each with its statements, sharing one executor."""
 
@@ -899,6 +926,7 @@ class Tables:
         self.sieve_vacation = SieveVacation(cql)
         self.mailbox_events = MailboxEvents(cql)
         self.quota_usage = QuotaUsage(cql)
+        self.view_snapshots = ViewSnapshots(cql)
 
     def all(self) -> Iterable[Table]:
         return [t for t in vars(self).values() if isinstance(t, Table)]
