@@ -419,6 +419,10 @@ class TimedStore(Store):
     def quota_exact(self) -> bool:
         return self._inner.quota_exact
 
+    @property  # type: ignore[override]
+    def keeps_view_snapshots(self) -> bool:
+        return self._inner.keeps_view_snapshots
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)

@@ -307,6 +307,8 @@ class Store(abc.ABC):
     #: and the write are under one lock); False when those in flight at once may each pass the
     #: check and overshoot the limit by at most their sizes together (see `set_quota`).
     quota_exact: bool = False
+    #: Whether the store keeps IMAP view snapshots (`keep_view_snapshot`).
+    keeps_view_snapshots: bool = False
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> None:  # noqa: B027 - optional hook
@@ -691,15 +693,12 @@ class Store(abc.ABC):
     # every message. What is kept is a cache: it may be lost, and an old one only makes the next
     # SELECT read more changes. A store whose listing is cheap keeps none (these defaults).
 
-    def keeps_view_snapshots(self) -> bool:
-        return False
-
     async def view_snapshot(self, user: str, mailbox: str) -> bytes | None:
         """The newest snapshot kept of the mailbox (this incarnation of it: one deleted and made
         again has none), or None. Raises NoSuchMailbox."""
         return None
 
-    async def keep_view_snapshot(self, user: str, mailbox: str, data: bytes) -> None:
+    async def keep_view_snapshot(self, user: str, mailbox: str, data: bytes) -> None:  # noqa: B027 - optional
         """Keep `data` as the mailbox's newest snapshot, in place of the one before. Raises
         NoSuchMailbox."""
 

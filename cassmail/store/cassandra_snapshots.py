@@ -28,9 +28,7 @@ class CassandraSnapshots(Store):
 
     tables: Tables
     _resolve: Any
-
-    def keeps_view_snapshots(self) -> bool:
-        return True
+    keeps_view_snapshots = True
 
     async def view_snapshot(self, user: str, mailbox: str) -> bytes | None:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
