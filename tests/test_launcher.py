@@ -367,6 +367,26 @@ def test_the_suites_cassandra_node_and_its_threads_run_with_the_launchers_timer_
     assert launcher.timer_slack() != launcher.TIMER_SLACK_NS
 
 
+def test_the_suites_cassandra_node_takes_trie_memtables_and_trie_indexed_sstables(cassandra_endpoint) -> None:
+    """The launcher's storage settings (5.0's cassandra_latest.yaml ones), as the running node
+    reports the configuration it took."""
+    from cassandra.cluster import Cluster
+
+    if os.environ.get("CASSMAIL_TEST_CASSANDRA"):
+        pytest.skip("CASSMAIL_TEST_CASSANDRA names a Cassandra the launcher did not start")
+
+    host, port = cassandra_endpoint
+    cluster = Cluster([host], port=port)
+    try:
+        settings = {r.name: r.value for r in cluster.connect().execute("SELECT name, value FROM system_views.settings")}
+    finally:
+        cluster.shutdown()
+    assert settings["storage_compatibility_mode"] == "NONE"
+    assert settings["sstable.selected_format"] == "bti"
+    assert "default=trie" in settings["memtable.configurations"]
+    assert "trie=TrieMemtable" in settings["memtable.configurations"]
+
+
 # --------------------------------------------------------------------------- CQL probe
 
 

@@ -705,6 +705,13 @@ class LocalCluster:
             "role_manager": "CassandraRoleManager",
             # A fresh cluster needs no compatibility with 4.x sstables/messaging.
             "storage_compatibility_mode": "NONE",
+            # Cassandra 5.0's trie memtables and trie-indexed sstables (its cassandra_latest.yaml).
+            "memtable": {"configurations": {
+                "skiplist": {"class_name": "SkipListMemtable"},
+                "trie": {"class_name": "TrieMemtable"},
+                "default": {"inherits": "trie"},
+            }},
+            "sstable": {"selected_format": "bti"},
             # Small pools and caches: 2 cores, possibly several nodes.
             "concurrent_reads": 8,
             "concurrent_writes": 8,
