@@ -662,7 +662,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve"), (8, "modseq"), (9, "events"), (10, "quota"), (11, "counts"),
-                       (12, "plain_bodies"), (13, "body_compaction")]
+                       (12, "plain_bodies"), (13, "body_compaction"), (14, "view_snapshots")]
 
 
 def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:
