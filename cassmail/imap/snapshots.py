@@ -37,7 +37,7 @@ log = logging.getLogger("cassmail.imap")
 
 #: Seconds between two snapshots of one mailbox written by one worker.
 SHARE_PERIOD = 60.0
-#: Mailboxes whose last snapshot in the store a worker remembers (HIGHESTMODSEQ, when).
+#: Mailboxes whose last snapshot in the store a worker remembers (see `Snapshots.shared`).
 SHARED_KEPT = 10_000
 
 MAGIC = b"CMV1"
