@@ -853,6 +853,11 @@ async def test_taking_from_a_queue_that_delivered_many_walks_no_tombstones(make_
 
     monkeypatch.setattr(cassandra_queue, "SETTLE_SECONDS", 0.0)
     store = await make_queue_store(tombstone_grace=0.0)
+    # Within one minute if it can be: a minute left behind gets its low mark (grace 0), and then
+    # no reader walks its tombstones, the sweep below included.
+    left = cassandra_queue.BUCKET_SECONDS - time.time() % cassandra_queue.BUCKET_SECONDS
+    if left < 20:
+        await asyncio.sleep(left + 0.1)
     first_bucket = int(time.time() // cassandra_queue.BUCKET_SECONDS)
     await asyncio.gather(*(store.enqueue(b"Subject: q\r\n\r\nx\r\n", "a@here.example", [f"r{k}@there.example"])
                            for k in range(300)))
@@ -875,7 +880,11 @@ async def test_taking_from_a_queue_that_delivered_many_walks_no_tombstones(make_
     sweeping = await make_queue_store(tombstone_grace=0.0)
     with sweeping.tracing() as sweep:
         assert await sweeping.take_due("w2", 100, lease=60.0) == []
-    assert sweep.tombstones >= 300
+    # With no minute left behind the sweep walks every deleted row. (A run slow enough to cross
+    # into the next minute despite the wait above moved the low marks of the shards it left behind
+    # past their tombstones: no reader walks those.)
+    if int(time.time() // cassandra_queue.BUCKET_SECONDS) == first_bucket:
+        assert sweep.tombstones >= 300
 
 
 async def test_a_take_reads_past_the_rows_of_held_entries_to_the_mail_due_behind_them(make_queue_store) -> None:
