@@ -7,7 +7,6 @@ progress finish for `node.stop_grace` seconds, cuts the rest, and closes the sto
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -26,12 +25,6 @@ log = logging.getLogger("cassmail.server")
 CUT_GRACE = 3.0
 #: Longest pause between two tries to open a store that is not ready.
 OPEN_RETRY_PAUSE = 5.0
-#: Allocations between two collections of the youngest generation of Python's cyclic garbage
-#: collector (Python's default: 700). A worker makes objects by the hundred thousand (a listing,
-#: a snapshot, a FETCH of many messages), nearly none of them in cycles; at 700 the collector
-#: ran about 140 times per 100,000 summaries, each time over the survivors of the last, a third
-#: of the time of decoding a snapshot (loadtest/RESULTS.md).
-GC_YOUNG = 10_000
 
 
 async def open_store(store: Store, wait: float, stop: asyncio.Event) -> bool:
@@ -140,11 +133,6 @@ async def run_worker(settings: Settings) -> int:
 
         counts = {name: (lambda name=name: count(name)) for name in dict.fromkeys(name for name, _ in keepers)}
         sampler = asyncio.ensure_future(metrics.sample_sessions(metrics.installed(), counts))
-    # What was made to start (modules, settings, the driver's metadata) lives as long as the
-    # worker: out of the collector's sight, later collections do not walk it again and again.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     log.info(kv("worker-ready", listeners=len(servers) + len(ports)))
 
     def sessions() -> int:
