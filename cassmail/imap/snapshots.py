@@ -31,7 +31,7 @@ from cassmail.imap.cache import Lru
 from cassmail.imap.view import Snapshot
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
-from cassmail.store.base import NoSuchMailbox, Store, StoreError
+from cassmail.store.base import Store, StoreError
 
 log = logging.getLogger("cassmail.imap")
 
@@ -72,7 +72,7 @@ class Snapshots:
             return None
         try:
             data = await self.store.view_snapshot(user, name)
-        except (StoreError, NoSuchMailbox) as exc:  # a cache: the listing will do
+        except StoreError as exc:  # (NoSuchMailbox too) a cache: the listing will do
             log.warning(kv("imap-snapshot", user=user, mailbox=name, read=False, error=exc))
             return None
         found = await decode(data) if data is not None else None
@@ -102,7 +102,7 @@ class Snapshots:
             return
         try:
             await self.store.keep_view_snapshot(user, name, data)
-        except (StoreError, NoSuchMailbox) as exc:
+        except StoreError as exc:
             log.warning(kv("imap-snapshot", user=user, mailbox=name, written=False, error=exc))
 
 

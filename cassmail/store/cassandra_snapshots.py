@@ -49,4 +49,3 @@ class CassandraSnapshots(Store):
                                for n, part in enumerate(parts) if n))
         await table.insert(mailbox_id, taken, 0, len(parts), parts[0])
         await table.drop_before(mailbox_id, taken)
-
