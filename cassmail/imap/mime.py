@@ -41,6 +41,9 @@ class Entity:
     headers: Message
     parts: list[Entity] = field(default_factory=list)
     message: Entity | None = None  # the encapsulated message of a message/rfc822 part
+    #: Values derived from the header once and kept with the entity while the worker keeps it
+    #: (SEARCH's decoded field texts, by a key of the deriver's).
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def content_type(self) -> tuple[str, str]:

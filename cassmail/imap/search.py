@@ -138,13 +138,24 @@ def _decoded(value: str) -> str:
         return value
 
 
+def _field_texts(entity: mime.Entity, name: str) -> tuple[str, ...]:
+    """The field's values, encoded words decoded, lowercased: worked out once per parsed header
+    (the worker keeps parsed headers, so a SEARCH repeated over a mailbox decodes nothing again)."""
+    key = "text " + name.lower()
+    texts = entity.derived.get(key)
+    if texts is None:
+        texts = entity.derived[key] = tuple(_decoded(str(v)).lower() for v in entity.headers.get_all(name) or [])
+    return texts
+
+
 def _header_has(entity: mime.Entity | None, name: str, needle: str) -> bool:
     if entity is None:
         return False
-    values = entity.headers.get_all(name) or []
+    texts = _field_texts(entity, name)
     if not needle:
-        return bool(values)
-    return any(needle.lower() in _decoded(str(v)).lower() for v in values)
+        return bool(texts)
+    lowered = needle.lower()
+    return any(lowered in text for text in texts)
 
 
 def _sent_date(entity: mime.Entity | None) -> date | None:
@@ -248,6 +259,10 @@ def _address_has(entity: mime.Entity | None, name: str, needle: str) -> bool:
         return True
     if entity is None or not needle:
         return False
-    values = [str(v) for v in entity.headers.get_all(name) or []]
+    key = "addresses " + name
+    forms = entity.derived.get(key)
+    if forms is None:
+        values = [str(v) for v in entity.headers.get_all(name) or []]
+        forms = entity.derived[key] = tuple(f"{_decoded(display)} <{addr}>".lower() for display, addr in getaddresses(values))
     lowered = needle.lower()
-    return any(lowered in f"{_decoded(display)} <{addr}>".lower() for display, addr in getaddresses(values))
+    return any(lowered in form for form in forms)
