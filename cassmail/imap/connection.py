@@ -32,6 +32,11 @@ LITERAL_MARKER = re.compile(rb"(~?)\{(\d{1,20})(\+?)\}\Z")
 #: RFC 3501 number: 32 bits.
 MAX_LITERAL_NUMBER = 0xFFFFFFFF
 
+#: Output waiting to be written is handed to the transport once it reaches this many bytes, and
+#: otherwise when the session next lets the event loop run: the lines of one response (a FETCH of
+#: fifty messages' flags, a SELECT) go out in one send instead of one per line.
+OUTPUT_BATCH = 64 * 1024
+
 
 class Closed(ConnectionError):
     """The client went away (end of stream or reset) while the session waited for its bytes."""
@@ -94,6 +99,10 @@ class Connection(asyncio.Protocol):
         self._inflate: Any = None
         self._deflate: Any = None
         self._deflated = b""
+        #: Written, not yet handed to the transport (see OUTPUT_BATCH), and the pending flush.
+        self._out: list[bytes] = []
+        self._out_size = 0
+        self._flush_soon: asyncio.Handle | None = None
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -155,6 +164,7 @@ class Connection(asyncio.Protocol):
                 return
         if self.eof:
             raise Closed("the client closed the connection")
+        self.flush()  # what the client waits for before it sends more
         self._data.clear()
         if self._reading_paused:  # the reader needs bytes the bound is holding back
             self._reading_paused = False
@@ -234,16 +244,46 @@ class Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ writing
 
     def write(self, data: bytes) -> None:
+        """Queue bytes for the client: they reach the transport with `flush`, which runs once the
+        session lets the event loop run (or at OUTPUT_BATCH bytes, or in `drain`)."""
+        if self.lost:
+            return
+        if len(data) >= OUTPUT_BATCH:  # (a message's piece: not copied into a batch)
+            self.flush()
+            self._send(data)
+            return
+        self._out.append(data)
+        self._out_size += len(data)
+        if self._out_size >= OUTPUT_BATCH:
+            self.flush()
+        elif self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Hand what was written to the transport now (before the transport changes: STARTTLS,
+        COMPRESS)."""
+        if self._flush_soon is not None:
+            self._flush_soon.cancel()
+            self._flush_soon = None
+        if not self._out:
+            return
+        data = self._out[0] if len(self._out) == 1 else b"".join(self._out)
+        self._out.clear()
+        self._out_size = 0
         if not self.lost:
-            if self._deflate is not None:
-                data = self._deflate.compress(data) + self._deflate.flush(zlib.Z_SYNC_FLUSH)
-            self.transport.write(data)
+            self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        if self._deflate is not None:
+            data = self._deflate.compress(data) + self._deflate.flush(zlib.Z_SYNC_FLUSH)
+        self.transport.write(data)
 
     # ------------------------------------------------------------------ COMPRESS=DEFLATE (RFC 4978)
 
     def start_compression(self) -> None:
         """From now on both directions are raw DEFLATE. What the client sent after the COMPRESS
         command is already compressed: it is inflated with the rest."""
+        self.flush()  # the answer to COMPRESS goes out uncompressed
         self._inflate = zlib.decompressobj(-15)
         self._deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
         self._deflated, self._buffer = bytes(self._buffer), bytearray()
@@ -275,7 +315,7 @@ class Connection(asyncio.Protocol):
         ClientStalled after aborting the connection when it took nothing for write_timeout."""
         if self.lost:
             raise Closed("the client went away")
-        if self._writable.is_set():
+        if self._writable.is_set():  # (what waits in the batch is bounded by OUTPUT_BATCH)
             return
         try:
             await asyncio.wait_for(self._writable.wait(), self.write_timeout)
@@ -292,6 +332,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         """Close once what was written is sent."""
         if self.transport is not None and not self.lost:
+            self.flush()
             self.transport.close()
 
     def abort(self) -> None:

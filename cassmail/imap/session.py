@@ -113,7 +113,8 @@ class Session:
             self.untagged(b"OK [CAPABILITY " + b" ".join(self.capabilities()) + b"] cassmail IMAP4rev1 ready")
             while not self.closing:
                 try:
-                    frame = await asyncio.wait_for(self._read_command(), self.settings.timeout)
+                    async with asyncio.timeout(self.settings.timeout):  # (no task per command, as wait_for makes)
+                        frame = await self._read_command()
                 except TimeoutError:
                     self.untagged(b"BYE Autologout; idle for too long")
                     break
@@ -146,6 +147,7 @@ class Session:
     def _literal_wanted(self) -> None:
         """The continuation a synchronising literal waits for; its bytes are acknowledged at once."""
         self.continuation(b"Ready for literal data")
+        self.conn.flush()
         quick_ack(self.conn.transport)
 
     async def execute(self, frame: Frame) -> None:
@@ -184,6 +186,7 @@ class Session:
         self.tagged(tag, status, text)
         then, self.then = self.then, None
         if then is not None:
+            self.conn.flush()  # the answer goes out before the transport changes (STARTTLS, COMPRESS)
             await then()
 
     async def _run(self, entry: Entry, command: c.Command) -> tuple[bytes, bytes]:

@@ -783,6 +783,18 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.vanished_since(modseq))
 
+    async def changes_since(self, user: str, mailbox: str, modseq: int) -> tuple[list[MessageSummary], list[int] | None]:
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.changes_since(modseq))
+
+    def arrivals_mark(self, summaries: Iterable[MessageSummary], started: float | None = None) -> Hashable | None:
+        # The highest MODSEQ the listing showed: a message delivered since is unnumbered still
+        # or was numbered since, above it (numbering gives it its first MODSEQ).
+        return max((s.modseq or 0 for s in summaries if s.uid is not None), default=0)
+
+    async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
+        assert isinstance(mark, int)
+        return await self._on_mailbox(user, mailbox, lambda mf: mf.arrivals(mark))
+
     async def recent_mark(self, user: str, mailbox: str) -> int:
         return await self._on_mailbox(user, mailbox, lambda mf: mf.recent_mark())
 

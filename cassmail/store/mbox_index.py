@@ -258,6 +258,10 @@ class Segment:
         return self.made
 
 
+def _order_key(message_id: uuid.UUID) -> tuple[int, int, uuid.UUID]:
+    return message_id.time, message_id.int, message_id
+
+
 @dataclass(slots=True)
 class Run:
     """One step of a compaction plan (see the module docstring)."""
@@ -563,7 +567,7 @@ class MailboxFile:
                 if seg is not None and not seg.deleted:
                     self._uncount(seg)
                     seg.deleted = True
-                    self._order = None
+                    self._order_changed(seg.id, False)
         elif kind == UIDS:
             (self.uidnext,) = struct.unpack_from(">I", body)
             for i in range(4, len(body), 20):
@@ -586,7 +590,7 @@ class MailboxFile:
                 if seg is not None and not seg.deleted:
                     self._uncount(seg)
                     seg.deleted = True
-                    self._order = None
+                    self._order_changed(seg.id, False)
                     if seg.uid:
                         gone.append(seg.uid)
             self._remember_vanished(body, gone)
@@ -679,11 +683,13 @@ class MailboxFile:
             raise ValueError(f"segment at {seg.off} does not follow the end {self.end}")
         if seg.id is not None:
             old = self.by_id.get(seg.id)
+            was_live = old is not None and old.live
             if old is not None:  # a message moved to the end (its flags outgrew their slot)
                 self._uncount(old)
                 old.id, old.deleted = None, False
             self.by_id[seg.id] = seg
-            self._order = None
+            if was_live != seg.live:
+                self._order_changed(seg.id, seg.live)
             if seg.live:
                 self.live_bytes += seg.raw
                 self.live_count += 1
@@ -882,9 +888,27 @@ class MailboxFile:
     # ----------------------------------------------------------------- listing and reading
 
     def _ordered(self) -> list[tuple[int, int, uuid.UUID]]:
+        """The live messages' ids in arrival order (TimeUUID time, then the id), as sort keys."""
         if self._order is None:
-            self._order = sorted((s.id.time, s.id.int, s.id) for s in self.by_id.values() if s.live)  # type: ignore[union-attr]
+            self._order = sorted(_order_key(s.id) for s in self.by_id.values() if s.live)  # type: ignore[arg-type]
         return self._order
+
+    def _order_changed(self, message_id: uuid.UUID, live: bool) -> None:
+        """Keep the order made by `_ordered` (if any) as a message comes or goes: a delivery
+        lands at the end, so a mailbox that grows is not sorted again."""
+        order = self._order
+        if order is None:
+            return
+        key = _order_key(message_id)
+        if live:
+            if not order or order[-1] < key:
+                order.append(key)
+            else:
+                bisect.insort(order, key)
+            return
+        at = bisect.bisect_left(order, key)
+        if at < len(order) and order[at] == key:
+            del order[at]
 
     def page(self, after: uuid.UUID | None, limit: int) -> tuple[list[MessageSummary], uuid.UUID | None]:
         with self.reading():
@@ -1075,20 +1099,44 @@ class MailboxFile:
         """Numbered live messages whose MODSEQ is above `modseq`, in arrival order (one pass over
         the index in memory, no summary made for the others)."""
         with self.reading():
-            out = []
-            for _, _, message_id in self._ordered():
-                seg = self.by_id[message_id]
-                if seg.uid and (seg.modseq or 1) > modseq:
-                    out.append(seg.summary())
-            return out
+            return self._changed_since(modseq)
 
     def vanished_since(self, modseq: int) -> list[int] | None:
         """UIDs that vanished with a MODSEQ above `modseq`, ascending; None when some may be forgotten."""
         with self.reading():
-            if modseq < self.vanished_floor:
-                return None
-            start = bisect.bisect_right(self.vanished, modseq, key=lambda v: v.modseq)
-            return sorted(uid for v in self.vanished[start:] for uid in v.uids)
+            return self._vanished_since(modseq)
+
+    def changes_since(self, modseq: int) -> tuple[list[MessageSummary], list[int] | None]:
+        """Both under one lock (Store.changes_since): ([], None) when expunges may be forgotten."""
+        with self.reading():
+            vanished = self._vanished_since(modseq)
+            return ([], None) if vanished is None else (self._changed_since(modseq), vanished)
+
+    def arrivals(self, modseq: int) -> tuple[list[MessageSummary], int]:
+        """The live messages unnumbered yet or numbered (or changed) above `modseq`, in arrival
+        order, and HIGHESTMODSEQ now, read together: every message delivered since a look that
+        saw `modseq` is among them (Store.arrivals)."""
+        with self.reading():
+            out = []
+            for _, _, message_id in self._ordered():
+                seg = self.by_id[message_id]
+                if not seg.uid or (seg.modseq or 1) > modseq:
+                    out.append(seg.summary())
+            return out, self.modseq
+
+    def _changed_since(self, modseq: int) -> list[MessageSummary]:
+        out = []
+        for _, _, message_id in self._ordered():
+            seg = self.by_id[message_id]
+            if seg.uid and (seg.modseq or 1) > modseq:
+                out.append(seg.summary())
+        return out
+
+    def _vanished_since(self, modseq: int) -> list[int] | None:
+        if modseq < self.vanished_floor:
+            return None
+        start = bisect.bisect_right(self.vanished, modseq, key=lambda v: v.modseq)
+        return sorted(uid for v in self.vanished[start:] for uid in v.uids)
 
     def usage(self) -> tuple[int, int, list[int]]:
         """(bytes, messages) of the live messages and the index file's identity they go with
