@@ -6,6 +6,7 @@ protocols and the store backends can both depend on it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -131,7 +132,16 @@ def _quote_local(local: str) -> str:
 
 def address_key(address: str | Address) -> str:
     """The canonical user key for an address given as text or parsed."""
+    if isinstance(address, str):
+        return _key_of(address)
     return (address if isinstance(address, Address) else Address.parse(address)).key
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_of(text: str) -> str:
+    """(Every store call names its user as text: the keys of those seen lately are kept; a
+    text that is no address raises each time, as nothing is kept for it.)"""
+    return Address.parse(text).key
 
 
 # --------------------------------------------------------------------------- mailbox names

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -981,6 +982,57 @@ async def test_a_writer_waits_for_another_tools_fcntl_lock_and_gives_up_in_time(
     holder.wait()
     [message_id] = await store.deliver(b"after\n", [Target(USER)])
     assert await store.read_message(USER, INBOX, message_id) == b"after\n"
+    await store.close()
+
+
+async def test_reads_run_on_the_event_loop_only_while_nothing_has_to_be_waited_for(tmp_path: Path) -> None:
+    """Reads of an open mailbox run in the caller's thread while its lock is free and its bytes
+    are in the page cache; another tool's lock, or bytes only on disk, send them to a thread
+    (the event loop goes on meanwhile) and they still give the right answer."""
+    store = await store_with_user(tmp_path / "data", lock_timeout=30.0)
+    body = b"Subject: read\n\n" + b"x" * 300_000 + b"\n"
+    [message_id] = await store.deliver(body, [Target(USER)])
+    assert await store.read_message(USER, INBOX, message_id) == body  # the mailbox is open here now
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    original = mbox_index.MailboxFile.read_step
+
+    def read_step(self: mbox_index.MailboxFile, state: mbox_index.ReadState) -> bytes | None:
+        threads.append(threading.get_ident())
+        return original(self, state)
+
+    mbox_index.MailboxFile.read_step = read_step  # type: ignore[method-assign]
+    try:
+        assert await store.read_message(USER, INBOX, message_id) == body
+        assert threads and set(threads) == {loop_thread}  # cached bytes, a free lock: no thread
+        threads.clear()
+        path = store.mailbox_paths(USER, INBOX)[0]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (clean pages: the delivery was fsync'd)
+            evicted = mbox_fs.pread_cached(fd, 4096, path.stat().st_size - 4096) is None  # (tmpfs keeps them)
+        finally:
+            os.close(fd)
+        assert await store.read_message(USER, INBOX, message_id) == body
+        assert any(t != loop_thread for t in threads) or not evicted  # bytes read from the disk: in a thread
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import fcntl,sys; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX); "
+             "print('locked', flush=True); sys.stdin.readline()", str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+            reading = asyncio.create_task(listing(store))
+            ticks = 0
+            for _ in range(20):  # the event loop is not held by the read that waits
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 20 and not reading.done()
+        finally:
+            release(holder)
+        assert [s.id for s in await asyncio.wait_for(reading, 10)] == [message_id]
+    finally:
+        mbox_index.MailboxFile.read_step = original  # type: ignore[method-assign]
     await store.close()
 
 

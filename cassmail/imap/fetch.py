@@ -201,7 +201,7 @@ async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity
     change, so the parsed header is kept by id (the listener's `headers`): a client listing a mailbox and
     SEARCH on header fields read each header from the store once."""
     cache = session.listener.headers
-    entity = cache.get(summary.id)
+    entity = cache.get(summary.id.int)  # (an int hashes in C; a UUID in Python)
     if entity is not None:
         return entity
     view = session.selected()
@@ -218,7 +218,7 @@ async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity
         return None
     header = mime.parse(bytes(data)).header_bytes()
     entity = mime.parse(header)
-    cache.put(summary.id, entity, 3 * len(header) + 256)  # a parsed header takes about three times its bytes
+    cache.put(summary.id.int, entity, 3 * len(header) + 256)  # a parsed header takes about three times its bytes
     return entity
 
 

@@ -63,6 +63,7 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
     body) when the keys or the caller (`headers`) need it, else None."""
     view = session.selected()
     program = compile_program(keys, view)
+    parsed = session.listener.headers
     out = []
     for uid in list(view.uids):
         summary = view.messages.get(uid)
@@ -75,7 +76,7 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
             except NoSuchMessage:
                 continue
         elif program.needs_headers or headers:
-            entity = await headers_only(session, summary)
+            entity = parsed.get(summary.id.int) or await headers_only(session, summary)  # (no coroutine for a kept one)
             if entity is None:
                 continue
         if program.match(uid, entity):
@@ -149,13 +150,17 @@ def _field_texts(entity: mime.Entity, name: str) -> tuple[str, ...]:
 
 
 def _header_has(entity: mime.Entity | None, name: str, needle: str) -> bool:
+    """Whether a value of the field holds `needle` (lowercased by the caller), or, for an empty
+    needle, whether the field is there."""
     if entity is None:
         return False
     texts = _field_texts(entity, name)
     if not needle:
         return bool(texts)
-    lowered = needle.lower()
-    return any(lowered in text for text in texts)
+    for text in texts:
+        if needle in text:
+            return True
+    return False
 
 
 def _sent_date(entity: mime.Entity | None) -> date | None:
@@ -218,15 +223,15 @@ def _compile(key: c.SearchKey, view: MailboxView, needs: dict[str, bool]) -> Pre
             return lambda u, e: _compare_date(name, _sent_date(e), when)
         return lambda u, e: _compare_date(name, messages[u].internal_date.date(), when)
     if name in _ADDRESS_KEYS:
-        needle = _text(args[0])
+        needle = _text(args[0]).lower()
         needs["headers"] = True
         return lambda u, e: _address_has(e, name.lower(), needle)
     if name == "SUBJECT":
-        needle = _text(args[0])
+        needle = _text(args[0]).lower()
         needs["headers"] = True
         return lambda u, e: _header_has(e, "subject", needle)
     if name == "HEADER":
-        field, needle = _text(args[0]), _text(args[1])
+        field, needle = _text(args[0]), _text(args[1]).lower()
         needs["headers"] = True
         return lambda u, e: _header_has(e, field, needle)
     if name in ("BODY", "TEXT"):
@@ -264,5 +269,4 @@ def _address_has(entity: mime.Entity | None, name: str, needle: str) -> bool:
     if forms is None:
         values = [str(v) for v in entity.headers.get_all(name) or []]
         forms = entity.derived[key] = tuple(f"{_decoded(display)} <{addr}>".lower() for display, addr in getaddresses(values))
-    lowered = needle.lower()
-    return any(lowered in form for form in forms)
+    return any(needle in form for form in forms)

@@ -97,7 +97,7 @@ from cassmail.store.base import (
     prepare_delivery,
 )
 from cassmail.store.mbox_watch import DirectoryWatch
-from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, MessageGone, NeedsRecovery, ReadState
+from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, MessageGone, NeedsRecovery, ReadState, WouldWait
 from cassmail.store.mbox_quota import MboxQuota
 
 T = TypeVar("T")
@@ -107,6 +107,19 @@ OPEN_MAILBOXES = 256
 #: Longest file name most Linux file systems take.
 MAX_FILE_NAME = 255
 
+
+
+@contextmanager
+def _storage_errors() -> Iterator[None]:
+    """Storage failures (a lock not had in time, an OS error, an unreadable record) as StoreUnavailable."""
+    try:
+        yield
+    except mbox_fs.LockTimeout as exc:
+        raise StoreUnavailable(f"mailbox busy: {exc}") from exc
+    except OSError as exc:
+        raise StoreUnavailable(f"mbox store: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
+        raise StoreUnavailable(f"mbox store: unreadable record: {exc}") from exc
 
 class MboxStore(MboxQuota, FileQueueStore):
     def __init__(self, settings: MboxSettings, max_message_size: int = 0) -> None:
@@ -160,14 +173,8 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def _call(self, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None) -> T:
         """Run blocking file work off the event loop; storage failures become StoreUnavailable.
         (`cancel` is for callers that may time out; a local disk call is never abandoned.)"""
-        try:
+        with _storage_errors():
             return await asyncio.to_thread(fn, *args)
-        except mbox_fs.LockTimeout as exc:
-            raise StoreUnavailable(f"mailbox busy: {exc}") from exc
-        except OSError as exc:
-            raise StoreUnavailable(f"mbox store: {exc}") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
-            raise StoreUnavailable(f"mbox store: unreadable record: {exc}") from exc
 
     @contextmanager
     def _file_lock(self, path: Path) -> Iterator[None]:
@@ -642,6 +649,22 @@ class MboxStore(MboxQuota, FileQueueStore):
         key, name = address_key(user), mailbox_name(mailbox)
         return await self._call(self._with_mailbox, key, name, work)
 
+    async def _reading(self, user: str, mailbox: str, work: Callable[[MailboxFile], T]) -> T:
+        """`_on_mailbox` for work that reads: on the event loop when the mailbox is open here
+        and nothing has to be waited for (the index is in memory, the bytes in the page cache),
+        which is most of the time and saves a hand-over to a thread and back (on a small VM that
+        costs more than the read); else in a thread (MailboxFile.without_waiting)."""
+        key, name = address_key(user), mailbox_name(mailbox)
+        with self._cache_lock:
+            mf = self._open_files.get(self._mailbox_dir(self._user_dir(key), name))
+        if mf is not None:
+            try:
+                with _storage_errors(), mf.without_waiting():
+                    return work(mf)
+            except (WouldWait, MailboxGone, NeedsRecovery):
+                pass  # in a thread, which waits, reopens or recovers
+        return await self._call(self._with_mailbox, key, name, work)
+
     # ================================================================= delivery
 
     async def deliver(
@@ -682,31 +705,30 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def list_page(self, user: str, mailbox: str, after: uuid.UUID | None = None, limit: int = 500) -> Page:
         if not 1 <= limit <= 10_000:
             raise InvalidInput(f"page limit must be 1..10000, got {limit}")
-        items, cursor = await self._on_mailbox(user, mailbox, lambda mf: mf.page(after, limit))
+        items, cursor = await self._reading(user, mailbox, lambda mf: mf.page(after, limit))
         return Page(items, cursor)
 
     async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
         wanted = list(ids)
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.summaries(wanted))
+        return await self._reading(user, mailbox, lambda mf: mf.summaries(wanted))
 
     async def read_chunks(
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
         """Each step looks the message up again under the shared lock (a compaction may have moved
         it), so one deleted meanwhile stops the stream with NoSuchMessage at the next chunk."""
-        key, name = address_key(user), mailbox_name(mailbox)
-        size = await self._call(self._with_mailbox, key, name, lambda mf: mf.message_size(message_id))
+        size = await self._reading(user, mailbox, lambda mf: mf.message_size(message_id))
         if size is None:
-            raise NoSuchMessage(name, message_id)
+            raise NoSuchMessage(mailbox_name(mailbox), message_id)
         stop = size if end is None else min(end, size)
         if start < 0 or start > stop:
             raise InvalidInput(f"invalid byte range {start}..{stop} of a {size}-byte message")
         state = ReadState(message_id, start, stop)
-        while True:
+        while not state.done:
             try:
-                chunk = await self._call(self._with_mailbox, key, name, lambda mf: mf.read_step(state))
+                chunk = await self._reading(user, mailbox, lambda mf: mf.read_step(state))
             except MessageGone:
-                raise NoSuchMessage(name, message_id) from None
+                raise NoSuchMessage(mailbox_name(mailbox), message_id) from None
             if chunk is None:
                 return
             yield chunk
@@ -743,7 +765,7 @@ class MboxStore(MboxQuota, FileQueueStore):
         return await self._on_mailbox(user, mailbox, lambda mf: mf.assign_uids(wanted, again))
 
     async def uid_next(self, user: str, mailbox: str) -> int:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.uid_next())
+        return await self._reading(user, mailbox, lambda mf: mf.uid_next())
 
     async def changed_mailboxes(
         self, watched: Collection[tuple[str, str]], since: Any
@@ -772,19 +794,19 @@ class MboxStore(MboxQuota, FileQueueStore):
         return {pair for pair, directory in dirs.items() if directory in written} | unwatchable, True
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.changes_token())
+        return await self._reading(user, mailbox, lambda mf: mf.changes_token())
 
     async def highest_modseq(self, user: str, mailbox: str) -> int:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.highest_modseq())
+        return await self._reading(user, mailbox, lambda mf: mf.highest_modseq())
 
     async def changed_since(self, user: str, mailbox: str, modseq: int) -> list[MessageSummary]:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.changed_since(modseq))
+        return await self._reading(user, mailbox, lambda mf: mf.changed_since(modseq))
 
     async def vanished_since(self, user: str, mailbox: str, modseq: int) -> list[int] | None:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.vanished_since(modseq))
+        return await self._reading(user, mailbox, lambda mf: mf.vanished_since(modseq))
 
     async def changes_since(self, user: str, mailbox: str, modseq: int) -> tuple[list[MessageSummary], list[int] | None]:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.changes_since(modseq))
+        return await self._reading(user, mailbox, lambda mf: mf.changes_since(modseq))
 
     def arrivals_mark(self, summaries: Iterable[MessageSummary], started: float | None = None) -> Hashable | None:
         # The highest MODSEQ the listing showed: a message delivered since is unnumbered still
@@ -793,14 +815,14 @@ class MboxStore(MboxQuota, FileQueueStore):
 
     async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
         assert isinstance(mark, int)
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.arrivals(mark))
+        return await self._reading(user, mailbox, lambda mf: mf.arrivals(mark))
 
     async def recent_mark(self, user: str, mailbox: str) -> int:
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.recent_mark())
+        return await self._reading(user, mailbox, lambda mf: mf.recent_mark())
 
     async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
         below = check_recent_below(below)
-        return await self._on_mailbox(user, mailbox, lambda mf: mf.claim_recent(below))
+        return await self._reading(user, mailbox, lambda mf: mf.claim_recent(below))
 
     # ================================================================= maintenance
 

@@ -72,6 +72,23 @@ def pread_exact(fd: int, length: int, offset: int) -> bytes:
     return bytes(out)
 
 
+def pread_cached(fd: int, length: int, offset: int) -> bytes | None:
+    """Exactly `length` bytes at `offset` if the page cache holds them all (a read that cannot
+    wait for the disk: RWF_NOWAIT), else None; OSError(EIO) if the file is shorter."""
+    out = bytearray(length)
+    got = 0
+    view = memoryview(out)
+    while got < length:
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        if not n:
+            raise OSError(errno.EIO, f"short read at {offset + got} (wanted {length} bytes at {offset})")
+        got += n
+    return bytes(out)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -155,6 +172,11 @@ def lock_file(fd: int, exclusive: bool, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise LockTimeout(errno.EAGAIN, f"lock held by another process for more than {timeout:g} s")
         pause = min(pause * 2, 0.02)
+
+
+def try_lock_file(fd: int, exclusive: bool) -> bool:
+    """`lock_file` without waiting: whether the lock was had."""
+    return _ofd(fd, fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK, blocking=False)
 
 
 def unlock_file(fd: int) -> None:

@@ -180,6 +180,11 @@ class NeedsRecovery(Exception):
     """A reader found work for a writer (a crashed writer's leftovers); retry with the exclusive lock."""
 
 
+class WouldWait(Exception):
+    """Work tried `without_waiting` met something to wait for (a lock another thread or process
+    holds, bytes not in the page cache) or something to write; nothing was changed."""
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -374,6 +379,8 @@ class MailboxFile:
         self._collapse = collapse_ok and settings.method in ("auto", "collapse")
         self._defrag = settings.defrag and self._collapse
         self._thread_lock = threading.RLock()
+        #: Set while work runs `without_waiting` (by the thread holding _thread_lock).
+        self._no_wait = False
         self.fd = os.open(self.mbox_path, os.O_RDWR)
         self._bs = mbox_fs.block_size(self.mbox_path.parent)
         self._idx_fd: int | None = None
@@ -432,7 +439,10 @@ class MailboxFile:
         with self._thread_lock:
             if self.fd < 0:
                 raise MailboxGone(str(self.mbox_path))
-            mbox_fs.lock_file(self.fd, exclusive, self.settings.lock_timeout)
+            if not self._no_wait:
+                mbox_fs.lock_file(self.fd, exclusive, self.settings.lock_timeout)
+            elif exclusive or not mbox_fs.try_lock_file(self.fd, False):
+                raise WouldWait  # (a write would wait for the disk)
             dotlocked = False
             try:
                 self._check_identity()
@@ -453,6 +463,29 @@ class MailboxFile:
                 if dotlocked:
                     mbox_fs.dotunlock(self.lock_path)
                 mbox_fs.unlock_file(self.fd)
+
+    @contextmanager
+    def without_waiting(self) -> Iterator[None]:
+        """Run reads in the calling thread (the event loop's) only as long as nothing has to be
+        waited for: WouldWait is raised where a lock is held elsewhere, a read would go to the
+        disk, or the work would write or recover; the caller then does it in a thread."""
+        if not self._thread_lock.acquire(blocking=False):
+            raise WouldWait
+        try:
+            self._no_wait = True
+            yield
+        finally:
+            self._no_wait = False
+            self._thread_lock.release()
+
+    def _pread(self, length: int, offset: int) -> bytes:
+        """Message bytes; without waiting, only from the page cache."""
+        if not self._no_wait:
+            return mbox_fs.pread_exact(self.fd, length, offset)
+        data = mbox_fs.pread_cached(self.fd, length, offset)
+        if data is None:
+            raise WouldWait
+        return data
 
     def writing(self) -> Iterator[None]:
         return self._locked(True)  # type: ignore[return-value]
@@ -778,7 +811,7 @@ class MailboxFile:
         return last.meta == 0 or self._meta_matches(last)
 
     def _meta_matches(self, seg: Segment) -> bool:
-        parsed = parse_meta(os.pread(self.fd, seg.meta, seg.off + seg.head))
+        parsed = parse_meta(self._pread(seg.meta, seg.off + seg.head))
         return parsed is not None and parsed[0] == seg.id
 
     def _ensure_separator(self) -> None:
@@ -949,7 +982,7 @@ class MailboxFile:
             if seg.stored == seg.raw:  # nothing was quoted: stored offsets are message offsets
                 pos = max(state.start, state.raw_pos)
                 n = min(READ_CHUNK, end - pos)
-                data = mbox_fs.pread_exact(self.fd, n, seg.content_off + pos)
+                data = self._pread(n, seg.content_off + pos)
                 state.raw_pos = pos + n
                 state.done = state.raw_pos >= end
                 return data
@@ -959,7 +992,7 @@ class MailboxFile:
             piece = b""
             while not piece and state.stored_pos < seg.stored and state.raw_pos < end:
                 n = min(READ_CHUNK, seg.stored - state.stored_pos)
-                chunk = mbox_fs.pread_exact(self.fd, n, seg.content_off + state.stored_pos)
+                chunk = self._pread(n, seg.content_off + state.stored_pos)
                 state.stored_pos += n
                 out = state.unquoter.feed(chunk)
                 if state.stored_pos >= seg.stored:
