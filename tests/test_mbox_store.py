@@ -985,6 +985,52 @@ async def test_a_writer_waits_for_another_tools_fcntl_lock_and_gives_up_in_time(
     await store.close()
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_changes_and_arrivals_kept_by_modseq_agree_with_a_pass_over_every_message(
+        tmp_path: Path, monkeypatch, seed: int) -> None:
+    """What changed above a MODSEQ and what arrived (kept as changes are applied, not found by a
+    pass over every message) is what such a pass finds, in two stores on one directory (each
+    replaying the other's records) through deliveries, numbering, flag changes that move a
+    message (its keywords outgrow their slot), deletions, compactions and checkpoints."""
+    monkeypatch.setattr(mbox_index, "CHECKPOINT_MIN", 2048)
+    rng = random.Random(seed)
+    one = await store_with_user(tmp_path / "data", keyword_reserve=8)
+    two = await open_store(tmp_path / "data", keyword_reserve=8)
+    stores = [one, two]
+    try:
+        for step in range(160):
+            store = rng.choice(stores)
+            live = [s.id for s in await listing(store)]
+            action = rng.random()
+            if action < 0.3 or not live:
+                await store.deliver(b"Subject: %d\n\nbody\n" % step, [Target(USER)])
+            elif action < 0.5:
+                await store.assign_uids(USER, INBOX, rng.sample(live, rng.randint(1, len(live))))
+            elif action < 0.75:
+                flags = rng.choice([["\\Seen"], ["$Label%d" % rng.randint(1, 99)], ["$AVeryLongKeywordThatMoves%d" % step]])
+                await store.store_flags(USER, INBOX, rng.sample(live, rng.randint(1, min(3, len(live)))), flags,
+                                        rng.choice(["add", "remove", "set"]))
+            elif action < 0.9:
+                await store.delete_messages(USER, INBOX, rng.sample(live, 1))
+            else:
+                await store.compact(USER, INBOX)
+            for reader in stores:
+                every = await listing(reader)
+                highest = await reader.highest_modseq(USER, INBOX)
+                for mark in {0, 1, rng.randint(0, highest), max(highest - 2, 0), highest}:
+                    changed = await reader.changed_since(USER, INBOX, mark)
+                    assert [s.id for s in changed] == [
+                        s.id for s in every if s.uid is not None and s.modseq is not None and s.modseq > mark]
+                    assert changed == [s for s in every if s.id in {c.id for c in changed}]
+                    arrived, now = await reader.arrivals(USER, INBOX, mark)
+                    assert now == highest
+                    assert [s.id for s in arrived] == [
+                        s.id for s in every if s.uid is None or (s.modseq is not None and s.modseq > mark)]
+    finally:
+        await one.close()
+        await two.close()
+
+
 async def test_reads_run_on_the_event_loop_only_while_nothing_has_to_be_waited_for(tmp_path: Path) -> None:
     """Reads of an open mailbox run in the caller's thread while its lock is free and its bytes
     are in the page cache; another tool's lock, or bytes only on disk, send them to a thread

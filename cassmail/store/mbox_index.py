@@ -267,6 +267,14 @@ def _order_key(message_id: uuid.UUID) -> tuple[int, int, uuid.UUID]:
     return message_id.time, message_id.int, message_id
 
 
+def _in_arrival_order(segments: Iterable[Segment]) -> list[Segment]:
+    return sorted(segments, key=lambda seg: _order_key(seg.id))  # type: ignore[arg-type]
+
+
+def _first(entry: tuple[int, Segment]) -> int:
+    return entry[0]
+
+
 @dataclass(slots=True)
 class Run:
     """One step of a compaction plan (see the module docstring)."""
@@ -410,6 +418,13 @@ class MailboxFile:
         self._torn_at: int | None = None
         self._damaged: str | None = None
         self._order: list[tuple[int, int, uuid.UUID]] | None = None
+        #: (MODSEQ, segment) each time a numbered message took a MODSEQ, in the order the changes
+        #: were applied (MODSEQs ascend), so what changed above a MODSEQ is found without a pass
+        #: over every message; an entry a later change or a deletion made stale is passed over.
+        #: None until asked for (then built by sorting), and again when stale entries pile up.
+        self._changes: list[tuple[int, Segment]] | None = None
+        #: Segments delivered unnumbered (those numbered or deleted since are dropped when looked at).
+        self._fresh: list[Segment] = []
         self._seq = 0
 
     @classmethod
@@ -607,6 +622,7 @@ class MailboxFile:
                 seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
                 if seg is not None:
                     (seg.uid,) = struct.unpack_from(">I", body, i + 16)
+            self._changes = None  # (numbered without a MODSEQ: built again when asked for)
         elif kind == FLAGS_AT:
             modseq = self._apply_change(body)
             for message_id, flags in _decode_id_flags(body[_CHANGE.size :]):
@@ -615,6 +631,7 @@ class MailboxFile:
                     seg.flags = flags
                     if seg.uid:
                         seg.modseq = modseq
+                        self._changed(seg)
         elif kind == DELETE_AT:
             modseq = self._apply_change(body)
             gone = []
@@ -638,6 +655,7 @@ class MailboxFile:
                     if seg.uid and seg.uid != uid:
                         given_up.append(seg.uid)
                     seg.uid, seg.modseq = uid, modseq
+                    self._changed(seg)
             self._remember_vanished(body, given_up)
         elif kind == MODSEQS:
             self._apply_modseqs(body)
@@ -723,6 +741,13 @@ class MailboxFile:
             self.by_id[seg.id] = seg
             if was_live != seg.live:
                 self._order_changed(seg.id, seg.live)
+            if seg.live:
+                if seg.uid:
+                    self._changed(seg)
+                else:
+                    self._fresh.append(seg)
+                    if len(self._fresh) > 2 * self.live_count + 1024:  # (nobody looked for a while)
+                        self._fresh = [f for f in self._fresh if f.live and not f.uid]
             if seg.live:
                 self.live_bytes += seg.raw
                 self.live_count += 1
@@ -1150,20 +1175,30 @@ class MailboxFile:
         order, and HIGHESTMODSEQ now, read together: every message delivered since a look that
         saw `modseq` is among them (Store.arrivals)."""
         with self.reading():
-            out = []
-            for _, _, message_id in self._ordered():
-                seg = self.by_id[message_id]
-                if not seg.uid or (seg.modseq or 1) > modseq:
-                    out.append(seg.summary())
-            return out, self.modseq
+            self._fresh = [seg for seg in self._fresh if seg.live and not seg.uid]
+            found = {id(seg): seg for seg in self._fresh}
+            found.update((id(seg), seg) for seg in self._changed_above(modseq))
+            return [seg.summary() for seg in _in_arrival_order(found.values())], self.modseq
 
     def _changed_since(self, modseq: int) -> list[MessageSummary]:
-        out = []
-        for _, _, message_id in self._ordered():
-            seg = self.by_id[message_id]
-            if seg.uid and (seg.modseq or 1) > modseq:
-                out.append(seg.summary())
-        return out
+        return [seg.summary() for seg in _in_arrival_order(self._changed_above(modseq))]
+
+    def _changed_above(self, modseq: int) -> list[Segment]:
+        """The live numbered segments whose MODSEQ is above `modseq`, each once."""
+        changes = self._changes
+        if changes is None or len(changes) > 2 * self.live_count + 1024:
+            changes = self._changes = sorted(
+                ((seg.modseq or 1, seg) for seg in self.by_id.values() if seg.live and seg.uid), key=_first)
+        start = bisect.bisect_right(changes, modseq, key=_first)
+        found: dict[int, Segment] = {}
+        for at, seg in changes[start:]:
+            if seg.live and seg.uid and (seg.modseq or 1) == at:  # (else a later change or a deletion's)
+                found[id(seg)] = seg
+        return list(found.values())
+
+    def _changed(self, seg: Segment) -> None:
+        if self._changes is not None:
+            self._changes.append((seg.modseq or 1, seg))
 
     def _vanished_since(self, modseq: int) -> list[int] | None:
         if modseq < self.vanished_floor:
