@@ -78,6 +78,7 @@ from cassmail.store.base import (
     FlagMode,
     MailboxExists,
     MailboxNotAllowed,
+    MailboxStatus,
     NoSuchAlias,
     NoSuchDomain,
     NoSuchMailbox,
@@ -127,6 +128,8 @@ class MboxStore(MboxQuota, FileQueueStore):
         self.max_message_size = max_message_size
         self.root = Path(settings.path)
         self._open_files: OrderedDict[Path, MailboxFile] = OrderedDict()
+        #: (user key, mailbox name) -> its directory, for reads on the event loop (`_reading`).
+        self._boxes: dict[tuple[str, str], Path] = {}
         self._cache_lock = threading.Lock()
         self._thread_locks: dict[Path, threading.Lock] = {}
         self._collapse = False
@@ -655,8 +658,14 @@ class MboxStore(MboxQuota, FileQueueStore):
         which is most of the time and saves a hand-over to a thread and back (on a small VM that
         costs more than the read); else in a thread (MailboxFile.without_waiting)."""
         key, name = address_key(user), mailbox_name(mailbox)
+        box = self._boxes.get((key, name))
+        if box is None:
+            box = self._mailbox_dir(self._user_dir(key), name)
+            if len(self._boxes) >= OPEN_MAILBOXES:
+                self._boxes.clear()
+            self._boxes[(key, name)] = box
         with self._cache_lock:
-            mf = self._open_files.get(self._mailbox_dir(self._user_dir(key), name))
+            mf = self._open_files.get(box)
         if mf is not None:
             try:
                 with _storage_errors(), mf.without_waiting():
@@ -792,6 +801,9 @@ class MboxStore(MboxQuota, FileQueueStore):
         if overflow:
             return set(dirs), True
         return {pair for pair, directory in dirs.items() if directory in written} | unwatchable, True
+
+    async def mailbox_status(self, user: str, mailbox: str, recent: bool = False) -> MailboxStatus:
+        return await self._reading(user, mailbox, lambda mf: mf.status(recent))
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         return await self._reading(user, mailbox, lambda mf: mf.changes_token())
