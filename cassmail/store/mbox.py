@@ -110,6 +110,10 @@ MAX_FILE_NAME = 255
 
 
 
+#: What a storage failure raises in file work (a lock not had in time is an OSError too).
+_STORAGE_ERRORS = (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError)
+
+
 @contextmanager
 def _storage_errors() -> Iterator[None]:
     """Storage failures (a lock not had in time, an OS error, an unreadable record) as StoreUnavailable."""
@@ -681,33 +685,35 @@ class MboxStore(MboxQuota, FileQueueStore):
     ) -> list[uuid.UUID]:
         view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
         when_us = internal_date_micros(internal_date)
+        ids = {k: new_message_id() for k in unique}
+        await self._call(self._deliver_sync, view, unique, ids, when_us)  # (one hand-over to a thread)
+        return [ids[(t.user, t.mailbox)] for t in targets]
+
+    def _deliver_sync(self, view: memoryview, unique: Mapping[tuple[str, str], Target],
+                      ids: Mapping[tuple[str, str], uuid.UUID], when_us: int) -> None:
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
         for user, mailbox in unique:
-            await self._call(self._mailbox_file, user, mailbox)
-        ids = {k: new_message_id() for k in unique}
-        limits = await self._call(self._limits, {user for user, _ in unique})
-        if limits:  # checked and written under those users' quota locks, in one thread (mbox_quota)
-            await self._call(
-                self._deliver_within_quota, view.nbytes, unique, limits,
+            self._mailbox_file(user, mailbox)
+        limits = self._limits({user for user, _ in unique})
+        if limits:  # checked and written under those users' quota locks (mbox_quota)
+            self._deliver_within_quota(
+                view.nbytes, unique, limits,
                 lambda k: self._with_mailbox(k[0], k[1], lambda mf: mf.deliver(view, ids[k], when_us, unique[k].flags)),
                 lambda k: self._with_mailbox(k[0], k[1], lambda mf: mf.delete([ids[k]])),
             )
-            return [ids[(t.user, t.mailbox)] for t in targets]
+            return
         done: list[tuple[str, str]] = []
         try:
             for k, t in unique.items():
-                await self._call(
-                    self._with_mailbox, k[0], k[1], lambda mf, k=k, t=t: mf.deliver(view, ids[k], when_us, t.flags)
-                )
+                self._with_mailbox(k[0], k[1], lambda mf, k=k, t=t: mf.deliver(view, ids[k], when_us, t.flags))
                 done.append(k)
-        except StoreUnavailable:
+        except _STORAGE_ERRORS:
             for k in done:  # best effort: a failed delivery shows no copy (the sender will retry)
                 try:
-                    await self._call(self._with_mailbox, k[0], k[1], lambda mf, k=k: mf.delete([ids[k]]))
-                except (StoreUnavailable, NoSuchMailbox):
+                    self._with_mailbox(k[0], k[1], lambda mf, k=k: mf.delete([ids[k]]))
+                except (*_STORAGE_ERRORS, NoSuchMailbox):
                     pass
             raise
-        return [ids[(t.user, t.mailbox)] for t in targets]
 
     # ================================================================= listing and reading
 
