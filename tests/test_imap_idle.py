@@ -40,6 +40,38 @@ class LostReports:
         return await self.store.changes_token(user, mailbox)
 
 
+async def test_a_new_watch_lists_nothing_while_the_token_is_the_one_the_view_was_brought_up_to_date_with(
+    backend_settings: Settings, users
+) -> None:
+    """The first IDLE on a mailbox in a worker does not list it when nothing changed since the
+    session's view last took in the store's state (its changes token still holds); a change made
+    after, even one whose report is lost, is listed and handed out."""
+    settings = copy.deepcopy(backend_settings)
+    settings.store.cassandra.request_timeout = 1.0  # (see the test below)
+    user = users["anne"]
+    async with opened_store(settings) as store:
+        await store.deliver(b"Subject: one\r\n\r\none\r\n", [Target(user)])
+        await store.assign_uids(user, "INBOX", [s.id async for s in store.list_messages(user, "INBOX")])
+        deadline = time.monotonic() + 15
+        while (token := await store.changes_token(user, "INBOX")) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert token is not None
+        faulty = LostReports(store)
+        listener = SimpleNamespace(settings=ImapSettings(idle_poll=0.2, idle_refresh=1.0), store=faulty,
+                                   watchers={}, poller=None)
+        view = SimpleNamespace(user=user, name="INBOX", token=token, listed_at=time.monotonic())
+        watcher = watch(listener, view)  # type: ignore[arg-type]
+        try:
+            await asyncio.sleep(0.8)
+            assert faulty.tokens >= 1 and faulty.listings == 0  # looked at, not listed
+            await store.deliver(b"Subject: two\r\n\r\ntwo\r\n", [Target(user)])
+            after = await asyncio.wait_for(watcher.next(), 8)
+            assert len(after.summaries) == 2 and faulty.listings == 1
+        finally:
+            watcher.release()
+            listener.poller.stop()
+
+
 async def test_a_quiet_mailbox_is_not_listed_again_and_a_lost_report_is_caught_up(
     backend_settings: Settings, users
 ) -> None:
@@ -53,7 +85,8 @@ async def test_a_quiet_mailbox_is_not_listed_again_and_a_lost_report_is_caught_u
         faulty = LostReports(store)
         listener = SimpleNamespace(settings=ImapSettings(idle_poll=0.2, idle_refresh=1.0), store=faulty,
                                    watchers={}, poller=None)
-        watcher = watch(listener, user, "INBOX")  # type: ignore[arg-type]
+        view = SimpleNamespace(user=user, name="INBOX", token=None, listed_at=0.0)  # a view that knows no token
+        watcher = watch(listener, view)  # type: ignore[arg-type]
         try:
             first = await asyncio.wait_for(watcher.next(), 5)  # the first poll lists a new watch
             assert len(first.summaries) == 1

@@ -5,7 +5,8 @@ asks the store every `idle_poll` seconds which of the mailboxes its IDLE session
 changed (`Store.changed_mailboxes`: on Cassandra a read of the last seconds' change events, on
 mbox an inotify read), however many sessions and mailboxes there are. Only a mailbox reported
 changed is listed, once, by its `Watcher`, and the listing handed to every IDLE session on it.
-A newly watched mailbox is listed at the first poll. Every `idle_refresh` seconds each watched
+A newly watched mailbox is listed at the first poll, unless its changes token is still the
+one its first session's view was last brought up to date with. Every `idle_refresh` seconds each watched
 one is looked at again, in case a change's event was lost: its `changes_token` first, and the
 listing only when that differs from the token read before the last listing.
 """
@@ -15,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from cassmail.imap import commands as c
 from cassmail.imap.connection import LineTooLong
 from cassmail.imap.errors import Bad
-from cassmail.imap.view import Listing, read_listing
+from cassmail.imap.view import TOKEN_TRUST, Listing, MailboxView, read_listing
 from cassmail.logs import kv
 from cassmail.store.base import StoreError
 
@@ -35,13 +37,14 @@ log = logging.getLogger("cassmail.imap")
 async def idle(session: Session, args: c.Simple) -> str:
     session.continuation(b"idling")
     done = asyncio.ensure_future(session.conn.read_line())
-    watcher = watch(session.listener, session.view.user, session.view.name) if session.view is not None else None
+    watcher = watch(session.listener, session.view) if session.view is not None else None
     news: asyncio.Future[Listing] | None = None
     try:
         if watcher is not None and watcher.users > 1:
             # Joining a watcher other sessions share: what it handed out before this session
             # joined is told now, what changes after, the watcher tells. (A new watcher's first
-            # listing, at the next poll, brings the session up to date.)
+            # look, at the next poll, lists the mailbox unless nothing changed since the view's
+            # last refresh.)
             await _refresh(session)
         while True:
             waiting: set[asyncio.Future[object]] = {done}  # type: ignore[arg-type]
@@ -89,11 +92,15 @@ async def _refresh(session: Session, listing: Listing | None = None) -> None:
     await session.conn.drain()
 
 
-def watch(listener: Listener, user: str, mailbox: str) -> Watcher:
-    key = (user, mailbox)
+def watch(listener: Listener, view: MailboxView) -> Watcher:
+    key = (view.user, view.name)
     found = listener.watchers.get(key)
     if found is None:
         found = listener.watchers[key] = Watcher(listener, key)
+        if view.token is not None and time.monotonic() - view.listed_at < TOKEN_TRUST:
+            # The token the view was last brought up to date with: while the store's is still
+            # that one, the first look reads no listing (the session has it all).
+            found.token = view.token
         poller(listener).wake()
     found.users += 1
     return found
@@ -131,8 +138,10 @@ class Poller:
                 changed = set(watchers)  # cannot tell: list them all, as a poll would
             now = asyncio.get_running_loop().time()
             for key, watcher in watchers.items():
-                if key in changed or watcher.listed_at is None:
+                if key in changed:
                     watcher.list()
+                elif watcher.listed_at is None:  # a new one: listed unless its token still holds
+                    watcher.list(unless_unchanged=True)
                 elif now - watcher.listed_at >= settings.idle_refresh:
                     watcher.list(unless_unchanged=True)
             self._wake.clear()
