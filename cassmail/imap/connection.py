@@ -245,7 +245,8 @@ class Connection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         """Queue bytes for the client: they reach the transport with `flush`, which runs once the
-        session lets the event loop run (or at OUTPUT_BATCH bytes, or in `drain`)."""
+        session lets the event loop run, at OUTPUT_BATCH bytes, before a wait for the client's
+        bytes and at `close`."""
         if self.lost:
             return
         if len(data) >= OUTPUT_BATCH:  # (a message's piece: not copied into a batch)

@@ -108,8 +108,6 @@ OPEN_MAILBOXES = 256
 #: Longest file name most Linux file systems take.
 MAX_FILE_NAME = 255
 
-
-
 #: What a storage failure raises in file work (a lock not had in time is an OSError too).
 _STORAGE_ERRORS = (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError)
 
@@ -125,6 +123,7 @@ def _storage_errors() -> Iterator[None]:
         raise StoreUnavailable(f"mbox store: {exc}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
         raise StoreUnavailable(f"mbox store: unreadable record: {exc}") from exc
+
 
 class MboxStore(MboxQuota, FileQueueStore):
     def __init__(self, settings: MboxSettings, max_message_size: int = 0) -> None:
