@@ -200,8 +200,7 @@ async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity
     """The message's header, parsed; None when the message is gone. A message's bytes never
     change, so the parsed header is kept by id (the listener's `headers`): a client listing a mailbox and
     SEARCH on header fields read each header from the store once."""
-    cache = session.listener.headers
-    entity = cache.get(summary.id.int)  # (an int hashes in C; a UUID in Python)
+    entity = kept_header(session, summary)
     if entity is not None:
         return entity
     view = session.selected()
@@ -218,8 +217,14 @@ async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity
         return None
     header = mime.parse(bytes(data)).header_bytes()
     entity = mime.parse(header)
-    cache.put(summary.id.int, entity, 3 * len(header) + 256)  # a parsed header takes about three times its bytes
+    session.listener.headers.put(summary.id.int, entity, 3 * len(header) + 256)  # about three times its bytes
     return entity
+
+
+def kept_header(session: Session, summary: MessageSummary) -> mime.Entity | None:
+    """The message's parsed header if the worker keeps it (no store read, no coroutine). Kept by
+    the id's integer: an int hashes in C, a UUID in Python."""
+    return session.listener.headers.get(summary.id.int)
 
 
 @dataclass(slots=True)

@@ -140,10 +140,8 @@ class Poller:
             for key, watcher in watchers.items():
                 if key in changed:
                     watcher.list()
-                elif watcher.listed_at is None:  # a new one: listed unless its token still holds
-                    watcher.list(unless_unchanged=True)
-                elif now - watcher.listed_at >= settings.idle_refresh:
-                    watcher.list(unless_unchanged=True)
+                elif watcher.listed_at is None or now - watcher.listed_at >= settings.idle_refresh:
+                    watcher.list(unless_unchanged=True)  # (a new one too: see `watch`)
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), settings.idle_poll)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from cassmail.imap import commands as c
 from cassmail.imap import condstore, mime, wire
 from cassmail.imap.errors import No
-from cassmail.imap.fetch import headers_only
+from cassmail.imap.fetch import headers_only, kept_header
 from cassmail.imap.view import MailboxView
 from cassmail.model import MessageSummary
 from cassmail.store.base import NoSuchMessage
@@ -63,7 +63,6 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
     body) when the keys or the caller (`headers`) need it, else None."""
     view = session.selected()
     program = compile_program(keys, view)
-    parsed = session.listener.headers
     out = []
     for uid in list(view.uids):
         summary = view.messages.get(uid)
@@ -76,7 +75,7 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
             except NoSuchMessage:
                 continue
         elif program.needs_headers or headers:
-            entity = parsed.get(summary.id.int) or await headers_only(session, summary)  # (no coroutine for a kept one)
+            entity = kept_header(session, summary) or await headers_only(session, summary)
             if entity is None:
                 continue
         if program.match(uid, entity):

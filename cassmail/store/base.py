@@ -612,19 +612,9 @@ class Store(abc.ABC):
         """The counts of IMAP STATUS, with `recent` \\Recent's too (messages no session has
         claimed: see `claim_recent`). This default reads the whole listing; a store that keeps
         counts overrides it. Raises NoSuchMailbox."""
-        mark = await self.recent_mark(user, mailbox) if recent else 0
-        messages = unseen = unnumbered = recents = size = deleted = deleted_size = 0
-        async for s in self.list_messages(user, mailbox, STATUS_PAGE):
-            messages += 1
-            unseen += "\\Seen" not in s.flags
-            unnumbered += s.uid is None
-            recents += s.uid is None or s.uid >= mark
-            size += s.size
-            if "\\Deleted" in s.flags:
-                deleted += 1
-                deleted_size += s.size
-        return MailboxStatus(messages, unseen, size, deleted, deleted_size,
-                             await self.uid_next(user, mailbox) + unnumbered, recents if recent else None)
+        mark = await self.recent_mark(user, mailbox) if recent else None
+        listed = [(s.flags, s.size, s.uid) async for s in self.list_messages(user, mailbox, STATUS_PAGE)]
+        return count_status(listed, await self.uid_next(user, mailbox), mark)
 
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         """A value that is different after any change to the mailbox's messages (a delivery, a
@@ -954,6 +944,26 @@ async def local_recipients(store: Store, address: str, delimiter: str = "") -> l
 
 
 # --------------------------------------------------------------------------- helpers for backends
+
+
+def count_status(messages: Iterable[tuple[frozenset[str], int, int | None]], uid_next: int,
+                 recent_mark: int | None = None) -> MailboxStatus:
+    """STATUS counts of a mailbox's messages given as (flags, size, UID or None), with its UID
+    counter: the messages not numbered yet each take a UID to come, and with `recent_mark` (see
+    `claim_recent`) those at or above it or not numbered are counted \\Recent."""
+    mark = recent_mark or 0
+    count = unseen = unnumbered = recents = size = deleted = deleted_size = 0
+    for flags, nbytes, uid in messages:
+        count += 1
+        unseen += "\\Seen" not in flags
+        unnumbered += uid is None
+        recents += uid is None or uid >= mark
+        size += nbytes
+        if "\\Deleted" in flags:
+            deleted += 1
+            deleted_size += nbytes
+    return MailboxStatus(count, unseen, size, deleted, deleted_size, uid_next + unnumbered,
+                         recents if recent_mark is not None else None)
 
 
 def uid_work(ids: Sequence[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None) -> list[uuid.UUID]:

@@ -121,7 +121,7 @@ from pathlib import Path
 from cassmail.config import MboxSettings
 from cassmail.model import MessageSummary
 from cassmail.store import mbox_fs
-from cassmail.store.base import MailboxStatus, needs_uid, uid_work
+from cassmail.store.base import MailboxStatus, count_status, needs_uid, uid_work
 from cassmail.store.mbox_format import (
     META_TAG,
     PAD_MIN,
@@ -1129,21 +1129,8 @@ class MailboxFile:
     def status(self, recent: bool) -> MailboxStatus:
         """Store.mailbox_status in one pass over the index in memory (no summary made)."""
         with self.reading():
-            mark = self.recent if recent else 0
-            messages = unseen = unnumbered = recents = size = deleted = deleted_size = 0
-            for seg in self.by_id.values():
-                if not seg.live:
-                    continue
-                messages += 1
-                unseen += "\\Seen" not in seg.flags
-                unnumbered += not seg.uid
-                recents += not seg.uid or seg.uid >= mark
-                size += seg.raw
-                if "\\Deleted" in seg.flags:
-                    deleted += 1
-                    deleted_size += seg.raw
-            return MailboxStatus(messages, unseen, size, deleted, deleted_size, self.uidnext + unnumbered,
-                                 recents if recent else None)
+            live = ((seg.flags, seg.raw, seg.uid or None) for seg in self.by_id.values() if seg.live)
+            return count_status(live, self.uidnext, self.recent if recent else None)
 
     def changes_token(self) -> tuple[int, int, int]:
         """Every change appends to the index (a checkpoint writes a new one): its identity and
