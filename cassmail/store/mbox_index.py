@@ -450,7 +450,10 @@ class MailboxFile:
     # ----------------------------------------------------------------- locking
 
     @contextmanager
-    def _locked(self, exclusive: bool) -> Iterator[None]:
+    def _locked(self, exclusive: bool, mbox: bool = True) -> Iterator[None]:
+        """The fcntl lock (shared or exclusive) and the index brought up to date; with `exclusive`
+        and `mbox` also the dot-lock, which only writes of the mbox file itself need (older mbox
+        tools know nothing of the index). A recovery takes it whenever it runs."""
         with self._thread_lock:
             if self.fd < 0:
                 raise MailboxGone(str(self.mbox_path))
@@ -461,13 +464,16 @@ class MailboxFile:
             dotlocked = False
             try:
                 self._check_identity()
-                if exclusive and self.settings.dotlock:
+                if exclusive and mbox and self.settings.dotlock:
                     mbox_fs.dotlock(self.lock_path, self.settings.lock_timeout)
                     dotlocked = True
                 self._sync()
                 if self._needs_recovery():
                     if not exclusive:
                         raise NeedsRecovery
+                    if self.settings.dotlock and not dotlocked:
+                        mbox_fs.dotlock(self.lock_path, self.settings.lock_timeout)
+                        dotlocked = True
                     self._recover()
                 if exclusive and self._format < 2:  # written before MODSEQs: upgraded in place, once
                     self._checkpoint(self.generation + 1, self.uidvalidity)
@@ -502,8 +508,10 @@ class MailboxFile:
             raise WouldWait
         return data
 
-    def writing(self) -> Iterator[None]:
-        return self._locked(True)  # type: ignore[return-value]
+    def writing(self, mbox: bool = True) -> Iterator[None]:
+        """The exclusive lock; `mbox=False` for a change that appends to the index only (no
+        dot-lock)."""
+        return self._locked(True, mbox)  # type: ignore[return-value]
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -760,19 +768,20 @@ class MailboxFile:
             self.live_bytes -= seg.raw
             self.live_count -= 1
 
-    def _append_log(self, records: Sequence[tuple[int, bytes]]) -> None:
-        """Append records to the index and make them durable: the commit point of an operation."""
+    def _append_log(self, records: Sequence[tuple[int, bytes]], durable: bool = True) -> None:
+        """Append records to the index and make them durable: the commit point of an operation.
+        Not `durable`: left to the next record that is (a \\Recent claim: see claim_recent)."""
         assert self._idx_fd is not None
         data = b"".join(_frame(kind, body) for kind, body in records)
         mbox_fs.pwrite_all(self._idx_fd, data, self._log_pos)
-        if self.settings.fsync:
+        if self.settings.fsync and durable:
             os.fdatasync(self._idx_fd)
         mbox_fs.crash_point("index.appended")
         self._log_pos += len(data)
 
-    def _commit(self, records: Sequence[tuple[int, bytes]]) -> None:
+    def _commit(self, records: Sequence[tuple[int, bytes]], durable: bool = True) -> None:
         """Log records, then apply them to memory exactly as a replay in another process would."""
-        self._append_log(records)
+        self._append_log(records, durable)
         for kind, body in records:
             self._apply_record(kind, body)
 
@@ -1062,7 +1071,9 @@ class MailboxFile:
                 for seg, new in in_place:
                     mbox_fs.pwrite_all(self.fd, encode_slot(new, False, seg.capacity), seg.slot_off)
                 mbox_fs.crash_point("flags.written")
-                self._sync_files()
+                # The index record is the change (every reader takes flags from it); the slots
+                # are the mbox's own copy, for other mbox tools and a rebuild, and reach the disk
+                # with the file's next sync or the kernel's writeback: no fdatasync of their own.
                 self._commit([(FLAGS_AT, self._change(modseq) + _encode_id_flags(in_place))])
             if moved and self.settings.compact_on_delete:  # reclaim the old copies as a deletion would
                 self._compact(self.settings.compact_budget, self.settings.compact_seconds, defrag_all=False)
@@ -1113,7 +1124,7 @@ class MailboxFile:
         with self.reading():
             if not todo():
                 return {i: s.uid for i in wanted if (s := live(i)) is not None}
-        with self.writing():
+        with self.writing(mbox=False):
             missing = todo()
             if missing:
                 body = self._change(self.modseq + 1) + struct.pack(">I", self.uidnext + len(missing)) + b"".join(
@@ -1145,14 +1156,18 @@ class MailboxFile:
     def claim_recent(self, below: int) -> int:
         """See Store.claim_recent: the mark is compared again under the write lock, so of two
         processes claiming at once the second finds the first's RECENT record and claims only
-        what lies above it. A claim the mark already covers takes the shared lock only."""
+        what lies above it. A claim the mark already covers takes the shared lock only.
+
+        The RECENT record is not synced on its own: it reaches the disk with the next record
+        that is, or the kernel's writeback. A claim lost to a power cut only shows its messages
+        as \\Recent once more, to the next session that claims them."""
         with self.reading():
             if self.recent >= below:
                 return self.recent
-        with self.writing():
+        with self.writing(mbox=False):
             before = self.recent
             if before < below:
-                self._commit([(RECENT, struct.pack(">Q", below))])
+                self._commit([(RECENT, struct.pack(">Q", below))], durable=False)
             return before
 
     def highest_modseq(self) -> int:
