@@ -86,7 +86,7 @@ _ERROR_RESULTS: dict[str, str] = {"outbound": NODE, "queue-take": NODE}
 _STORE_FAILED = (None, "tempfail", "cut", "fail")
 _STORE_ERRORS: dict[str, str] = {
     "delivery": "smtp", "rcpt": "smtp", "mail": "smtp", "auth": NODE, "retr": "pop3", "quit": "pop3",
-    "imap-store": "imap", "imap-idle": "imap", "imap-uids": "imap", "imap-uidnext": "imap",
+    "imap-store": "imap", "imap-idle": "imap", "imap-uids": "imap", "imap-append": "imap", "imap-uidnext": "imap",
     "imap-renumber": "imap", "imap-recent": "imap", "store-open": NODE, "outbound": NODE, "queue-take": NODE,
     "dsn": NODE,
 }

@@ -1154,6 +1154,69 @@ async def test_a_delivery_gives_up_after_lock_timeout_while_the_dotlock_is_held(
     await store.close()
 
 
+async def test_numbering_and_recent_claims_go_on_while_another_tool_holds_the_dotlock(tmp_path: Path) -> None:
+    """The dot-lock guards the mbox file against older mbox tools; numbering and \\Recent claims
+    append to the index alone, so they neither take it nor wait for it. A flag change writes the
+    mbox's X-Status and waits as a delivery does."""
+    store = await store_with_user(tmp_path / "data", lock_timeout=0.5)
+    ids = list(await deliver_some(store, 2))
+    path = store.mailbox_paths(USER, INBOX)[0]
+    lock = Path(str(path) + ".lock")
+    holder = hold_dotlock(lock)
+    try:
+        assert await store.assign_uids(USER, INBOX, ids) == {ids[0]: 1, ids[1]: 2}
+        assert await store.claim_recent(USER, INBOX, 3) == 1
+        with pytest.raises(StoreUnavailable, match="held for more than 0.5 s"):
+            await store.store_flags(USER, INBOX, ids[:1], ["\\Seen"], "add")
+        assert lock.read_text() == f"{holder.pid}\n"
+    finally:
+        release(holder)
+    assert await store.recent_mark(USER, INBOX) == 3
+    assert [(s.uid, s.flags) for s in await listing(store)] == [(1, frozenset()), (2, frozenset())]
+    await store.close()
+
+
+class Syncs:
+    """Counts fdatasync calls per file (by the name the descriptor points at), calling the real one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.files: list[str] = []
+        real = os.fdatasync
+
+        def counted(fd: int) -> None:
+            self.files.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+            real(fd)
+
+        monkeypatch.setattr(os, "fdatasync", counted)
+
+    def take(self) -> list[str]:
+        taken, self.files = sorted(self.files), []
+        return taken
+
+
+async def test_each_write_syncs_what_its_acknowledgement_needs_and_no_more(mstore: MboxStore, monkeypatch) -> None:
+    """An APPEND's message and its UID: the mbox once, the index once (one record pair). A flag
+    change: the index, whose record is the change. A \\Recent claim: nothing of its own (lost
+    to a power cut, its messages are only recent once more)."""
+    [before] = list(await deliver_some(mstore, 1))
+    await mstore.assign_uids(USER, INBOX, [before])
+    syncs = Syncs(monkeypatch)
+    message_id, uid = await mstore.append(b"appended\n", Target(USER, INBOX, frozenset({"\\Draft"})))
+    assert uid == 2 and syncs.take() == ["index", "mbox"]
+    await mstore.store_flags(USER, INBOX, [message_id], ["\\Seen"], "add")
+    assert syncs.take() == ["index"]
+    assert await mstore.claim_recent(USER, INBOX, 3) == 1
+    assert syncs.take() == []
+    await mstore.close()
+    # what a reader of the files finds (the process ended; no sync was asked for on the way)
+    store = await open_store(mstore.root)
+    assert [(s.uid, s.flags) for s in await listing(store)] == [(1, frozenset()), (2, frozenset({"\\Draft", "\\Seen"}))]
+    assert await store.recent_mark(USER, INBOX) == 3
+    # the slots in the mbox say so too (Status R: seen, O: old; X-Status T: draft)
+    assert set(python_mbox_view(store.mailbox_paths(USER, INBOX)[0])[1][1]) - {" "} == set("ROT")
+    await store.close()
+
+
 async def test_a_stale_dotlock_of_a_dead_process_is_broken(mstore: MboxStore) -> None:
     path = mstore.mailbox_paths(USER, INBOX)[0]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -304,21 +304,20 @@ async def append(session: Session, args: c.Append) -> str:
     store = session.store
     wanted = flag_set(f for f in args.flags if f.lower() != "\\recent")
     try:
-        [message_id] = await store.deliver(args.message, [Target(user, name, wanted)], args.date)
+        _, uid = await store.append(args.message, Target(user, name, wanted), args.date)
     except NoSuchMailbox:
         raise No("No such mailbox", "TRYCREATE") from None
     except MessageTooLarge:
         raise No("Message too large", "TOOBIG") from None
-    # The message is stored: from here on the answer is OK, with APPENDUID when the UID can be
-    # had now (RFC 4315 lets a server leave it out; it is logged when it is).
+    # The message is stored: from here on the answer is OK, with APPENDUID when the UID could be
+    # had now (RFC 4315 lets a server leave it out; the store logs why it did not).
     code = ""
     try:
-        uids = await store.assign_uids(user, name, [message_id])
-        info = await store.mailbox_info(user, name)
-        if uids.get(message_id):
-            code = f"[APPENDUID {info.uidvalidity} {uids[message_id]}] "
+        if uid:
+            info = await store.mailbox_info(user, name)
+            code = f"[APPENDUID {info.uidvalidity} {uid}] "
         if session.view is not None and session.view.name == name:
             await session.refresh(expunge=False)
     except StoreUnavailable as exc:
-        log.warning(kv("imap-uids", user=user, mailbox=name, waiting=1, error=exc))
+        log.warning(kv("imap-append", user=user, mailbox=name, error=exc))
     return code + "APPEND completed"

@@ -14,6 +14,7 @@ POP3/IMAP -ERR/NO) so that nothing acknowledged is ever lost.
 from __future__ import annotations
 
 import abc
+import logging
 import re
 import time
 import uuid
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from cassmail.logs import kv
 from cassmail.model import (
     HIERARCHY_DELIMITER,
     Address,
@@ -35,6 +37,8 @@ from cassmail.model import (
     mailbox_name,
     normalize_domain,
 )
+
+log = logging.getLogger("cassmail.store")
 
 # --------------------------------------------------------------------------- errors
 
@@ -446,6 +450,21 @@ class Store(abc.ABC):
         caller delivers again without them), StoreUnavailable (nothing is visible to a
         listing).
         """
+
+    async def append(
+        self, body: Body, target: Target, internal_date: datetime | None = None
+    ) -> tuple[uuid.UUID, int | None]:
+        """IMAP APPEND: `deliver` to one mailbox (raising what it raises), then the message's UID,
+        None when it cannot be had now (StoreUnavailable while numbering, logged: the message is
+        stored either way, and the next listing numbers it). A store that can give the UID in the
+        delivery's own write does (mbox: one index append and one sync fewer)."""
+        [message_id] = await self.deliver(body, [target], internal_date)
+        try:
+            uids = await self.assign_uids(target.user, target.mailbox, [message_id])
+        except StoreUnavailable as exc:
+            log.warning(kv("imap-uids", user=target.user, mailbox=target.mailbox, waiting=1, error=exc))
+            return message_id, None
+        return message_id, uids.get(message_id)
 
     @abc.abstractmethod
     async def list_page(

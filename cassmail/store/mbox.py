@@ -688,8 +688,28 @@ class MboxStore(MboxQuota, FileQueueStore):
         await self._call(self._deliver_sync, view, unique, ids, when_us)  # (one hand-over to a thread)
         return [ids[(t.user, t.mailbox)] for t in targets]
 
+    async def append(
+        self, body: Body, target: Target, internal_date: datetime | None = None
+    ) -> tuple[uuid.UUID, int | None]:
+        """The UID comes in the delivery's own index append (MailboxFile.deliver with `number`)."""
+        view, _, unique = prepare_delivery(body, [target], self.max_message_size)
+        [key] = unique
+        ids, uids = {key: new_message_id()}, {}
+        await self._call(self._deliver_sync, view, unique, ids, internal_date_micros(internal_date), uids)
+        return ids[key], uids.get(key)
+
     def _deliver_sync(self, view: memoryview, unique: Mapping[tuple[str, str], Target],
-                      ids: Mapping[tuple[str, str], uuid.UUID], when_us: int) -> None:
+                      ids: Mapping[tuple[str, str], uuid.UUID], when_us: int,
+                      uids: dict[tuple[str, str], int | None] | None = None) -> None:
+        """Every copy of a delivery; with `uids`, each is numbered as it is written and its UID
+        goes there."""
+        number = uids is not None
+
+        def write(mf: MailboxFile, k: tuple[str, str]) -> None:
+            uid = mf.deliver(view, ids[k], when_us, unique[k].flags, number)
+            if uids is not None:
+                uids[k] = uid
+
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
         for user, mailbox in unique:
             self._mailbox_file(user, mailbox)
@@ -697,14 +717,14 @@ class MboxStore(MboxQuota, FileQueueStore):
         if limits:  # checked and written under those users' quota locks (mbox_quota)
             self._deliver_within_quota(
                 view.nbytes, unique, limits,
-                lambda k: self._with_mailbox(k[0], k[1], lambda mf: mf.deliver(view, ids[k], when_us, unique[k].flags)),
+                lambda k: self._with_mailbox(k[0], k[1], lambda mf: write(mf, k)),
                 lambda k: self._with_mailbox(k[0], k[1], lambda mf: mf.delete([ids[k]])),
             )
             return
         done: list[tuple[str, str]] = []
         try:
-            for k, t in unique.items():
-                self._with_mailbox(k[0], k[1], lambda mf, k=k, t=t: mf.deliver(view, ids[k], when_us, t.flags))
+            for k in unique:
+                self._with_mailbox(k[0], k[1], lambda mf, k=k: write(mf, k))
                 done.append(k)
         except _STORAGE_ERRORS:
             for k in done:  # best effort: a failed delivery shows no copy (the sender will retry)

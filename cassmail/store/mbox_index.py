@@ -908,16 +908,20 @@ class MailboxFile:
 
     # ----------------------------------------------------------------- delivery
 
-    def deliver(self, raw: memoryview, message_id: uuid.UUID, when_us: int, flags: frozenset[str]) -> None:
-        """Append one message; durable (both files fdatasync'd) when this returns."""
+    def deliver(
+        self, raw: memoryview, message_id: uuid.UUID, when_us: int, flags: frozenset[str], number: bool = False
+    ) -> int | None:
+        """Append one message; durable (both files fdatasync'd) when this returns. With `number`
+        (Store.append) it gets its UID in the same index append, and the UID is returned."""
         stored = quote(raw)
         capacity = keyword_capacity(flags, self.settings.keyword_reserve)
         with self.writing():
             self._truncate_dead_tail()
             self._append_record(
                 from_line(raw, when_us), message_id, when_us, len(raw), [stored], len(stored),
-                trailer_length(raw), flags, capacity, uid=0,
+                trailer_length(raw), flags, capacity, uid=0, number=number,
             )
+            return self.by_id[message_id].uid if number else None
 
     def _append_record(
         self,
@@ -932,6 +936,7 @@ class MailboxFile:
         capacity: int,
         uid: int,
         modseq: int = 0,
+        number: bool = False,
     ) -> None:
         head = record_head(first_line, message_id, when_us, raw_len, stored_len, flags, capacity)
         meta_len = len(head) - len(first_line) - slot_length(capacity)
@@ -950,7 +955,7 @@ class MailboxFile:
             off, pos + trail - off, message_id, len(first_line), len(first_line), meta_len, capacity, stored_len,
             raw_len, when_us, flags, uid, modseq=modseq,
         )
-        self._commit([(ENTRY, seg.encode())])
+        self._commit([(ENTRY, seg.encode())] + ([self._uids_record([message_id])] if number else []))
 
     # ----------------------------------------------------------------- listing and reading
 
@@ -1127,11 +1132,14 @@ class MailboxFile:
         with self.writing(mbox=False):
             missing = todo()
             if missing:
-                body = self._change(self.modseq + 1) + struct.pack(">I", self.uidnext + len(missing)) + b"".join(
-                    i.bytes + struct.pack(">I", self.uidnext + n) for n, i in enumerate(missing)
-                )
-                self._commit([(UIDS_AT, body)])
+                self._commit([self._uids_record(missing)])
             return {i: s.uid for i in wanted if (s := live(i)) is not None}
+
+    def _uids_record(self, ids: Sequence[uuid.UUID]) -> tuple[int, bytes]:
+        """The UIDS_AT record numbering `ids` from UIDNEXT on, with the next MODSEQ."""
+        return UIDS_AT, self._change(self.modseq + 1) + struct.pack(">I", self.uidnext + len(ids)) + b"".join(
+            i.bytes + struct.pack(">I", self.uidnext + n) for n, i in enumerate(ids)
+        )
 
     def uid_next(self) -> int:
         with self.reading():

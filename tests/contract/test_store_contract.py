@@ -554,6 +554,25 @@ async def test_uids_are_assigned_in_order_once_and_only_grow(store: Store, user:
     assert ids[4] not in await store.assign_uids(user, INBOX, [ids[4]])
 
 
+async def test_an_append_stores_the_message_with_the_next_uid_and_its_modseq(store: Store, user: str) -> None:
+    [before] = await store.deliver(MESSAGE, [Target(user, "Drafts")])
+    await store.assign_uids(user, "Drafts", [before])
+    highest = await store.highest_modseq(user, "Drafts")
+    when = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
+    message_id, uid = await store.append(b"appended\r\n", Target(user, "Drafts", frozenset({"\\Seen", "$Draft"})), when)
+    assert uid == 2 and await store.uid_next(user, "Drafts") == 3
+    [_, summary] = await listing(store, user, "Drafts")
+    assert (summary.id, summary.uid, summary.flags) == (message_id, 2, frozenset({"\\Seen", "$Draft"}))
+    assert summary.internal_date == when and summary.modseq is not None and summary.modseq > highest
+    assert await store.highest_modseq(user, "Drafts") == summary.modseq
+    assert await store.read_message(user, "Drafts", message_id) == b"appended\r\n"
+    assert await store.assign_uids(user, "Drafts", [message_id]) == {message_id: 2}  # numbered once
+    # refused as a delivery is, before anything is stored
+    with pytest.raises(NoSuchMailbox):
+        await store.append(MESSAGE, Target(user, "Nowhere"))
+    assert len(await listing(store, user, "Drafts")) == 2
+
+
 async def test_concurrent_uid_assignment_never_gives_a_uid_twice(store: Store, user: str) -> None:
     ids = [(await store.deliver(b"c%d" % i, [Target(user)]))[0] for i in range(60)]
     # twelve allocators racing over overlapping windows of the same new messages
