@@ -1217,6 +1217,43 @@ async def test_each_write_syncs_what_its_acknowledgement_needs_and_no_more(mstor
     await store.close()
 
 
+async def test_a_dotlock_is_a_fresh_link_to_the_processs_own_pid_file(mstore: MboxStore, tmp_path: Path) -> None:
+    """A dot-lock costs a touch, a link and an unlink: it is a hard link to one file per process
+    holding its pid, touched first so that tools judging locks by their age (procmail) see a new
+    one. Where no link can be made to it (another file system) a file of its own is made."""
+    root = mstore.root
+    lock = str(mstore.mailbox_paths(USER, INBOX)[0]) + ".lock"
+    source = mbox_fs.dotlock_source(str(root))
+    assert source == str(root / f".dotlock.{os.getpid()}")
+    os.utime(source, (0, 0))
+    mbox_fs.dotlock(lock, 1.0, source)
+    try:
+        assert os.stat(lock).st_ino == os.stat(source).st_ino
+        assert Path(lock).read_text() == f"{os.getpid()}\n" and time.time() - os.stat(lock).st_mtime < 60
+    finally:
+        mbox_fs.dotunlock(lock)
+    elsewhere = Path("/dev/shm")
+    if elsewhere.is_dir() and os.stat(elsewhere).st_dev != os.stat(root).st_dev:
+        other = mbox_fs.dotlock_source(str(elsewhere))
+        try:
+            mbox_fs.dotlock(lock, 1.0, other)
+            assert Path(lock).read_text() == f"{os.getpid()}\n" and os.stat(lock).st_ino != os.stat(other).st_ino
+            mbox_fs.dotunlock(lock)
+        finally:
+            os.unlink(other)
+    assert not Path(lock).exists()
+    # a write by the store leaves no lock behind and the pid file where it was
+    [message_id] = await mstore.deliver(b"locked and unlocked\n", [Target(USER)])
+    assert await mstore.read_message(USER, INBOX, message_id) == b"locked and unlocked\n"
+    assert not Path(lock).exists() and Path(source).exists()
+    # the pid files of processes that no longer run are removed when a store opens
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (root / f".dotlock.{dead.pid}").write_text(f"{dead.pid}\n")
+    await (await open_store(root)).close()
+    assert not (root / f".dotlock.{dead.pid}").exists() and Path(source).exists()
+
+
 async def test_a_stale_dotlock_of_a_dead_process_is_broken(mstore: MboxStore) -> None:
     path = mstore.mailbox_paths(USER, INBOX)[0]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

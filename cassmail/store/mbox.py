@@ -160,6 +160,7 @@ class MboxStore(MboxQuota, FileQueueStore):
             for leftover in (self.root / "users").glob(".new-*"):
                 if not _pid_alive(leftover.name):
                     shutil.rmtree(leftover, ignore_errors=True)
+            mbox_fs.remove_dotlock_sources(str(self.root))
 
     async def close(self) -> None:
         if getattr(self, "_watch", None) is not None:
@@ -610,7 +611,7 @@ class MboxStore(MboxQuota, FileQueueStore):
                     self._make_mailbox(user_dir, INBOX, None, self._next_uidvalidity(user_dir))
         try:
             mf = MailboxFile(box / "mbox", box / "index", self.settings, self._uidvalidity_source(user_dir),
-                             self._collapse, lambda: self.vanished_keep)
+                             self._collapse, lambda: self.vanished_keep, str(self.root))
         except FileNotFoundError:
             raise NoSuchMailbox(key, name) from None
         evicted = []

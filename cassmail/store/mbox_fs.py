@@ -197,37 +197,104 @@ def locked(fd: int, exclusive: bool, timeout: float) -> Iterator[None]:
 DOTLOCK_STALE = 300.0
 
 
-def dotlock(path: str, timeout: float) -> None:
+def dotlock(path: str, timeout: float, source: str | None = None) -> None:
     """Create `path` (conventionally `<mbox>.lock`) exclusively, the lock older mbox tools know.
 
     Our own writers take it after the fcntl lock, so when one finds a dot-lock naming a
     process that no longer exists (a writer killed with -9), it breaks it.
-    The lock is made whole before it appears: the pid goes into a private file that is then
-    hard-linked to `path`, so a writer killed at any moment leaves either no lock or one naming
-    it (an empty lock of our own would otherwise wait out DOTLOCK_STALE).
+    The lock is made whole before it appears: it is a hard link to a file that already holds
+    the pid, so a writer killed at any moment leaves either no lock or one naming it (an empty
+    lock of our own would otherwise wait out DOTLOCK_STALE). That file is `source` when given
+    (`dotlock_source`: one per process, so a lock costs its touch, a link and an unlink), else
+    one made for this lock beside it and removed after (also when `source` is on another file
+    system). The touch gives the lock the age other tools judge it by (procmail breaks a lock
+    whose file is older than its LOCKTIMEOUT).
     """
-    deadline = time.monotonic() + timeout
-    pause = 0.001
+    if source is not None:
+        try:
+            os.utime(source)  # a lock's age is its file's: other tools break old ones
+            _link_lock(source, path, timeout)
+            return
+        except OSError as exc:  # (gone meanwhile, or another file system: the private way)
+            if exc.errno not in (errno.ENOENT, errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+            _forget_source(source)
     private = f"{path}.{os.getpid()}.{threading.get_ident()}"
-    with open(private, "wb") as fh:
-        fh.write(f"{os.getpid()}\n".encode())
+    _write_pid(private)
     try:
-        while True:
-            try:
-                os.link(private, path)
-                return
-            except FileExistsError:
-                if _dotlock_stale(path):
-                    with _ignore_missing():
-                        os.unlink(path)
-                    continue
-                if time.monotonic() > deadline:
-                    raise LockTimeout(errno.EAGAIN, f"{path} held for more than {timeout:g} s") from None
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
+        _link_lock(private, path, timeout)
     finally:
         with _ignore_missing():
             os.unlink(private)
+
+
+def _link_lock(source: str, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        try:
+            os.link(source, path)
+            return
+        except FileExistsError:
+            if _dotlock_stale(path):
+                with _ignore_missing():
+                    os.unlink(path)
+                continue
+            if time.monotonic() > deadline:
+                raise LockTimeout(errno.EAGAIN, f"{path} held for more than {timeout:g} s") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def _write_pid(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+#: (directory, pid) -> this process's dot-lock source file there (see dotlock_source)
+_sources: dict[tuple[str, int], str] = {}
+_sources_lock = threading.Lock()
+#: The name of a process's dot-lock source file: this prefix and its pid.
+SOURCE_PREFIX = ".dotlock."
+
+
+def dotlock_source(directory: str) -> str:
+    """This process's file in `directory` holding its pid, that its dot-locks on that file system
+    are hard links to (made the first time it is asked for; a new one after a fork)."""
+    key = (directory, os.getpid())
+    with _sources_lock:
+        found = _sources.get(key)
+        if found is None:
+            found = os.path.join(directory, f"{SOURCE_PREFIX}{key[1]}")
+            _write_pid(found)
+            _sources[key] = found
+        return found
+
+
+def _forget_source(source: str) -> None:
+    with _sources_lock:
+        for key, path in list(_sources.items()):
+            if path == source:
+                del _sources[key]
+
+
+def remove_dotlock_sources(directory: str) -> None:
+    """Remove the dot-lock source files in `directory` of processes that no longer run."""
+    for name in os.listdir(directory):
+        if not name.startswith(SOURCE_PREFIX):
+            continue
+        try:
+            os.kill(int(name[len(SOURCE_PREFIX):]), 0)
+            continue
+        except (ValueError, ProcessLookupError):
+            pass
+        except PermissionError:
+            continue
+        with _ignore_missing():
+            os.unlink(os.path.join(directory, name))
 
 
 def _dotlock_stale(path: str) -> bool:

@@ -378,9 +378,13 @@ class MailboxFile:
         new_uidvalidity: Callable[[], int],
         collapse_ok: bool,
         vanished_keep: Callable[[], float] = lambda: 30 * 86400.0,
+        dotlock_dir: str | None = None,
     ) -> None:
         self.mbox_path, self.index_path = Path(mbox_path), Path(index_path)
         self.lock_path = str(self.mbox_path) + ".lock"
+        #: Where this process keeps the file its dot-locks link to (mbox_fs.dotlock_source);
+        #: None: a file of its own for each lock.
+        self._dotlock_dir = dotlock_dir
         self.settings = settings
         self._new_uidvalidity = new_uidvalidity
         self._vanished_keep = vanished_keep  # read at each change (the store's setting may change)
@@ -465,14 +469,14 @@ class MailboxFile:
             try:
                 self._check_identity()
                 if exclusive and mbox and self.settings.dotlock:
-                    mbox_fs.dotlock(self.lock_path, self.settings.lock_timeout)
+                    mbox_fs.dotlock(self.lock_path, self.settings.lock_timeout, self._dotlock_source)
                     dotlocked = True
                 self._sync()
                 if self._needs_recovery():
                     if not exclusive:
                         raise NeedsRecovery
                     if self.settings.dotlock and not dotlocked:
-                        mbox_fs.dotlock(self.lock_path, self.settings.lock_timeout)
+                        mbox_fs.dotlock(self.lock_path, self.settings.lock_timeout, self._dotlock_source)
                         dotlocked = True
                     self._recover()
                 if exclusive and self._format < 2:  # written before MODSEQs: upgraded in place, once
@@ -507,6 +511,10 @@ class MailboxFile:
         if data is None:
             raise WouldWait
         return data
+
+    @property
+    def _dotlock_source(self) -> str | None:
+        return mbox_fs.dotlock_source(self._dotlock_dir) if self._dotlock_dir is not None else None
 
     def writing(self, mbox: bool = True) -> Iterator[None]:
         """The exclusive lock; `mbox=False` for a change that appends to the index only (no
