@@ -274,6 +274,32 @@ async def test_select_reports_the_mailbox_and_fetch_is_byte_exact(plain_node: No
     assert re.search(rb'INTERNALDATE "\d\d-[A-Z][a-z]{2}-\d{4} \d\d:\d\d:\d\d \+0000"', data[0])
 
 
+async def test_a_fetch_of_what_the_view_holds_answers_every_message_from_the_store_summaries(
+    plain_node: Node, store: Store, users
+) -> None:
+    """FLAGS, UID, MODSEQ, INTERNALDATE and RFC822.SIZE come from the selected view without a read
+    of any message (fetch.FROM_THE_VIEW): more messages than one wait for the client covers, each
+    line as the store's summary says."""
+    user, box = users["anne"], "ViewFetch"
+    await store.create_mailbox(user, box)
+    await deliver(store, user, [message(i, b"x" * i) for i in range(300)], box)
+    ids = await _ids(store, user, box)
+    await store.store_flags(user, box, ids[::7], ["\\Flagged", "$Later"], "add")
+    raw = logged_in(plain_node, user, "anne", box)
+    lines = raw.cmd("FETCH 1:* (UID FLAGS MODSEQ INTERNALDATE RFC822.SIZE)")
+    assert lines[-1].startswith(b"t%d OK" % raw.n)
+    values = _fetch_values([line for line in lines if b" FETCH " in line] + [lines[-1]])
+    summaries = await store.get_summaries(user, box, ids)
+    assert sorted(values) == list(range(1, 301))
+    for seq, message_id in enumerate(ids, 1):
+        summary, got = summaries[message_id], values[seq]
+        assert int(got["UID"]) == summary.uid and int(got["RFC822.SIZE"]) == summary.size
+        assert {f.decode() for f in got["FLAGS"]} - {"\\Recent"} == set(summary.flags)
+        assert int(got["MODSEQ"][0]) == summary.modseq
+        assert datetime.strptime(got["INTERNALDATE"].decode().strip(), "%d-%b-%Y %H:%M:%S %z") == summary.internal_date.replace(microsecond=0)
+    raw.cmd("LOGOUT")
+
+
 async def _ids(store: Store, user: str, mailbox: str = "INBOX") -> list:
     return [s.id async for s in store.list_messages(user, mailbox)]
 

@@ -98,6 +98,9 @@ async def fetch(session: Session, args: c.Fetch) -> str:
                 await condstore.learn(session, unseen, flags=True)
                 atts += [c.FetchAtt(name) for name in ("UID", "MODSEQ") if not any(a.name == name for a in atts)]
     shows_flags = any(a.name == "FLAGS" for a in atts)
+    if all(a.name in FROM_THE_VIEW for a in atts):
+        await _fetch_from_the_view(session, uids, atts, shows_flags)
+        return ("UID " if args.uid else "") + "FETCH completed"
     missing = 0
     for message_uid in uids:
         summary = view.messages.get(message_uid)
@@ -113,6 +116,30 @@ async def fetch(session: Session, args: c.Fetch) -> str:
     if missing:
         raise No("Some messages were expunged meanwhile", "EXPUNGEISSUED")
     return ("UID " if args.uid else "") + "FETCH completed"
+
+
+#: Items a FETCH answers from the selected view alone, with no read of the message.
+FROM_THE_VIEW = frozenset({"FLAGS", "UID", "MODSEQ", "INTERNALDATE", "RFC822.SIZE"})
+#: Response lines written between two waits for the client to read (`drain`).
+VIEW_LINES_PER_DRAIN = 256
+
+
+async def _fetch_from_the_view(session: Session, uids: list[int], atts: list[c.FetchAtt], shows_flags: bool) -> None:
+    """A FETCH of FROM_THE_VIEW items only (a client listing its mailbox's flags): each message's
+    line made at once, without the per-message steps of messages that are read; the client is
+    waited for every VIEW_LINES_PER_DRAIN lines, as for every message read."""
+    view = session.selected()
+    conn, messages = session.conn, view.messages
+    for n, uid in enumerate(uids, 1):
+        summary = messages.get(uid)
+        if summary is None:
+            continue
+        if shows_flags:
+            session.announce_flags([uid])
+        conn.write(b"* %d FETCH (%s)\r\n" % (view.seq(uid), b" ".join([_item(session, uid, summary, a, None) for a in atts])))
+        if n % VIEW_LINES_PER_DRAIN == 0:
+            await conn.drain()
+    await conn.drain()
 
 
 async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: list[c.FetchAtt]) -> None:
