@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import re
 import select
@@ -46,6 +47,9 @@ class Shared:
     bodies: dict[int, str] = field(default_factory=dict)
     #: Subject marker -> digest of the message as APPENDed.
     appended: dict[bytes, str] = field(default_factory=dict)
+    #: In every marker of this run: runs one after the other on one mailbox (test_partitions)
+    #: find the earlier runs' messages there, whose markers must not be taken for this run's.
+    run: str = field(default_factory=lambda: os.urandom(4).hex())
     #: UID -> the session ids that saw it \\Recent.
     recent: dict[int, set[str]] = field(default_factory=dict)
     commands: dict[str, int] = field(default_factory=dict)
@@ -267,7 +271,7 @@ class Session:
             kind = rng.random()
             if kind < 0.22:
                 self.appends += 1
-                marker = f"stress-{self.name}-{self.appends}".encode()
+                marker = f"stress-{self.shared.run}-{self.name}-{self.appends}".encode()
                 body = b"Subject: %s\r\nFrom: s@x.test\r\n\r\n%s\r\n" % (marker, rng.randbytes(rng.randint(10, 4000)).hex().encode())
                 with self.shared.lock:
                     self.shared.appended[marker] = hashlib.sha256(body).hexdigest()

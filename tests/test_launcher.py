@@ -367,9 +367,9 @@ def test_the_suites_cassandra_node_and_its_threads_run_with_the_launchers_timer_
     assert launcher.timer_slack() != launcher.TIMER_SLACK_NS
 
 
-def test_the_suites_cassandra_node_takes_trie_memtables_and_trie_indexed_sstables(cassandra_endpoint) -> None:
-    """The launcher's storage settings (5.0's cassandra_latest.yaml ones), as the running node
-    reports the configuration it took."""
+def test_the_suites_cassandra_node_takes_trie_memtables_trie_indexed_sstables_and_paxos_v2(cassandra_endpoint) -> None:
+    """The launcher's storage settings (5.0's cassandra_latest.yaml ones) and its Paxos variant,
+    as the running node reports the configuration it took."""
     from cassandra.cluster import Cluster
 
     if os.environ.get("CASSMAIL_TEST_CASSANDRA"):
@@ -385,6 +385,7 @@ def test_the_suites_cassandra_node_takes_trie_memtables_and_trie_indexed_sstable
     assert settings["sstable.selected_format"] == "bti"
     assert "default=trie" in settings["memtable.configurations"]
     assert "trie=TrieMemtable" in settings["memtable.configurations"]
+    assert (settings["paxos_variant"], settings["paxos_state_purging"]) == ("v2", "legacy")
 
 
 # --------------------------------------------------------------------------- CQL probe

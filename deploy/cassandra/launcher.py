@@ -712,6 +712,10 @@ class LocalCluster:
                 "default": {"inherits": "trie"},
             }},
             "sstable": {"selected_format": "bti"},
+            # Paxos v2 (Cassandra 4.1 and later): fewer round trips per
+            # lightweight transaction (IMAP flag changes, expunges, UIDs, queue leases). Paxos
+            # state is still purged the legacy way (by TTL), so no Paxos repairs are needed.
+            "paxos_variant": "v2",
             # Small pools and caches: 2 cores, possibly several nodes.
             "concurrent_reads": 8,
             "concurrent_writes": 8,
