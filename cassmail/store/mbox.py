@@ -900,12 +900,9 @@ def _pid_alive(staging_name: str) -> bool:
     """Whether the process that made a `.new-<pid>-...` staging directory still runs."""
     try:
         pid = int(staging_name.split("-")[1])
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
+    except (ValueError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return mbox_fs.pid_alive(pid)
 
 
 __all__ = ["MboxStore", "decode_name", "encode_name"]

@@ -286,15 +286,22 @@ def remove_dotlock_sources(directory: str) -> None:
     for name in os.listdir(directory):
         if not name.startswith(SOURCE_PREFIX):
             continue
-        try:
-            os.kill(int(name[len(SOURCE_PREFIX):]), 0)
-            continue
-        except (ValueError, ProcessLookupError):
-            pass
-        except PermissionError:
+        pid = name[len(SOURCE_PREFIX):]
+        if pid.isdigit() and pid_alive(int(pid)):
             continue
         with _ignore_missing():
             os.unlink(os.path.join(directory, name))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _dotlock_stale(path: str) -> bool:
@@ -306,15 +313,7 @@ def _dotlock_stale(path: str) -> bool:
         return False
     if text.isdigit():
         pid = int(text)
-        if pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return pid != os.getpid() and not pid_alive(pid)
     return age > DOTLOCK_STALE
 
 
