@@ -311,6 +311,33 @@ async def test_the_drivers_connections_write_each_request_whole(make_store) -> N
     assert all(c.out_buffer_size == 1 << 20 for c in connections)
 
 
+async def test_a_batch_takes_statements_with_values_serialized_by_the_store(make_store) -> None:
+    """`add_serialized` puts a prepared statement with values the store serialized into a batch
+    through the driver's private `BatchStatement._add_statement_and_params` (the numbering's
+    thousands of statements a batch, `Messages.add_first_uids`): this fails loudly if the driver
+    changes it. The UIDs, MODSEQs and MODSEQ records written so read back as bound ones do."""
+    from cassmail.store.cassandra_tables import record_id
+
+    assert callable(getattr(BatchStatement, "_add_statement_and_params", None)), "the driver changed: see add_serialized"
+    store = await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 3)
+    mailbox_id = (await store._resolve(address_key(user), INBOX)).mailbox_id
+    batch = store.cql.batch(conditional=True)
+    store.tables.messages.add_first_uids(batch, mailbox_id, ids, 2**40, 7)
+    assert len(batch) == 6
+    applied, _ = await store.cql.conditional(batch)
+    assert applied
+    rows = {r.id: r for r in await store.tables.messages.state(mailbox_id, ids)}
+    assert [(rows[i].uid, rows[i].modseq) for i in ids] == [(2**40 + n, 7) for n in range(3)]
+    records = await store.tables.messages.records(mailbox_id, 6)
+    assert sorted((r.uid, r.changed_id) for r in records) == [(2**40 + n, i) for n, i in enumerate(ids)]
+    assert record_id(7, 2**40).time == 7 and record_id(7, 2**40).node == 2**40
+    again = store.cql.batch(conditional=True)  # numbered now: the condition holds no more
+    store.tables.messages.add_first_uids(again, mailbox_id, ids[:1], 1, 8)
+    assert (await store.cql.conditional(again))[0] is False
+
+
 async def test_too_few_replicas_for_the_write_level_is_unavailable_and_shows_nothing(cassandra_settings) -> None:
     """RF=3 on a one-node cluster: QUORUM writes cannot succeed, ONE writes can."""
     settings = dataclasses.replace(cassandra_settings, keyspace=f"cmrf3_{uuid.uuid4().hex[:8]}", write_consistency="ONE")
@@ -360,6 +387,109 @@ async def test_a_request_that_times_out_is_unavailable(make_store) -> None:
         await store.deliver(b"x" * 300_000, [Target(user)])
 
 
+async def test_a_listing_numbers_what_it_found_while_it_reads_on(make_store, monkeypatch) -> None:
+    """A listing starts numbering once it has found NUMBER_WHILE_LISTING unnumbered messages (10
+    here) and goes on reading meanwhile; what it finds while a call runs goes into the next.
+    The UIDs follow the listing's order, and the HIGHESTMODSEQ after the numbering is taken in
+    as with one call."""
+    from cassmail.imap import view
+    from cassmail.imap.view import read_listing
+
+    monkeypatch.setattr(view, "NUMBER_WHILE_LISTING", 10)
+    monkeypatch.setattr(cassandra_module, "UID_BATCH", 8)
+    store = await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 45)
+    listed: list[uuid.UUID] = []
+    calls: list[tuple[int, int]] = []  # (messages listed when a call began, ids it was given)
+    listing_of, numbering = store.list_messages, store.assign_uids
+
+    async def counted(*args, **kwargs):
+        async for summary in listing_of(*args, **kwargs):
+            listed.append(summary.id)
+            yield summary
+
+    async def noted(user_, mailbox, asked, **kwargs):
+        calls.append((len(listed), len(asked)))
+        return await numbering(user_, mailbox, asked, **kwargs)
+
+    monkeypatch.setattr(store, "list_messages", counted)
+    monkeypatch.setattr(store, "assign_uids", noted)
+    before = await store.highest_modseq(user, INBOX)
+    listing = await read_listing(store, user, INBOX, 5, highest=True)
+    assert len(calls) >= 2 and calls[0][0] < 45  # the first while the listing read on
+    assert sum(n for _, n in calls) == 45
+    assert [listing.assigned[i] for i in ids] == list(range(1, 46))
+    assert listing.highest == await store.highest_modseq(user, INBOX) > before
+
+
+async def test_a_listing_nothing_else_changed_is_numbered_without_reading_each_message_again(
+        make_store, monkeypatch) -> None:
+    """A listing's numbering checks each message in its batches (a read inside the Paxos round)
+    only when the listing may be out of date: when the SERIAL read finds a MODSEQ taken since
+    the HIGHESTMODSEQ read before the listing that is not the listing's own. Here another node
+    numbers a message after the listing read it: the batches from then on check, the one with
+    that message does not apply and is decided again on a read, and no UID is given twice."""
+    from cassmail.imap import view
+    from cassmail.imap.view import read_listing
+
+    monkeypatch.setattr(view, "NUMBER_WHILE_LISTING", 10)
+    monkeypatch.setattr(cassandra_module, "UID_BATCH", 4)
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    checks: list[bool] = []
+    adding = store.tables.messages.add_first_uids
+
+    def noted(*args, checked=True, **kwargs):
+        checks.append(checked)
+        return adding(*args, checked=checked, **kwargs)
+
+    monkeypatch.setattr(store.tables.messages, "add_first_uids", noted)
+    ids = await deliver_many(store, user, 45)
+    listing = await read_listing(store, user, INBOX, 5, highest=True)
+    assert [listing.assigned[i] for i in ids] == list(range(1, 46))
+    assert checks and not any(checks)  # nothing else changed: no message read again
+    assert listing.highest == await store.highest_modseq(user, INBOX)
+
+    more = await deliver_many(store, user, 45)
+    listing_of = store.list_messages
+    taken: dict[uuid.UUID, int] = {}
+
+    async def and_elsewhere(*args, **kwargs):
+        async for summary in listing_of(*args, **kwargs):
+            yield summary
+            if summary.id == more[33]:  # listed unnumbered; numbered elsewhere before this listing's turn
+                taken.update(await other.assign_uids(user, INBOX, [summary.id]))
+
+    monkeypatch.setattr(store, "list_messages", and_elsewhere)
+    checks.clear()
+    listing = await read_listing(store, user, INBOX, 5, highest=True)
+    assert taken and any(checks) and not all(checks)
+    listed = {s.id: s.uid async for s in store.list_messages(user, INBOX)}
+    assert sorted(listed.values()) == list(range(1, 91))  # every message one UID, none given twice
+    assert listed[more[33]] == taken[more[33]]
+    assert {i: listed[i] for i in listing.assigned} == listing.assigned
+
+
+def test_reads_see_writes_where_the_replicas_they_touch_overlap() -> None:
+    from cassandra.metadata import NetworkTopologyStrategy, SimpleStrategy
+
+    from cassmail.store.cassandra_cql import reads_see_writes
+
+    one, three = SimpleStrategy({"replication_factor": "1"}), SimpleStrategy({"replication_factor": "3"})
+    two_centres = NetworkTopologyStrategy({"dc1": "3", "dc2": "3"})
+    level = ConsistencyLevel
+    assert reads_see_writes(level.ONE, level.ONE, one)
+    assert not reads_see_writes(level.ONE, level.ONE, three)
+    assert reads_see_writes(level.QUORUM, level.QUORUM, three)
+    assert reads_see_writes(level.LOCAL_QUORUM, level.LOCAL_QUORUM, three)
+    assert reads_see_writes(level.ONE, level.ALL, three)
+    assert not reads_see_writes(level.ONE, level.QUORUM, three)
+    assert reads_see_writes(level.QUORUM, level.QUORUM, two_centres)
+    assert not reads_see_writes(level.LOCAL_QUORUM, level.LOCAL_QUORUM, two_centres)
+    assert not reads_see_writes(level.ONE, level.ONE, object())
+
+
 async def test_numbering_in_many_batches_on_two_nodes_at_once_gives_each_message_one_uid(
         make_store, monkeypatch: pytest.MonkeyPatch) -> None:
     """A large mailbox is numbered in batches of UID_BATCH rows, a Paxos round each: made 16 here,
@@ -376,6 +506,45 @@ async def test_numbering_in_many_batches_on_two_nodes_at_once_gives_each_message
     for result in results:
         assert {i: final[i] for i in result} == result
     assert await node_a.uid_next(user, INBOX) == 121
+
+
+async def test_numbering_reads_once_and_reads_again_where_a_message_was_numbered_or_deleted_meanwhile(
+        make_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Numbering in many batches decides the first on a SERIAL read and each later one on what
+    the one before left: a read for 64 messages in batches of 16. A later batch applies only if
+    each of its messages is still there and unnumbered, so one whose messages another node
+    numbered or deleted since the listing is decided again on a read."""
+    from cassmail.store import cassandra
+
+    monkeypatch.setattr(cassandra, "UID_BATCH", 16)
+    node_a, node_b = await make_store(), await make_store()
+    user = await new_user(node_a)
+    reads: list[str] = []
+    for name in ("state", "state_slice"):
+        def spy(*args: object, _read=getattr(node_a.tables.messages, name), _name=name) -> object:
+            reads.append(_name)
+            return _read(*args)
+        monkeypatch.setattr(node_a.tables.messages, name, spy)
+
+    ids = await deliver_many(node_a, user, 64)
+    modseqs: dict[uuid.UUID, int] = {}
+    given = await node_a.assign_uids(user, INBOX, ids, modseqs=modseqs)
+    assert list(given) == ids and list(given.values()) == list(range(1, 65))
+    assert len(reads) == 1
+    assert sorted(set(modseqs.values())) == [2, 3, 4, 5] and await node_a.highest_modseq(user, INBOX) == 5
+
+    more = await deliver_many(node_a, user, 64)  # listed unnumbered; then, elsewhere:
+    taken = await node_b.assign_uids(user, INBOX, [more[20], more[40]])
+    assert sorted(taken.values()) == [65, 66]
+    await node_b.delete_messages(user, INBOX, [more[50]])
+    reads.clear()
+    given = await node_a.assign_uids(user, INBOX, more)
+    assert len(reads) == 4  # the first batch, and the three whose messages changed
+    assert given[more[20]] == 65 and given[more[40]] == 66 and more[50] not in given
+    listed = {s.id: s.uid async for s in node_a.list_messages(user, INBOX)}
+    assert {i: listed[i] for i in given} == given
+    assert sorted(listed.values()) == list(range(1, 128))  # every message one UID, none given twice
+    assert await node_a.uid_next(user, INBOX) == 128
 
 
 async def test_a_run_of_new_mail_is_read_as_a_slice_and_ids_spread_among_others_by_key(

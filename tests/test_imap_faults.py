@@ -70,14 +70,16 @@ class FaultyStore:
 
     async def assign_uids(self, user: str, mailbox: str, ids: Sequence[uuid.UUID],
                           renumber: dict[uuid.UUID, int] | None = None,
-                          modseqs: dict[uuid.UUID, int] | None = None) -> dict[uuid.UUID, int]:
+                          modseqs: dict[uuid.UUID, int] | None = None,
+                          listed_at: int | None = None) -> dict[uuid.UUID, int]:
         if ids and self.assign_error is not None:
             error, self.assign_error = self.assign_error, None
             raise error
         if ids and self.expunge_before_numbering == mailbox:
             self.expunge_before_numbering = None
             await self.inner.delete_messages(user, mailbox, [ids[0]])
-        return await self.inner.assign_uids(user, mailbox, ids, renumber=renumber, modseqs=modseqs)
+        return await self.inner.assign_uids(user, mailbox, ids, renumber=renumber, modseqs=modseqs,
+                                            listed_at=listed_at)
 
     async def append(self, body: bytes, target: Target, internal_date: Any = None) -> tuple[uuid.UUID, int | None]:
         """With `assign_error` set, the contract's own APPEND (deliver, then number) over this

@@ -3,8 +3,8 @@
 RFC 3501 lets a session's message numbers change only when the server says so
 (EXISTS, EXPUNGE), so each session keeps its own view and brings it up to date
 from a listing of the store at the moments it may tell the client. Messages the
-store lists without a UID get theirs here, in one `assign_uids` call: the store
-guarantees they land above every UID handed out before, so new messages always
+store lists without a UID get theirs here, by `assign_uids` in the listing's order: the
+store guarantees they land above every UID handed out before, so new messages always
 go at the end of the view and numbers never shift under the client.
 
 A message can also be listed late with a UID the session may no longer show: it
@@ -27,6 +27,7 @@ client needs it. What CONDSTORE and QRESYNC tell the client is in `condstore.py`
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import logging
@@ -96,16 +97,78 @@ class Listing:
 
 
 async def read_listing(store: Store, user: str, name: str, page_size: int, highest: bool = False) -> Listing:
-    """Every summary of a mailbox, with UIDs given to those that had none (one conditional
-    write for all of them, whatever their number); with `highest`, the store's HIGHESTMODSEQ
+    """Every summary of a mailbox, with UIDs given to those that had none (`Numbering`: while
+    the listing reads on, once it has found many); with `highest`, the store's HIGHESTMODSEQ
     read first."""
     modseq = await store.highest_modseq(user, name) if highest else None
     started = time.time()
-    summaries = [s async for s in store.list_messages(user, name, page_size)]
-    modseqs: dict[uuid.UUID, int] = {}
-    assigned = await number(store, user, name, summaries, modseqs)
-    highest = await _numbered_highest(store, user, name, modseq, modseqs)
-    return Listing(summaries, assigned, highest, started, modseqs=modseqs)
+    summaries: list[MessageSummary] = []
+    numbering = Numbering(store, user, name, modseq)
+    try:
+        async for summary in store.list_messages(user, name, page_size):
+            summaries.append(summary)
+            if summary.uid is None:
+                numbering.found(summary.id)
+        assigned = await numbering.done()
+    finally:
+        numbering.cancel()
+    highest = await _numbered_highest(store, user, name, modseq, numbering.modseqs)
+    return Listing(summaries, assigned, highest, started, modseqs=numbering.modseqs)
+
+
+#: Unnumbered messages a listing finds before it starts numbering them while it reads on.
+NUMBER_WHILE_LISTING = 4096
+
+
+class Numbering:
+    """The numbering of the unnumbered mail a listing finds, in the listing's order, one
+    `assign_uids` call at a time: the first as soon as NUMBER_WHILE_LISTING are found, the next
+    with what was found meanwhile once it is done, the last with the rest when the listing ends.
+    A first SELECT of 100,000 messages never numbered (on Cassandra about a hundred conditional
+    batches) so numbers while the pages are read and decoded. A call the store cannot serve
+    (StoreUnavailable) ends the numbering: the rest waits for a later listing (see `number`)."""
+
+    def __init__(self, store: Store, user: str, name: str, listed_at: int | None) -> None:
+        self.store, self.user, self.name, self.listed_at = store, user, name, listed_at
+        self.assigned: dict[uuid.UUID, int] = {}
+        self.modseqs: dict[uuid.UUID, int] = {}
+        self._found: list[uuid.UUID] = []
+        self._running: asyncio.Task[None] | None = None
+        self._failed = False
+
+    def found(self, message_id: uuid.UUID) -> None:
+        self._found.append(message_id)
+        if len(self._found) >= NUMBER_WHILE_LISTING and (self._running is None or self._running.done()):
+            self._start()
+
+    async def done(self) -> dict[uuid.UUID, int]:
+        """Number what is left once the listing ended; every UID handed out."""
+        if self._running is not None:
+            await self._running
+        if self._found:
+            self._start()
+            assert self._running is not None
+            await self._running
+        return self.assigned
+
+    def cancel(self) -> None:
+        if self._running is not None and not self._running.done():
+            self._running.cancel()
+
+    def _start(self) -> None:
+        if self._running is not None:
+            self._running.result()  # (done: an error of the call before is raised here)
+        ids, self._found = self._found, []
+        self._running = asyncio.ensure_future(self._assign(ids))
+
+    async def _assign(self, ids: list[uuid.UUID]) -> None:
+        if self._failed:
+            return
+        got = await _assign(self.store, self.user, self.name, ids, self.modseqs, self.listed_at)
+        if got is None:
+            self._failed = True
+        else:
+            self.assigned.update(got)
 
 
 async def _numbered_highest(store: Store, user: str, name: str, highest: int | None,
@@ -124,16 +187,21 @@ async def number(store: Store, user: str, name: str, summaries: list[MessageSumm
                  modseqs: dict[uuid.UUID, int] | None = None) -> dict[uuid.UUID, int]:
     """UIDs for the summaries that have none, in one `assign_uids` call (their MODSEQs into
     `modseqs`, where the store tells them); none when the store cannot number now."""
-    unnumbered = [s.id for s in summaries if s.uid is None]
-    if not unnumbered:
+    return await _assign(store, user, name, [s.id for s in summaries if s.uid is None], modseqs) or {}
+
+
+async def _assign(store: Store, user: str, name: str, ids: list[uuid.UUID],
+                  modseqs: dict[uuid.UUID, int] | None, listed_at: int | None = None) -> dict[uuid.UUID, int] | None:
+    """`assign_uids` of `ids`; None when the store cannot number now."""
+    if not ids:
         return {}
     try:
-        return await store.assign_uids(user, name, unnumbered, modseqs=modseqs)
+        return await store.assign_uids(user, name, ids, modseqs=modseqs, listed_at=listed_at)
     except StoreUnavailable as exc:
         # Numbering needs more of the store than reading (on Cassandra a Paxos quorum): the
         # session goes on with the numbered mail, and the rest joins, above it, once it can.
-        log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(unnumbered), error=exc))
-        return {}
+        log.warning(kv("imap-uids", user=user, mailbox=name, waiting=len(ids), error=exc))
+        return None
 
 
 def keywords_of(summaries: Iterable[MessageSummary]) -> set[str]:

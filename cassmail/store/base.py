@@ -603,6 +603,7 @@ class Store(abc.ABC):
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
         modseqs: dict[uuid.UUID, int] | None = None,
+        listed_at: int | None = None,
     ) -> dict[uuid.UUID, int]:
         """Give a new UID, one above every UID ever handed out in this mailbox and in the order
         of `ids`, to every id that has none yet and to every id of `renumber` whose UID is still
@@ -611,6 +612,11 @@ class Store(abc.ABC):
         gives up is remembered as expunged (see `vanished_since`). `modseqs`, when given, gets
         the MODSEQ of each message this call numbered, where the store can tell (Cassandra; the
         mbox and WheelFS stores leave it as it is).
+
+        `listed_at`: the HIGHESTMODSEQ read before the listing in which `ids` had no UID, with
+        `modseqs` holding the MODSEQs that earlier calls for that listing took. A store may then
+        skip reading again what the listing told, when it finds that nothing else changed the
+        mailbox since (Cassandra: `CassandraStore._assign`).
 
         Renumbering exists for IMAP: a session that has shown UID 6 must never show UID 5
         afterwards, yet a read at a weak consistency level may have hidden an older message

@@ -30,6 +30,7 @@ level and keeps nothing.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -125,6 +126,18 @@ class Tally:
         if self._counted(row):
             self.counts.add(row.flags, row.size, row.uid, -1)
             self.counts.add(row.flags, row.size, uid)
+
+    def numbered_first(self, message_id: uuid.UUID, uid: int) -> None:
+        """`numbered` for a message that had no UID, whose row the batch itself checks is there:
+        its flags and size count out and in again, so only its id matters."""
+        if self.valid and below(message_id, self.bound):
+            self.counts.unnumbered -= 1
+            self.counts.uid_max = max(self.counts.uid_max, uid)
+
+    def copy(self) -> Tally:
+        other = copy.copy(self)
+        other.counts = dataclasses.replace(self.counts)
+        return other
 
     def gone(self, row: Any) -> None:
         if self._counted(row):

@@ -25,6 +25,7 @@ from typing import Any
 
 from cassandra import ConsistencyLevel, DriverException, ReadTimeout, WriteTimeout, WriteType
 from cassandra.cluster import NoHostAvailable, ResponseFuture, Session
+from cassandra.metadata import NetworkTopologyStrategy, SimpleStrategy
 from cassandra.connection import ConnectionBusy, ConnectionException
 from cassandra.pool import NoConnectionsAvailable
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
@@ -62,6 +63,36 @@ class Kind(enum.Enum):
     #: write_consistency, with serial_consistency for its Paxos round (also a plain write that
     #: goes into a conditional batch).
     CONDITIONAL = "conditional"
+
+
+def reads_see_writes(read_cl: int, write_cl: int, strategy: object) -> bool:
+    """Whether a read at `read_cl` sees every write acknowledged at `write_cl` before it began,
+    in a keyspace of the driver's replication `strategy`: the replicas the two touch overlap
+    (R + W > RF). False where unsure: other strategies, several data centres with LOCAL levels."""
+    if isinstance(strategy, SimpleStrategy):
+        centres = [strategy.replication_factor]
+    elif isinstance(strategy, NetworkTopologyStrategy):
+        centres = list(strategy.dc_replication_factors.values())
+    else:
+        return False
+    total = sum(centres)
+    if total == 1:
+        return True
+    one_centre = len(centres) == 1
+    levels = ConsistencyLevel
+    replicas = {levels.ONE: 1, levels.TWO: 2, levels.THREE: 3, levels.QUORUM: total // 2 + 1, levels.ALL: total,
+                levels.LOCAL_ONE: 1, levels.LOCAL_QUORUM: total // 2 + 1 if one_centre else 1}
+    return replicas.get(read_cl, 0) + replicas.get(write_cl, 0) > total
+
+
+def add_serialized(batch: BatchStatement, prepared: PreparedStatement, values: list[bytes | None]) -> None:
+    """Add a prepared statement to a batch with its values serialized by the caller (each the
+    bytes of its column's type, in the statement's order), past `PreparedStatement.bind` and the
+    BoundStatement it makes. Uses the driver's private `BatchStatement._add_statement_and_params`
+    (cassandra-driver 3.x, pinned in pyproject.toml;
+    tests/test_cassandra_store.py::test_a_batch_takes_statements_with_values_serialized_by_the_store
+    fails if it changes)."""
+    batch._add_statement_and_params(True, prepared.query_id, values)
 
 
 @dataclass
@@ -170,6 +201,10 @@ class Cql:
             raise
         row = rows[0] if rows else None
         return (bool(row[0]) if row is not None else False), row
+
+    def reads_see_writes(self, strategy: object) -> bool:
+        """`reads_see_writes` at this store's read and write levels."""
+        return reads_see_writes(self.read_cl, self.write_cl, strategy)
 
     def batch(self, batch_type: BatchType = BatchType.LOGGED, conditional: bool = False) -> BatchStatement:
         batch = BatchStatement(batch_type=batch_type, consistency_level=self.write_cl)

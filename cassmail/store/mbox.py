@@ -795,6 +795,7 @@ class MboxStore(MboxQuota, FileQueueStore):
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
         modseqs: dict[uuid.UUID, int] | None = None,
+        listed_at: int | None = None,
     ) -> dict[uuid.UUID, int]:
         wanted, again = list(ids), dict(renumber or {})
         return await self._on_mailbox(user, mailbox, lambda mf: mf.assign_uids(wanted, again))

@@ -1284,6 +1284,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
         ids: Sequence[uuid.UUID],
         renumber: Mapping[uuid.UUID, int] | None = None,
         modseqs: dict[uuid.UUID, int] | None = None,
+        listed_at: int | None = None,
     ) -> dict[uuid.UUID, int]:
         wanted = uid_work(ids, renumber)
         again = dict(renumber or {})
