@@ -325,13 +325,13 @@ async def test_a_batch_takes_statements_with_values_serialized_by_the_store(make
     mailbox_id = (await store._resolve(address_key(user), INBOX)).mailbox_id
     batch = store.cql.batch(conditional=True)
     store.tables.messages.add_first_uids(batch, mailbox_id, ids, 2**40, 7)
-    assert len(batch) == 6
+    assert len(batch) == 4  # a UID each, and one MODSEQ record of the run
     applied, _ = await store.cql.conditional(batch)
     assert applied
     rows = {r.id: r for r in await store.tables.messages.state(mailbox_id, ids)}
     assert [(rows[i].uid, rows[i].modseq) for i in ids] == [(2**40 + n, 7) for n in range(3)]
-    records = await store.tables.messages.records(mailbox_id, 6)
-    assert sorted((r.uid, r.changed_id) for r in records) == [(2**40 + n, i) for n, i in enumerate(ids)]
+    [record] = await store.tables.messages.records(mailbox_id, 6)
+    assert (record.uid, record.changed_id, record.changed_last) == (2**40, ids[0], ids[-1])
     assert record_id(7, 2**40).time == 7 and record_id(7, 2**40).node == 2**40
     again = store.cql.batch(conditional=True)  # numbered now: the condition holds no more
     store.tables.messages.add_first_uids(again, mailbox_id, ids[:1], 1, 8)
@@ -532,6 +532,13 @@ async def test_numbering_reads_once_and_reads_again_where_a_message_was_numbered
     assert list(given) == ids and list(given.values()) == list(range(1, 65))
     assert len(reads) == 1
     assert sorted(set(modseqs.values())) == [2, 3, 4, 5] and await node_a.highest_modseq(user, INBOX) == 5
+    # The later batches' MODSEQ records are one per run (schema 015), read back as their messages:
+    changed, _ = await node_b.changes_since(user, INBOX, 2)
+    assert [(s.id, s.uid, s.modseq) for s in changed] == [(i, n + 1, 3 + (n - 16) // 16) for n, i in enumerate(ids)][16:]
+    await node_b.store_flags(user, INBOX, [ids[20]], ["\\Seen"], "add")  # a message of a run changes again
+    changed, _ = await node_b.changes_since(user, INBOX, 4)
+    assert [s.uid for s in changed] == [21, *range(49, 65)]
+    assert [s.uid for s in (await node_b.changes_since(user, INBOX, 5))[0]] == [21]
 
     more = await deliver_many(node_a, user, 64)  # listed unnumbered; then, elsewhere:
     taken = await node_b.assign_uids(user, INBOX, [more[20], more[40]])
@@ -831,7 +838,8 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve"), (8, "modseq"), (9, "events"), (10, "quota"), (11, "counts"),
-                       (12, "plain_bodies"), (13, "body_compaction"), (14, "view_snapshots")]
+                       (12, "plain_bodies"), (13, "body_compaction"), (14, "view_snapshots"),
+                       (15, "modseq_runs")]
 
 
 def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:

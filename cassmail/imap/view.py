@@ -433,9 +433,10 @@ class MailboxView:
         current: dict[int, MessageSummary] = {}
         for s in listing.summaries:
             uid = s.uid if s.uid is not None else listing.assigned.get(s.id)
-            if uid is not None:  # (dataclasses.replace is dear: most summaries carry their UID)
-                if s.uid != uid:
-                    s = dataclasses.replace(s, uid=uid, modseq=listing.modseqs.get(s.id))
+            if uid is not None:
+                if s.uid != uid:  # (made whole: dataclasses.replace takes twice as long, for each
+                    # of 100,000 messages numbered by a first SELECT)
+                    s = MessageSummary(s.id, s.size, s.flags, s.internal_date, uid, listing.modseqs.get(s.id))
                 current[uid] = s
         changes = Changes()
         before = (len(self.uids), len(self.recent))

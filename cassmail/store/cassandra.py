@@ -1198,7 +1198,13 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             return [], gone
         if modseq < max(floor or 1, 1):  # below what the records answer: the listing
             return await super().changed_since(user, mailbox, modseq), gone
-        found = await self.get_summaries(user, mailbox, [r.changed_id for r in records if r.changed_id is not None])
+        named = [r.changed_id for r in records if r.changed_id is not None and r.changed_last is None]
+        found = await self.get_summaries(user, mailbox, named)
+        for r in records:
+            if r.changed_last is not None:  # a run numbered in one batch (schema 015): its slice
+                found.update((row.id, _summary(row)) for row in
+                             await self.tables.messages.run(mailbox_id, r.changed_id, r.changed_last)
+                             if row.size is not None)
         fresh = [s for s in found.values() if s.modseq is not None and s.modseq > modseq]
         return sorted(fresh, key=lambda s: (s.id.time, s.id.bytes)), gone
 

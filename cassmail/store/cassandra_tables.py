@@ -377,6 +377,10 @@ class Messages(Table):
         "set_flags_unnumbered": (CONDITIONAL, "UPDATE messages SET flags = ? WHERE mailbox_id = ? AND id = ?"),
         "expunge": (CONDITIONAL, "DELETE FROM messages WHERE mailbox_id = ? AND id = ?"),
         "record": (CONDITIONAL, "INSERT INTO messages (mailbox_id, id, uid, changed_id) VALUES (?, ?, ?, ?)"),
+        "record_run": (
+            CONDITIONAL, "INSERT INTO messages (mailbox_id, id, uid, changed_id, changed_last) VALUES (?, ?, ?, ?, ?)",
+        ),
+        "run": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id >= ? AND id <= ?"),
         "unrecord": (CONDITIONAL, "DELETE FROM messages WHERE mailbox_id = ? AND id = ?"),
         "trim": (
             CONDITIONAL,
@@ -384,7 +388,8 @@ class Messages(Table):
         ),
         "records": (
             SERIAL_READ,
-            "SELECT uid, changed_id, highest_modseq, vanished_floor FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?",
+            "SELECT uid, changed_id, changed_last, highest_modseq, vanished_floor FROM messages "
+            "WHERE mailbox_id = ? AND id > ? AND id < ?",
         ),
         "forget_records": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id > ? AND id < ?"),
         "touch_anchor": (CONDITIONAL, "UPDATE messages SET uid = 0, changed = ? WHERE mailbox_id = ? AND id = ?"),
@@ -501,18 +506,22 @@ class Messages(Table):
         self, batch: BatchStatement, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID], first: int, modseq: int,
         checked: bool = True,
     ) -> None:
-        """Into a conditional batch: UIDs from `first` on for `ids`, in order, at MODSEQ `modseq`,
-        with their MODSEQ records (as `record_statements`); `checked`: each on the condition that
-        its message is there and has no UID yet (so the batch applies only if all are). The
-        values are serialized here (the columns are bigints and timeuuids), not bound one
-        statement at a time: a first SELECT of mail never numbered makes two statements per
-        message, and `PreparedStatement.bind` took four fifths of the time of making them."""
-        set_uid, record = self.prepared["set_first_uid" if checked else "set_uid"], self.prepared["record"]
+        """Into a conditional batch: UIDs from `first` on for `ids` (in the partition's order), at
+        MODSEQ `modseq`, and one MODSEQ record of the run (schema 015; `run`); `checked`: each on
+        the condition that its message is there and has no UID yet (so the batch applies only if
+        all are). The values are serialized here (the columns are bigints and timeuuids), not
+        bound one statement at a time: a first SELECT of mail never numbered makes one statement
+        per message, and `PreparedStatement.bind` took four fifths of the time of making them."""
+        set_uid = self.prepared["set_first_uid" if checked else "set_uid"]
         mailbox, stamp = mailbox_id.bytes, _BIGINT.pack(_checked_modseq(modseq))
         for uid, message_id in enumerate(ids, first):
-            number, key = _BIGINT.pack(uid), message_id.bytes
-            add_serialized(batch, set_uid, [number, stamp, mailbox, key])
-            add_serialized(batch, record, [mailbox, _record_key(modseq, uid), number, key])
+            add_serialized(batch, set_uid, [_BIGINT.pack(uid), stamp, mailbox, message_id.bytes])
+        batch.add(self.bind("record_run", mailbox_id, record_id(modseq, 0), first, ids[0], ids[-1]))
+
+    async def run(self, mailbox_id: uuid.UUID, first: uuid.UUID, last: uuid.UUID) -> list[Any]:
+        """Summary rows from `first` to `last`, both included: a run record's messages, and any
+        other message between them."""
+        return await self._run("run", mailbox_id, first, last)
 
     def set_flags_statement(
         self, mailbox_id: uuid.UUID, message_id: uuid.UUID, flags: set[str] | None, modseq: int | None
