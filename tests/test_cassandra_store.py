@@ -508,6 +508,17 @@ async def test_numbering_in_many_batches_on_two_nodes_at_once_gives_each_message
     assert await node_a.uid_next(user, INBOX) == 121
 
 
+def serial_reads(store: CassandraStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the SERIAL reads of rows (`state`, `state_slice`) the store makes from now on."""
+    reads: list[str] = []
+    for name in ("state", "state_slice"):
+        def spy(*args: object, _read=getattr(store.tables.messages, name), _name=name) -> object:
+            reads.append(_name)
+            return _read(*args)
+        monkeypatch.setattr(store.tables.messages, name, spy)
+    return reads
+
+
 async def test_numbering_reads_once_and_reads_again_where_a_message_was_numbered_or_deleted_meanwhile(
         make_store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Numbering in many batches decides the first on a SERIAL read and each later one on what
@@ -519,12 +530,7 @@ async def test_numbering_reads_once_and_reads_again_where_a_message_was_numbered
     monkeypatch.setattr(cassandra, "UID_BATCH", 16)
     node_a, node_b = await make_store(), await make_store()
     user = await new_user(node_a)
-    reads: list[str] = []
-    for name in ("state", "state_slice"):
-        def spy(*args: object, _read=getattr(node_a.tables.messages, name), _name=name) -> object:
-            reads.append(_name)
-            return _read(*args)
-        monkeypatch.setattr(node_a.tables.messages, name, spy)
+    reads = serial_reads(node_a, monkeypatch)
 
     ids = await deliver_many(node_a, user, 64)
     modseqs: dict[uuid.UUID, int] = {}
@@ -562,12 +568,7 @@ async def test_a_run_of_new_mail_is_read_as_a_slice_and_ids_spread_among_others_
     store = await make_store()
     user = await new_user(store)
     ids = [(await store.deliver(b"Subject: %d\r\n\r\nx\r\n" % i, [Target(user)]))[0] for i in range(300)]
-    reads: list[str] = []
-    for name in ("state", "state_slice"):
-        def spy(*args: object, _read=getattr(store.tables.messages, name), _name=name) -> object:
-            reads.append(_name)
-            return _read(*args)
-        monkeypatch.setattr(store.tables.messages, name, spy)
+    reads = serial_reads(store, monkeypatch)
 
     async def numbered(asked: list[uuid.UUID]) -> dict[uuid.UUID, int]:
         reads.clear()
