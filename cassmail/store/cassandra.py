@@ -676,8 +676,14 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         if page.cursor is None:
             return
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
+        async for item in self._after(mailbox_id, page.cursor, page_size):
+            yield item
+
+    async def _after(self, mailbox_id: uuid.UUID, after: uuid.UUID, page_size: int) -> AsyncIterator[MessageSummary]:
+        """The summaries of the messages after `after`, in pages of `page_size`, each page asked
+        for as soon as the one before is in."""
         messages = self.tables.messages
-        ahead = asyncio.ensure_future(messages.page(mailbox_id, page.cursor, page_size))
+        ahead: asyncio.Future[list[Any]] | None = asyncio.ensure_future(messages.page(mailbox_id, after, page_size))
         try:
             while ahead is not None:
                 rows = await ahead
@@ -1228,12 +1234,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         mailbox_id = (await self._resolve(key, name, cached=True)).mailbox_id
         window = int((self.settings.request_timeout + CHANGES_SETTLE + ARRIVAL_SKEW) * 10_000_000)
         started = _now_100ns()  # (a row stamped a window before this has landed: see arrivals_mark)
-        after: uuid.UUID | None = _floor_uuid(mark - window)
-        found: list[MessageSummary] = []
-        while after is not None:
-            page = await self._page(mailbox_id, after, 500)
-            found.extend(page.items)
-            after = page.cursor
+        found = [s async for s in self._after(mailbox_id, _floor_uuid(mark - window), 500)]
         return found, max([mark, started, *(s.id.time for s in found)])
 
     # ================================================================= IMAP \Recent
