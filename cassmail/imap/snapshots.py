@@ -25,11 +25,10 @@ import time
 import uuid
 from collections.abc import Hashable
 from datetime import datetime, timedelta, timezone
-from typing import Any
 
 from cassmail.config import ImapSettings
 from cassmail.imap.cache import Lru
-from cassmail.imap.view import Snapshot, drop
+from cassmail.imap.view import Snapshot
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
 from cassmail.store.base import Store, StoreError
@@ -76,21 +75,9 @@ class Snapshots:
         except StoreError as exc:  # (NoSuchMailbox too) a cache: the listing will do
             log.warning(kv("imap-snapshot", user=user, mailbox=name, read=False, error=exc))
             return None
-        if data is None:
-            return None
-        found = None
-        header = _header(data)
-        mark = header[0].get("mark") if header is not None else None
-        # What arrived since: read while the snapshot is decoded (for the SELECT's refresh).
-        arrivals = asyncio.ensure_future(self.store.arrivals(user, name, mark)) if isinstance(mark, int) else None
-        try:
-            found = await decode(data)
-        finally:
-            if arrivals is not None and (found is None or found.uidvalidity != uidvalidity):
-                drop(arrivals)
+        found = await decode(data) if data is not None else None
         if found is None or found.uidvalidity != uidvalidity:
             return None
-        found.arrivals = arrivals
         self.shared.put((user, name), (found.highest, found.full_at, time.monotonic()))
         return found
 
@@ -175,27 +162,15 @@ async def decode(data: bytes) -> Snapshot | None:
             gc.enable()
 
 
-def _header(data: bytes) -> tuple[dict[str, Any], memoryview] | None:
-    """A snapshot's header and its records' bytes; None for bytes that are not one."""
+async def _decode(data: bytes) -> Snapshot | None:
     try:
         if data[:4] != MAGIC:
             return None
         (size,) = struct.unpack_from(">I", data, 4)
         header = json.loads(data[8 : 8 + size])
         body = memoryview(data)[8 + size :]
-        if not isinstance(header, dict) or len(body) != header["count"] * RECORD.size:
+        if len(body) != header["count"] * RECORD.size:
             return None
-        return header, body
-    except (ValueError, KeyError, TypeError, struct.error):
-        return None
-
-
-async def _decode(data: bytes) -> Snapshot | None:
-    found = _header(data)
-    if found is None:
-        return None
-    header, body = found
-    try:
         flag_sets = [frozenset(f) for f in header["flags"]]
         uids: list[int] = []
         messages: dict[int, MessageSummary] = {}

@@ -34,7 +34,6 @@ import logging
 import time
 import uuid
 from collections.abc import Hashable, Iterable
-from typing import Any
 from dataclasses import dataclass, field
 
 from cassmail.imap.cache import Lru
@@ -205,12 +204,6 @@ async def _assign(store: Store, user: str, name: str, ids: list[uuid.UUID],
         return None
 
 
-def drop(pending: asyncio.Future[Any]) -> None:
-    """Cancel a read whose answer is not needed, and let a failure of it go unreported."""
-    pending.cancel()
-    pending.add_done_callback(lambda done: done.cancelled() or done.exception())
-
-
 def keywords_of(summaries: Iterable[MessageSummary]) -> set[str]:
     """The keywords (flags not starting with a backslash) the summaries carry."""
     return {f for s in summaries for f in s.flags if not f.startswith("\\")}
@@ -234,9 +227,6 @@ class Snapshot:
     listed_at: float
     mark: Hashable | None
     full_at: float
-    #: The store's arrivals since `mark` (`Store.arrivals`), already asked for: a snapshot read
-    #: from the store has them read while it is decoded (`Snapshots.get`).
-    arrivals: asyncio.Future[tuple[list[MessageSummary], Hashable]] | None = None
 
 
 @dataclass
@@ -293,8 +283,6 @@ class MailboxView:
         #: Set while a SELECT takes in what changed since its snapshot: a full listing that is
         #: due waits for the next refresh (see `restore`).
         self.defer_full = False
-        #: A restored snapshot's arrivals, read ahead (`Snapshot.arrivals`), for the next refresh.
-        self._arrivals: asyncio.Future[tuple[list[MessageSummary], Hashable]] | None = None
         #: Whether the last refresh took in every expunge it found (see `refresh`): only then is
         #: the view what the store held, for a snapshot.
         self.clean = True
@@ -321,7 +309,6 @@ class MailboxView:
         self.mark, self.full_at = snapshot.mark, snapshot.full_at
         self.shown = self.uids[-1] if self.uids else 0
         self.defer_full = True
-        self._arrivals = snapshot.arrivals
 
     async def load(self, snapshot: Snapshot | None) -> int:
         """Fill a new view for SELECT and return UIDNEXT: from `snapshot` when one is given (see
@@ -330,13 +317,8 @@ class MailboxView:
         if snapshot is not None:
             self.restore(snapshot)
             last = self.uids[-1] if self.uids else 0
-            try:
-                changes = await self.refresh(expunge=True)
-            finally:
-                self.defer_full = False
-                if self._arrivals is not None:  # (not needed after all)
-                    drop(self._arrivals)
-                    self._arrivals = None
+            changes = await self.refresh(expunge=True)
+            self.defer_full = False
             await self._claim_recent()  # (a refresh that found nothing changed claimed nothing)
             told = changes.flags + changes.modseqs + self.uids[bisect.bisect_right(self.uids, last):]
             self.keywords = set(snapshot.keywords) | keywords_of(self.messages[u] for u in told)
@@ -526,8 +508,7 @@ class MailboxView:
             if gone is None:
                 return None
             vanished = set(gone)
-        ahead, self._arrivals = self._arrivals, None
-        arrived, mark = await (ahead if ahead is not None else store.arrivals(user, name, self.mark))
+        arrived, mark = await store.arrivals(user, name, self.mark)
         latest: dict[uuid.UUID, MessageSummary] = {}
         for s in [*changed, *arrived]:
             known = latest.get(s.id)
