@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 from cassmail import logs
 from cassmail.config import LISTENER_PROTOCOLS
+from cassmail.processes import pid_alive
 from cassmail.store.base import Store
 
 log = logging.getLogger("cassmail.metrics")
@@ -480,7 +481,7 @@ def prepare() -> str:
     parent = Path(tempfile.gettempdir())
     for old in parent.glob(DIR_PREFIX + "*"):
         pid = old.name[len(DIR_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)) and old.is_dir() and old.stat().st_uid == os.getuid():
+        if pid.isdigit() and not pid_alive(int(pid)) and old.is_dir() and old.stat().st_uid == os.getuid():
             shutil.rmtree(old, ignore_errors=True)
     path = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
     os.environ[ENV] = path
@@ -488,16 +489,6 @@ def prepare() -> str:
     if values is not None:  # imported before the variable was set: choose the file-backed values now
         values.ValueClass = values.get_value_class()  # type: ignore[attr-defined]
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def cleanup(path: str) -> None:

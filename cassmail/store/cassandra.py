@@ -83,7 +83,7 @@ from cassmail.store.base import (
 
 from cassmail.store.cassandra_ahead import NumberAhead
 from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
-from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, row_factory
+from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, reads_see_writes, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_quota import CassandraQuota
@@ -217,10 +217,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             raise
 
     def _reads_see_writes(self) -> bool:
-        """Whether this store's reads see every write acknowledged before them (`Cql.reads_see_writes`),
+        """Whether this store's reads see every write acknowledged before them (`reads_see_writes`),
         in the keyspace's replication as the driver last saw it."""
         keyspace = self._cluster.metadata.keyspaces.get(self.settings.keyspace) if self._cluster else None
-        return keyspace is not None and self.cql.reads_see_writes(keyspace.replication_strategy)
+        return keyspace is not None and reads_see_writes(self.cql.read_cl, self.cql.write_cl,
+                                                         keyspace.replication_strategy)
 
     def _where(self) -> str:
         return f"{','.join(self.settings.contact_points)}:{self.settings.port} keyspace {self.settings.keyspace}"
@@ -1074,7 +1075,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         unless the listing that found them unnumbered is known to be as good as that read: the
         SERIAL read saw no MODSEQ taken since `listed_at` but this listing's own (`modseqs`), so
         no numbering committed while it was read or before (its rows and every acknowledged write
-        are read at levels that overlap, `Cql.reads_see_writes`), and the batches' own condition
+        are read at levels that overlap, `reads_see_writes`), and the batches' own condition
         on the counters rules out any after. (A deletion without a Paxos round, in a mailbox
         never numbered, is not seen: the message it deletes in that instant is numbered anyway,
         which leaves a row with a UID and no message, skipped by every reader, and a gap in the

@@ -25,8 +25,8 @@ from typing import Any
 
 from cassandra import ConsistencyLevel, DriverException, ReadTimeout, WriteTimeout, WriteType
 from cassandra.cluster import NoHostAvailable, ResponseFuture, Session
-from cassandra.metadata import NetworkTopologyStrategy, SimpleStrategy
 from cassandra.connection import ConnectionBusy, ConnectionException
+from cassandra.metadata import NetworkTopologyStrategy, SimpleStrategy
 from cassandra.pool import NoConnectionsAvailable
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
 
@@ -201,10 +201,6 @@ class Cql:
             raise
         row = rows[0] if rows else None
         return (bool(row[0]) if row is not None else False), row
-
-    def reads_see_writes(self, strategy: object) -> bool:
-        """`reads_see_writes` at this store's read and write levels."""
-        return reads_see_writes(self.read_cl, self.write_cl, strategy)
 
     def batch(self, batch_type: BatchType = BatchType.LOGGED, conditional: bool = False) -> BatchStatement:
         batch = BatchStatement(batch_type=batch_type, consistency_level=self.write_cl)

@@ -66,6 +66,7 @@ from cassmail.model import (
     new_message_id,
     normalize_domain,
 )
+from cassmail.processes import pid_alive
 from cassmail.store import mbox_fs
 from cassmail.store.file_queue import FileKeys, FileQueue, FileQueueStore
 from cassmail.store.file_sieve import FileSieve
@@ -903,7 +904,7 @@ def _pid_alive(staging_name: str) -> bool:
         pid = int(staging_name.split("-")[1])
     except (ValueError, IndexError):
         return False
-    return mbox_fs.pid_alive(pid)
+    return pid_alive(pid)
 
 
 __all__ = ["MboxStore", "decode_name", "encode_name"]

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cassmail.processes import pid_alive
+
 # --------------------------------------------------------------------------- fault injection
 
 #: Fault injection for the crash tests: with CASSMAIL_MBOX_CRASH_AT=N the process kills itself
@@ -291,17 +293,6 @@ def remove_dotlock_sources(directory: str) -> None:
             continue
         with _ignore_missing():
             os.unlink(os.path.join(directory, name))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` still runs (one we may not signal counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _dotlock_stale(path: str) -> bool:
