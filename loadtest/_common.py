@@ -349,6 +349,99 @@ class CassandraCpu:
         return time.monotonic() - t0
 
 
+    def parts(self) -> dict[int, JvmParts]:
+        """Per counted JVM, CPU seconds and bytes written by part of the node, now."""
+        out = {}
+        for pid in self.pids:
+            parts = jvm_parts(pid)
+            if parts is not None:
+                out[pid] = parts
+        return out
+
+
+#: The parts of a Cassandra node, by the names its threads carry (the kernel keeps 15 characters).
+#: Shared-pool workers take the name of the stage they serve at the moment: all are requests.
+JVM_PARTS = (
+    ("requests", ("Native-Transpor", "epollEventLoop", "ReadStage", "MutationStage", "CounterMutation",
+                  "RequestResponse", "Paxos", "SharedPool")),
+    ("commit log", ("COMMIT-LOG", "PERIODIC-COMMIT", "GROUP-COMMIT", "BATCH-COMMIT")),
+    ("memtable flush", ("MemtableFlush", "PerDiskMemtable", "MemtablePostFlu", "MemtableReclaim",
+                        "SlabPoolCleaner", "LocalPool")),
+    ("compaction", ("CompactionExecu", "ValidationExec")),
+    ("GC", ("GC Thread", "G1 ", "VM Thread")),
+    ("JIT", ("C1 Compiler", "C2 Compiler")),
+)
+JVM_PART_NAMES = (*(name for name, _ in JVM_PARTS), "other")
+
+
+def jvm_part(thread_name: str) -> str:
+    for name, prefixes in JVM_PARTS:
+        if thread_name.startswith(prefixes):
+            return name
+    return "other"
+
+
+@dataclasses.dataclass
+class JvmParts:
+    """One JVM at one moment: per thread (tid) its part, CPU seconds and bytes written to storage
+    (`write_bytes` of /proc/PID/task/TID/io: page-cache pages it dirtied), and the process's totals,
+    which also hold the threads that have exited."""
+
+    threads: dict[int, tuple[str, float, int]]
+    cpu: float
+    written: int
+
+
+def _io_written(path: str) -> int | None:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def jvm_parts(pid: int) -> JvmParts | None:
+    total, written = pid_cpu(pid), _io_written(f"/proc/{pid}/io")
+    if total is None or written is None:
+        return None
+    threads = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            base = f"/proc/{pid}/task/{tid}"
+            try:
+                with open(f"{base}/comm") as fh:
+                    name = fh.read().strip()
+                with open(f"{base}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            threads[int(tid)] = (jvm_part(name), (int(f[11]) + int(f[12])) / CLK_TCK, _io_written(f"{base}/io") or 0)
+    return JvmParts(threads, total, written)
+
+
+def jvm_parts_delta(before: dict[int, JvmParts], after: dict[int, JvmParts]) -> dict[str, tuple[float, int]]:
+    """CPU seconds and bytes written per part between two samples of the same JVMs. A thread that
+    started between them counts whole; what threads that ended between them used is in "other"
+    (the process's totals less the threads seen)."""
+    out = {name: [0.0, 0] for name in JVM_PART_NAMES}
+    for pid in before.keys() & after.keys():
+        a, b = before[pid], after[pid]
+        seen_cpu, seen_written = 0.0, 0
+        for tid, (part, cpu, written) in b.threads.items():
+            _, cpu0, written0 = a.threads.get(tid, (part, 0.0, 0))
+            d_cpu, d_written = max(0.0, cpu - cpu0), max(0, written - written0)
+            out[part][0] += d_cpu
+            out[part][1] += d_written
+            seen_cpu += d_cpu
+            seen_written += d_written
+        out["other"][0] += max(0.0, (b.cpu - a.cpu) - seen_cpu)
+        out["other"][1] += max(0, (b.written - a.written) - seen_written)
+    return {name: (cpu, written) for name, (cpu, written) in out.items()}
+
+
 def delta(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else after - before
 

@@ -70,8 +70,9 @@ from cassmail.store import make_store
 from cassmail.store.base import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (RF1_CL_ONE, CassandraCpu, CassmailNode, children_map, count_inboxes,  # noqa: E402
-                     die_with_us, human, machine_cpu, make_users, parse_ranges, positive, run_cmd, tree_cpu)
+from _common import (JVM_PART_NAMES, RF1_CL_ONE, CassandraCpu, CassmailNode, children_map,  # noqa: E402
+                     count_inboxes, die_with_us, human, jvm_parts_delta, machine_cpu, make_users, markdown,
+                     parse_ranges, positive, run_cmd, tree_cpu)
 from baseline import Postfix, ensure_packages  # noqa: E402
 from postal import POSTAL_HEADERS, UNLIMITED_RATE, Minute, parse_minute  # noqa: E402
 
@@ -159,6 +160,7 @@ class Sample:
     at: float
     cpu: dict[str, float | None]
     machine_busy: float
+    cassandra_parts: dict = field(default_factory=dict)
 
 
 class CpuMeter:
@@ -182,6 +184,7 @@ class CpuMeter:
                 "Postfix": tree_cpu(self.postfix_pid, kids),
             },
             machine_cpu()[0],
+            self.cass.parts() if self.cass.enabled else {},
         )
 
     @staticmethod
@@ -213,6 +216,7 @@ class Run:
     minutes: list[Minute] = field(default_factory=list)
     tail: list[Minute] = field(default_factory=list)
     cpu: dict[str, float | None] = field(default_factory=dict)
+    cassandra_parts: dict[str, tuple[float, int]] = field(default_factory=dict)
     wall: float = 0.0
     machine: float = 0.0
     waited: float = 0.0
@@ -317,6 +321,7 @@ async def run_postal(
                     last = meter.sample()
                     assert first is not None
                     run.cpu, run.wall, run.machine = CpuMeter.delta(first, last)
+                    run.cassandra_parts = jvm_parts_delta(first.cassandra_parts, last.cassandra_parts)
                     if postfix is not None and run.in_window is not None:
                         run.in_window += postfix.delivered()[0]
                     # postal stops sending on SIGINT and keeps printing; the next minute's line holds
@@ -405,6 +410,37 @@ def ratios(runs: list[Run], labels: list[str]) -> list[str]:
             out.append(f"{label}: cassmail/Postfix MB/s = {c.stat('mbs')[0]:.1f} / {p.stat('mbs')[0]:.1f} = "
                        f"{ratio:.2f}x ({verdict} the target of 0.5x; the CassMail paper: 0.38x)")
     return out
+
+
+def breakdown(runs: list[Run]) -> list[str]:
+    """Per MB ingested in the measured minutes: CPU ms of cassmail, of each part of the Cassandra
+    node and of Postfix in the same size range, and MB the Cassandra node wrote to storage."""
+    head = ["server", "sizes", "MB ingested", "cassmail", "Cassandra",
+            *(f"Cassandra: {p}" for p in JVM_PART_NAMES), "Postfix",
+            "MB written / MB ingested", *(f"written: {p}" for p in JVM_PART_NAMES if p not in ("GC", "JIT"))]
+    rows = []
+    for r in runs:
+        mb = sum(m.mb_per_s * 60 for m in r.minutes)
+        if not mb or not r.cpu:
+            continue
+        parts = r.cassandra_parts
+
+        def ms(seconds: float | None) -> str:
+            return _fmt(None if seconds is None else seconds * 1000 / mb, ".2f")
+
+        def ratio(written: int | None) -> str:
+            return _fmt(None if written is None or not parts else written / 1e6 / mb, ".2f")
+
+        total_written = sum(w for _, w in parts.values()) if parts else None
+        rows.append([r.server, r.sizes, f"{mb:.0f}", ms(r.cpu.get("cassmail")), ms(r.cpu.get("Cassandra")),
+                     *(ms(parts[p][0] if parts else None) for p in JVM_PART_NAMES), ms(r.cpu.get("Postfix")),
+                     ratio(total_written),
+                     *(ratio(parts[p][1] if parts else None) for p in JVM_PART_NAMES if p not in ("GC", "JIT"))])
+    if not rows:
+        return []
+    return ["CPU ms per MB ingested, and bytes the Cassandra node wrote to storage per byte ingested "
+            "(page-cache pages dirtied, by the thread that dirtied them; \"other\" holds threads that ended):",
+            "", *markdown(head, rows, {0, 1})]
 
 
 def describe(settings: Settings, args: argparse.Namespace, cass: CassandraCpu) -> list[str]:
@@ -568,6 +604,10 @@ async def main(argv: Sequence[str] | None = None) -> int:
     log("")
     for line in ratios(runs, labels):
         log(line)
+    if any(r.cassandra_parts for r in runs):
+        log("")
+        for line in breakdown(runs):
+            log(line)
     log("\nmsgs/min and MB/s: mean ± sample standard deviation over the measured minutes; errors: postal's, in "
         "those minutes; delivered / sent: messages the server holds after the run / messages postal reported "
         "for the whole run (warm-up and tail minutes included); CPU s: during the measured minutes; cores used: "

@@ -386,6 +386,27 @@ def test_the_suites_cassandra_node_takes_trie_memtables_trie_indexed_sstables_an
     assert "default=trie" in settings["memtable.configurations"]
     assert "trie=TrieMemtable" in settings["memtable.configurations"]
     assert (settings["paxos_variant"], settings["paxos_state_purging"]) == ("v2", "legacy")
+    assert settings["memtable_allocation_type"] == "offheap_buffers"
+    # The suite's node lives on a file system that takes O_DIRECT (the probe says which).
+    mode = launcher.commitlog_access_mode(Path(__file__).resolve().parent.parent / "var" / "test-cassandra")
+    assert settings["commitlog_disk_access_mode"] == mode
+
+
+def test_the_commit_log_is_written_directly_where_the_file_system_takes_o_direct(tmp_path, monkeypatch) -> None:
+    assert launcher.commitlog_access_mode(tmp_path / "node1" / "commitlog") == "direct"  # ext4, tmpfs since 6.6
+    refusing = tmp_path / "refuses"
+    refusing.mkdir()
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")  # what a file system without O_DIRECT answers
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    assert launcher.commitlog_access_mode(refusing / "commitlog") == "legacy"
+    monkeypatch.undo()
+    assert list(refusing.iterdir()) == []  # the probe leaves nothing behind
 
 
 # --------------------------------------------------------------------------- CQL probe
