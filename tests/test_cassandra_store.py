@@ -275,6 +275,43 @@ async def test_a_sessions_calls_reuse_the_mailbox_row_for_mailbox_cache_and_deli
         await store.mailbox_info(user, "New")
 
 
+async def test_change_events_of_many_deliveries_go_out_together_and_every_mailbox_is_reported(make_store) -> None:
+    """One event write in flight per store: the mailboxes changed meanwhile go in the next write,
+    one batch, and another node's watcher hears of every one of them."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    names = [f"Box{i}" for i in range(30)]
+    for name in names:
+        await store.create_mailbox(user, name)
+    watched = [(user, name) for name in names]
+    _, cursor = await other.changed_mailboxes(watched, None)
+    writes: list[int] = []
+    events = store.tables.mailbox_events.insert_statement(0, new_message_id(), uuid.uuid4()).prepared_statement.query_id
+    real = store.cql.run
+
+    async def counted(statement: object) -> object:
+        if isinstance(statement, BatchStatement):
+            rows = sum(1 for _, query_id, _ in statement._statements_and_parameters if query_id == events)
+        else:
+            rows = int(getattr(getattr(statement, "prepared_statement", None), "query_id", None) == events)
+        if rows:
+            writes.append(rows)
+        return await real(statement)
+
+    store.cql.run = counted  # type: ignore[method-assign]
+    await asyncio.gather(*(store.deliver(b"Subject: e\r\n\r\ne\r\n", [Target(user, name)]) for name in names))
+    await store._settle_events()
+    assert sum(writes) == len(names)  # an event for each mailbox, none twice
+    assert len(writes) < len(names) and max(writes) > 1  # in fewer writes than deliveries
+    seen: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + 10
+    while seen != set(watched) and time.monotonic() < deadline:
+        changed, cursor = await other.changed_mailboxes(watched, cursor)
+        seen |= changed
+        await asyncio.sleep(0.1)
+    assert seen == set(watched)
+
+
 async def test_consistency_levels_come_from_settings(make_store) -> None:
     store = await make_store(read_consistency="LOCAL_ONE", write_consistency="QUORUM", serial_consistency="LOCAL_SERIAL")
     tables = store.tables

@@ -8,16 +8,24 @@ change itself is stored: a delivery's reply never waits for it, and an event tha
 write failed) only delays the news to the IDLE sessions' slow fallback refresh. A worker's
 poller reads the partitions of the last few seconds; an event stamped up to EVENT_WINDOW
 seconds before it lands (a slow write, clocks of two nodes apart) is still read.
+
+A worker has at most one event write in flight. Changes stored while it is out wait for it, and
+the next write carries all of them, in one batch on the partition of its second (up to
+EVENTS_PER_WRITE rows): under a stream of deliveries, one request for many messages instead of
+one each, and an event is held back no longer than one write takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
 from collections.abc import Collection, Iterable
 from typing import Any
+
+from cassandra.query import BatchType
 
 from cassmail.model import address_key, new_message_id, timeuuid_seconds
 from cassmail.store.base import NoSuchMailbox, Store, StoreError
@@ -33,6 +41,9 @@ EVENT_WINDOW = 2.0
 #: IMAP's look at each watched mailbox every `imap.idle_refresh` (its changes token, which names
 #: the mailbox's id) sees such a mailbox sooner.
 WATCH_ID_TTL = 600.0
+#: Rows of one event write at most (a batch of one partition, about 40 bytes a row: under
+#: Cassandra's batch_size_warn_threshold of 5 KiB).
+EVENTS_PER_WRITE = 100
 
 
 class CassandraEvents(Store):
@@ -46,23 +57,46 @@ class CassandraEvents(Store):
         if not hasattr(self, "_event_tasks"):
             self._event_tasks: set[asyncio.Task[None]] = set()
             self._watch_ids: dict[tuple[str, str], tuple[uuid.UUID | None, float]] = {}
+            #: Mailboxes changed since the event write in flight began, in the order of their changes.
+            self._events_due: dict[uuid.UUID, None] = {}
+            self._events_writing = False
         return self._event_tasks, self._watch_ids
 
     def _notify(self, mailbox_ids: Iterable[uuid.UUID]) -> None:
-        """Write an event for each mailbox, in the background (see the module's docstring)."""
+        """Have an event written for each mailbox, in the background (see the module's docstring)."""
         tasks, _ = self._event_state()
-        task = asyncio.ensure_future(self._write_events(list(dict.fromkeys(mailbox_ids))))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        self._events_due.update(dict.fromkeys(mailbox_ids))
+        if not self._events_writing:
+            self._events_writing = True
+            task = asyncio.ensure_future(self._write_events())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
-    async def _write_events(self, mailbox_ids: list[uuid.UUID]) -> None:
-        at = new_message_id()
-        second = int(timeuuid_seconds(at))
+    async def _write_events(self) -> None:
+        """Write what is due, one write at a time, until nothing is."""
         try:
-            await asyncio.gather(*(self.cql.run(self.tables.mailbox_events.insert_statement(second, at, m))
-                                   for m in mailbox_ids))
-        except StoreError as exc:
-            log.info("change event of %d mailboxes not written: %s", len(mailbox_ids), exc)
+            await self._write_due_events()
+        finally:
+            self._events_writing = False  # in the step that found nothing due: nothing is left behind
+
+    async def _write_due_events(self) -> None:
+        due = self._events_due
+        while due:
+            mailbox_ids = list(itertools.islice(due, EVENTS_PER_WRITE))
+            for m in mailbox_ids:
+                del due[m]
+            at = new_message_id()
+            second = int(timeuuid_seconds(at))
+            statements = [self.tables.mailbox_events.insert_statement(second, at, m) for m in mailbox_ids]
+            if len(statements) > 1:
+                batch = self.cql.batch(BatchType.UNLOGGED)
+                for statement in statements:
+                    batch.add(statement)
+                statements = [batch]
+            try:
+                await self.cql.run(statements[0])
+            except StoreError as exc:
+                log.info("change event of %d mailboxes not written: %s", len(mailbox_ids), exc)
 
     async def _settle_events(self) -> None:
         """Let the events in flight finish (at close)."""
