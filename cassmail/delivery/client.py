@@ -22,6 +22,7 @@ import aiosmtplib
 import aiosmtplib.protocol
 
 from cassmail.config import RelaySettings
+from cassmail.dots import stuff
 from cassmail.delivery.routing import Route, ascii_domain
 
 #: Bytes per second a remote is expected to take at least while DATA is sent (the DATA
@@ -100,8 +101,7 @@ class PeriodQuoting:
             return _PERIOD_REGEX.sub(replacement, message)
         if looked is not None and looked[0] is message and not looked[1]:
             return message  # normalize_line_endings found no line that starts with a dot
-        quoted = message.replace(b"\n.", b"\n..")
-        return b"." + quoted if quoted.startswith(b".") else quoted
+        return stuff(message, True)
 
 
 aiosmtplib.protocol.normalize_message_line_endings = normalize_line_endings

@@ -49,6 +49,7 @@ from twisted.python.failure import Failure
 
 from cassmail import auth
 from cassmail.config import Pop3Settings
+from cassmail.dots import stuff
 from cassmail.logs import kv
 from cassmail.model import INBOX, InvalidInput, MessageSummary, mailbox_name, uidl
 from cassmail.sessions import Sessions
@@ -525,9 +526,7 @@ class Pop3Session(pop3.POP3):
                 else:
                     done = False
                 if chunk:
-                    stuffed = chunk.replace(b"\n.", b"\n..")
-                    if last == b"\n" and chunk[:1] == b".":
-                        stuffed = b"." + stuffed
+                    stuffed = stuff(chunk, last == b"\n")
                     last = chunk[-1:]
                     self.transport.write(stuffed)
                     await gate.wait()

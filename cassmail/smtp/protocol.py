@@ -59,13 +59,13 @@ from aiosmtpd.lmtp import LMTP
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult
 
 from cassmail import auth
+from cassmail.dots import END_OF_DATA, find_end_of_data, unstuff
 from cassmail.logs import kv
 from cassmail.sessions import quick_ack
 from cassmail.smtp.spool import SpoolPolicy, Spooled
 
 log = logging.getLogger("cassmail.smtp")
 
-END_OF_DATA = b"\r\n.\r\n"
 READ_SIZE = 256 * 1024
 #: A 2xx/4xx/5xx reply line that has no enhanced status code (RFC 3463) yet.
 _PLAIN_REPLY = re.compile(r"([245])\d\d[ -](?!\d\.\d{1,3}\.\d{1,3}(?:\s|$))")
@@ -189,7 +189,7 @@ async def read_data(
             if progress is not None:
                 progress()
             buf += chunk
-            end = buf.find(END_OF_DATA, max(scanned - 4, 0))
+            end = find_end_of_data(buf, max(scanned - 4, 0))
             if end >= 0:
                 rest = buf[end + len(END_OF_DATA) :]
                 if rest:
@@ -209,9 +209,7 @@ async def read_data(
                     except OSError as exc:
                         spool_file.close()
                         raise SpoolFailed(spooled + end, exc) from None
-                # RFC 5321 4.5.2: a line that starts with a dot loses that dot.
-                if buf.find(b"\r\n.") >= 0:
-                    buf = buf.replace(b"\r\n.", b"\r\n")
+                buf = unstuff(buf)  # RFC 5321 4.5.2: a line that starts with a dot loses that dot
                 del buf[:2]
                 return buf
             if failure is not None or spooled + len(buf) > limit + 2 + len(END_OF_DATA):

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from cassmail.dots import line_dots
+
 #: Bytes left free at the start of a spool file for the headers put in front of the message
 #: (the trace and what the MX's checks add: smtp.handler.HEADER_RESERVE, 8 KiB, with room to spare).
 ROOM = 16 * 1024
@@ -83,13 +85,11 @@ def _unstuff(mapping: mmap.mmap, begin: int, end: int) -> int:
     """Drop the dot after every CRLF in mapping[begin:end], moving what follows down: one pass,
     each byte moved at most once. Returns the new end."""
     write = read = begin
-    while True:
-        found = mapping.find(b"\r\n.", read, end)
-        stop = end if found < 0 else found + 2
+    for dot in line_dots(mapping, b"\r\n", start=begin, end=end):
         if write != read:
-            mapping.move(write, read, stop - read)
-        write += stop - read
-        if found < 0:
-            return write
-        read = found + 3
-
+            mapping.move(write, read, dot - read)
+        write += dot - read
+        read = dot + 1
+    if write != read:
+        mapping.move(write, read, end - read)
+    return write + end - read
