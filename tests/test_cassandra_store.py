@@ -845,6 +845,26 @@ async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:
     assert not any([await store.tables.body_chunks.get(shared_body, i) for i in range(3)])
     assert await store.tables.bodies.refs(shared_body) is None
 
+    # Many at once (a POP3 QUIT after many DELEs): their chunks go in batches of CHUNKS_PER_DELETE.
+    many = [(await store.deliver(b"m" * 150_000, [Target(user)]))[0] for _ in range(7)]
+    bodies = [(await chunks_of(INBOX, m))[1] for m in many]
+    batches: list[int] = []
+    deletion = store.tables.body_chunks.delete_statement(uuid.uuid4(), 0).prepared_statement.query_id
+    real = store.cql.run
+
+    async def counted(statement: object) -> object:
+        if isinstance(statement, BatchStatement):
+            chunks = sum(1 for _, query_id, _ in statement._statements_and_parameters if query_id == deletion)
+            if chunks:
+                batches.append(chunks)
+        return await real(statement)
+
+    store.cql.run = counted  # type: ignore[method-assign]
+    await store.delete_messages(user, INBOX, many)
+    store.cql.run = real  # type: ignore[method-assign]
+    assert sorted(batches) == [1, 10, 10]  # 21 chunks
+    assert not any([await store.tables.body_chunks.get(b, i) for b in bodies for i in range(3)])
+
 
 async def test_a_queued_message_up_to_queue_inline_max_is_one_write_and_a_larger_one_is_chunked(make_store) -> None:
     """Most outbound mail is kept in its queue entry: one write queues it and one delete

@@ -106,6 +106,9 @@ UID_BATCH = 1024
 STATE_SLICE_MIN = 64
 #: Ids per `IN (...)` read or delete.
 IN_BATCH = 100
+#: Chunks per batch of deletions (a partition each): Cassandra warns of unlogged batches over
+#: more partitions than its unlogged_batch_across_partitions_warn_threshold, 10 by default.
+CHUNKS_PER_DELETE = 10
 #: Smallest partial move of a low-water mark by a listing (100 ns units: one minute), so that
 #: listings of a mailbox with recent deletions write at most about once a minute.
 CATCH_UP_STEP_100NS = 60 * 10_000_000
@@ -953,7 +956,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         return [row for row in rows if row.id in wanted]
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
-        """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks garbage, never mail."""
+        """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks
+        garbage, never mail. The chunks of all of them go in unlogged batches of CHUNKS_PER_DELETE
+        (each chunk is a partition of its own: one request per batch, not per chunk)."""
+        chunks, shared = [], []
         for r in rows:
             if r.shared:
                 await self.tables.bodies.release(r.body_id, {_ref(mailbox_id, r.id)})
@@ -961,11 +967,19 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 # A missing row (not yet visible at this consistency) is never taken as "no references".
                 if body is None or body.size is None or body.refs:
                     continue
-            await self._gather_limited(
-                self.tables.body_chunks.delete(r.body_id, i) for i in range(math.ceil(r.size / r.chunk_size))
-            )
-            if r.shared:
-                await self.tables.bodies.delete(r.body_id)
+                shared.append(r.body_id)
+            chunks += [(r.body_id, i) for i in range(math.ceil(r.size / r.chunk_size))]
+        delete = self.tables.body_chunks.delete_statement
+
+        def batch(group: list[tuple[uuid.UUID, int]]) -> Any:
+            statements = self.cql.batch(BatchType.UNLOGGED)
+            for body_id, i in group:
+                statements.add(delete(body_id, i))
+            return self.cql.run(statements)
+
+        await self._gather_limited(batch(group) for group in _groups(chunks, CHUNKS_PER_DELETE))
+        for body_id in shared:
+            await self.tables.bodies.delete(body_id)
 
     async def _advance_low_water(self, key: str, name: str, mailbox: Any, deleted: uuid.UUID | None) -> None:
         """Move the low-water mark up to just below the oldest live message, but never past the grace

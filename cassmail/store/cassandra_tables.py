@@ -639,6 +639,9 @@ class BodyChunks(Table):
     async def delete(self, body_id: uuid.UUID, idx: int) -> None:
         await self._run("delete", body_id, idx)
 
+    def delete_statement(self, body_id: uuid.UUID, idx: int) -> BoundStatement:
+        return self.bind("delete", body_id, idx)
+
 
 # ===================================================================== outbound (schema/006_outbound.cql)
 
