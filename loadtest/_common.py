@@ -316,14 +316,12 @@ class CassandraCpu:
     def enabled(self) -> bool:
         return bool(self.pids)
 
+    def _per_pid(self, read: Callable[[int], Any]) -> dict[int, Any]:
+        return {pid: value for pid in self.pids if (value := read(pid)) is not None}
+
     def sample(self) -> dict[int, float]:
         """utime+stime per JVM pid now."""
-        out = {}
-        for pid in self.pids:
-            seconds = pid_cpu(pid)
-            if seconds is not None:
-                out[pid] = seconds
-        return out
+        return self._per_pid(pid_cpu)
 
     def seconds(self) -> float | None:
         """utime+stime of all counted JVMs now, None when none is counted."""
@@ -348,15 +346,9 @@ class CassandraCpu:
                 break
         return time.monotonic() - t0
 
-
     def parts(self) -> dict[int, JvmParts]:
         """Per counted JVM, CPU seconds and bytes written by part of the node, now."""
-        out = {}
-        for pid in self.pids:
-            parts = jvm_parts(pid)
-            if parts is not None:
-                out[pid] = parts
-        return out
+        return self._per_pid(jvm_parts)
 
 
 #: The parts of a Cassandra node, by the names its threads carry (the kernel keeps 15 characters).
