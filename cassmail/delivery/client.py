@@ -22,8 +22,8 @@ import aiosmtplib
 import aiosmtplib.protocol
 
 from cassmail.config import RelaySettings
-from cassmail.dots import stuff
 from cassmail.delivery.routing import Route, ascii_domain
+from cassmail.dots import stuff
 
 #: Bytes per second a remote is expected to take at least while DATA is sent (the DATA
 #: timeout grows by a second per this much of the message).
