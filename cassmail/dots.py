@@ -8,7 +8,7 @@ first, with numpy, and only then is the byte before them looked at: dots that st
 rare (no base64 line has one), so a megabyte costs about 0.4 ms. Data under VECTOR_MIN bytes
 takes the plain bytes operations, whose set-up costs less there.
 
-Every function takes any buffer: bytes, a bytearray, a memoryview, a mmap. The numpy views made
+Every function takes bytes, a bytearray or a mmap (a buffer with `find`). The numpy views made
 here are gone when a function returns, so a bytearray may grow again afterwards.
 """
 
@@ -21,7 +21,7 @@ VECTOR_MIN = 16 * 1024
 #: SMTP's end of DATA.
 END_OF_DATA = b"\r\n.\r\n"
 
-Buffer = Any  # bytes, bytearray, memoryview, mmap
+Buffer = Any  # bytes, bytearray, mmap
 
 
 def line_dots(data: Buffer, before: bytes = b"\n", after: bytes = b"", start: int = 0, end: int | None = None) -> list[int]:
@@ -47,11 +47,10 @@ def line_dots(data: Buffer, before: bytes = b"\n", after: bytes = b"", start: in
 
 def _found(data: Buffer, pattern: bytes, dot: int, start: int, end: int) -> list[int]:
     out = []
-    find = data.find if hasattr(data, "find") else bytes(data).find
-    at = find(pattern, start, end)
+    at = data.find(pattern, start, end)
     while at >= 0:
         out.append(at + dot)
-        at = find(pattern, at + 1, end)
+        at = data.find(pattern, at + 1, end)
     return out
 
 

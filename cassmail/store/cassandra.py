@@ -647,10 +647,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         if len(inserts) == 1:
             await self.tables.messages.insert(*inserts[0])
         else:
-            batch = self.cql.batch(BatchType.LOGGED)
-            for params in inserts:
-                batch.add(self.tables.messages.insert_statement(*params))
-            await self.cql.run(batch)
+            insert = self.tables.messages.insert_statement
+            await self.cql.run(self.cql.batch(BatchType.LOGGED, statements=[insert(*params) for params in inserts]))
         self._notify(mailbox_ids.values())
         for k in unique:
             self._ahead.delivered(mailbox_ids[k], ids[k])
@@ -970,14 +968,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 shared.append(r.body_id)
             chunks += [(r.body_id, i) for i in range(math.ceil(r.size / r.chunk_size))]
         delete = self.tables.body_chunks.delete_statement
-
-        def batch(group: list[tuple[uuid.UUID, int]]) -> Any:
-            statements = self.cql.batch(BatchType.UNLOGGED)
-            for body_id, i in group:
-                statements.add(delete(body_id, i))
-            return self.cql.run(statements)
-
-        await self._gather_limited(batch(group) for group in _groups(chunks, CHUNKS_PER_DELETE))
+        await self._gather_limited(
+            self.cql.run(self.cql.batch(BatchType.UNLOGGED, statements=[delete(b, i) for b, i in group]))
+            for group in _groups(chunks, CHUNKS_PER_DELETE)
+        )
         for body_id in shared:
             await self.tables.bodies.delete(body_id)
 

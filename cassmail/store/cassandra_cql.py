@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque, namedtuple
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,10 +202,14 @@ class Cql:
         row = rows[0] if rows else None
         return (bool(row[0]) if row is not None else False), row
 
-    def batch(self, batch_type: BatchType = BatchType.LOGGED, conditional: bool = False) -> BatchStatement:
+    def batch(self, batch_type: BatchType = BatchType.LOGGED, conditional: bool = False,
+              statements: Iterable[Statement] = ()) -> BatchStatement:
+        """A batch at this store's write level (and serial level, `conditional`), holding `statements`."""
         batch = BatchStatement(batch_type=batch_type, consistency_level=self.write_cl)
         if conditional:
             batch.serial_consistency_level = self.serial_cl
+        for statement in statements:
+            batch.add(statement)
         return batch
 
     @staticmethod

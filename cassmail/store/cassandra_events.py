@@ -53,33 +53,24 @@ class CassandraEvents(Store):
     tables: Tables
     _resolve: Any
 
-    def _event_state(self) -> tuple[set[asyncio.Task[None]], dict[tuple[str, str], tuple[uuid.UUID | None, float]]]:
-        if not hasattr(self, "_event_tasks"):
-            self._event_tasks: set[asyncio.Task[None]] = set()
+    def _event_state(self) -> dict[tuple[str, str], tuple[uuid.UUID | None, float]]:
+        if not hasattr(self, "_watch_ids"):
             self._watch_ids: dict[tuple[str, str], tuple[uuid.UUID | None, float]] = {}
             #: Mailboxes changed since the event write in flight began, in the order of their changes.
             self._events_due: dict[uuid.UUID, None] = {}
-            self._events_writing = False
-        return self._event_tasks, self._watch_ids
+            #: The task writing events, if one is (done from the step that found nothing due).
+            self._events_writer: asyncio.Task[None] | None = None
+        return self._watch_ids
 
     def _notify(self, mailbox_ids: Iterable[uuid.UUID]) -> None:
         """Have an event written for each mailbox, in the background (see the module's docstring)."""
-        tasks, _ = self._event_state()
+        self._event_state()
         self._events_due.update(dict.fromkeys(mailbox_ids))
-        if not self._events_writing:
-            self._events_writing = True
-            task = asyncio.ensure_future(self._write_events())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        if self._events_writer is None or self._events_writer.done():
+            self._events_writer = asyncio.ensure_future(self._write_events())
 
     async def _write_events(self) -> None:
         """Write what is due, one write at a time, until nothing is."""
-        try:
-            await self._write_due_events()
-        finally:
-            self._events_writing = False  # in the step that found nothing due: nothing is left behind
-
-    async def _write_due_events(self) -> None:
         due = self._events_due
         while due:
             mailbox_ids = list(itertools.islice(due, EVENTS_PER_WRITE))
@@ -88,21 +79,17 @@ class CassandraEvents(Store):
             at = new_message_id()
             second = int(timeuuid_seconds(at))
             statements = [self.tables.mailbox_events.insert_statement(second, at, m) for m in mailbox_ids]
-            if len(statements) > 1:
-                batch = self.cql.batch(BatchType.UNLOGGED)
-                for statement in statements:
-                    batch.add(statement)
-                statements = [batch]
             try:
-                await self.cql.run(statements[0])
+                await self.cql.run(statements[0] if len(statements) == 1
+                                   else self.cql.batch(BatchType.UNLOGGED, statements=statements))
             except StoreError as exc:
                 log.info("change event of %d mailboxes not written: %s", len(mailbox_ids), exc)
 
     async def _settle_events(self) -> None:
         """Let the events in flight finish (at close)."""
-        tasks, _ = self._event_state()
-        if tasks:
-            await asyncio.wait(list(tasks), timeout=5)
+        self._event_state()
+        if self._events_writer is not None:
+            await asyncio.wait([self._events_writer], timeout=5)
 
     async def changed_mailboxes(
         self, watched: Collection[tuple[str, str]], since: Any
@@ -127,7 +114,7 @@ class CassandraEvents(Store):
     async def _watched_ids(self, watched: Collection[tuple[str, str]]) -> dict[tuple[str, str], uuid.UUID | None]:
         """The mailbox id of each watched pair (None: the mailbox is gone), resolved again after
         WATCH_ID_TTL seconds."""
-        _, cache = self._event_state()
+        cache = self._event_state()
         now = time.monotonic()
         out: dict[tuple[str, str], uuid.UUID | None] = {}
         for pair in watched:
