@@ -784,6 +784,24 @@ async def test_a_body_deleted_between_two_chunks_is_no_such_message_a_lost_chunk
         await store.read_message(user, INBOX, kept)
 
 
+async def test_a_body_listed_is_read_without_its_row_and_one_deleted_since_is_no_such_message(make_store) -> None:
+    """POP3 lists its mailbox at login, then RETRs: the listing noted where each body is."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    bodies = [b"Subject: %d\r\n\r\nbody %d\r\n" % (n, n) for n in range(3)]
+    ids = [(await store.deliver(body, [Target(user)]))[0] for body in bodies]
+    with store.tracing() as unlisted:
+        assert await store.read_message(user, INBOX, ids[0]) == bodies[0]
+    assert unlisted.statements == 2  # the message row, then its one chunk
+    assert [s.id async for s in store.list_messages(user, INBOX)] == ids
+    with store.tracing() as listed:
+        assert await store.read_message(user, INBOX, ids[1]) == bodies[1]
+    assert listed.statements == 1
+    await other.delete_messages(user, INBOX, [ids[2]])  # by another process: this one's note stays
+    with pytest.raises(NoSuchMessage):
+        await store.read_message(user, INBOX, ids[2])
+
+
 async def test_a_chunk_missing_at_the_read_level_is_asked_of_every_replica_before_giving_up(make_store, monkeypatch) -> None:
     """At ONE with RF >= 2 the replica that answers may not have applied a chunk another one has."""
     store = await make_store()

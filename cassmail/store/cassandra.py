@@ -21,6 +21,7 @@ and user creation use lightweight transactions.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -28,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from cassandra import DriverException
 from cassandra.auth import PlainTextAuthProvider
@@ -97,6 +98,8 @@ log = logging.getLogger(__name__)
 ARRIVAL_SKEW = 3.0
 #: Rows (mailbox and account rows) a store keeps for reuse at most (then it starts afresh).
 MAILBOX_CACHE_ROWS = 10_000
+#: Messages whose body a process remembers from a listing, at most (see `_BodyNotes`).
+BODY_NOTES = 20_000
 #: Rows per conditional batch when numbering messages or changing their flags: a Paxos round per
 #: batch, so larger batches number a large mailbox faster (100,000 messages in 10 s with 1024, 16 s
 #: with 256: loadtest/RESULTS.md). A batch of 1024 rows is a few hundred kilobytes, far under
@@ -156,6 +159,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         #: (user, mailbox) -> (when read, mailbox row), and (user, None) -> (when read, account
         #: row): for `_recent`.
         self._rows: dict[tuple[str, str | None], tuple[float, Any]] = {}
+        self._bodies = _BodyNotes(BODY_NOTES)
         self._queue_init()
         self._ahead = NumberAhead(settings.number_ahead, self._assign)
 
@@ -691,6 +695,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 rows = await ahead
                 cursor = _cursor(rows, page_size)
                 ahead = asyncio.ensure_future(messages.page(mailbox_id, cursor, page_size)) if cursor else None
+                self._bodies.note(mailbox_id, rows)
                 for item in _live(rows):
                     yield item
         finally:
@@ -700,6 +705,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
         rows = await self.tables.messages.page(mailbox_id, after, limit)
+        self._bodies.note(mailbox_id, rows)
         return Page(_live(rows), _cursor(rows, limit))
 
     async def get_summaries(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, MessageSummary]:
@@ -715,7 +721,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
-        info = await self.tables.messages.body_info(mailbox_id, message_id)
+        info = self._bodies.get(mailbox_id, message_id) or await self.tables.messages.body_info(mailbox_id, message_id)
         if info is None or info.size is None:
             raise NoSuchMessage(mailbox, message_id)
         size, chunk = info.size, info.chunk_size
@@ -1316,6 +1322,41 @@ def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:
     if a is None or b is None:
         return a or b
     return max(a, b, key=lambda u: (u.time, u.bytes))
+
+
+class _Body(NamedTuple):
+    body_id: uuid.UUID
+    size: int
+    chunk_size: int
+
+
+class _BodyNotes:
+    """Where the bodies of messages listed lately are: (mailbox id, message id) -> the row's
+    (body_id, size, chunk_size), the `limit` noted last. A read of a noted message's body needs
+    no read of its row first: POP3 lists its mailbox at login, then RETRs one message after the
+    other; an IMAP client fetches what it just listed.
+
+    A note never goes wrong: a message's row is written once with its body and only its flags
+    and UID change after, and ids are never used again. A message deleted since it was noted
+    reads as a missing chunk, which read_chunks already tells apart from a replica that is
+    behind by reading the row (`_missing_chunk`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._notes: dict[tuple[uuid.UUID, uuid.UUID], Any] = {}
+
+    def note(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
+        notes = self._notes
+        for r in rows:
+            if r.size is not None and r.body_id is not None:
+                notes[(mailbox_id, r.id)] = _Body(r.body_id, r.size, r.chunk_size)
+        excess = len(notes) - self.limit
+        if excess > 0:
+            for key in list(itertools.islice(notes, excess)):
+                del notes[key]
+
+    def get(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> _Body | None:
+        return self._notes.get((mailbox_id, message_id))
 
 
 def _live(rows: Sequence[Any]) -> list[MessageSummary]:
