@@ -802,6 +802,29 @@ async def test_a_body_listed_is_read_without_its_row_and_one_deleted_since_is_no
         await store.read_message(user, INBOX, ids[2])
 
 
+async def test_a_body_of_two_chunks_is_one_request_and_a_chunk_missing_from_it_is_read_again(make_store) -> None:
+    store = await make_store()
+    user = await new_user(store)
+    chunk = store.settings.chunk_size
+    body = os.urandom(chunk + 1000)
+    [message] = await store.deliver(body, [Target(user)])
+    [listed] = [s async for s in store.list_messages(user, INBOX)]
+    assert listed.id == message
+    with store.tracing() as whole:
+        assert await store.read_message(user, INBOX, message) == body
+    assert whole.statements == 1
+    with store.tracing() as across:  # a range across the chunks' border
+        assert b"".join([c async for c in store.read_chunks(user, INBOX, message, chunk - 10, chunk + 10)]) == \
+            body[chunk - 10:chunk + 10]
+    assert across.statements == 1
+    mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
+    row = await store.tables.messages.body_info(mailbox_id, message)
+    await store.tables.body_chunks.delete(row.body_id, 1)
+    with store.tracing() as missing, pytest.raises(StoreUnavailable, match="chunk 1 of body"):
+        await store.read_message(user, INBOX, message)
+    assert missing.statements == 3  # both chunks, chunk 1 again at ALL, then the message row
+
+
 async def test_a_chunk_missing_at_the_read_level_is_asked_of_every_replica_before_giving_up(make_store, monkeypatch) -> None:
     """At ONE with RF >= 2 the replica that answers may not have applied a chunk another one has."""
     store = await make_store()

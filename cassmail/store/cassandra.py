@@ -98,6 +98,9 @@ log = logging.getLogger(__name__)
 ARRIVAL_SKEW = 3.0
 #: Rows (mailbox and account rows) a store keeps for reuse at most (then it starts afresh).
 MAILBOX_CACHE_ROWS = 10_000
+#: A read of at most this many chunks is one request (more are read one by one, read ahead
+#: `chunk_concurrency` at a time); each counts as one of `max_chunks_in_flight`.
+CHUNKS_READ_TOGETHER = 2
 #: Messages whose body a process remembers from a listing, at most (see `_BodyNotes`).
 BODY_NOTES = 20_000
 #: Rows per conditional batch when numbering messages or changing their flags: a Paxos round per
@@ -733,12 +736,21 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         first, last = start // chunk, (end - 1) // chunk
         window = self.settings.chunk_concurrency
         pending: dict[int, asyncio.Task[bytes | None]] = {}
+        # A few chunks are one request: most of a small read's cost is the request's, not its bytes.
+        together = 0 < last - first < CHUNKS_READ_TOGETHER
+        got: dict[int, bytes] = {}
+        if together:
+            async with self._chunk_slots:
+                got = await self.tables.body_chunks.get_many(info.body_id, range(first, last + 1))
         try:
             for idx in range(first, last + 1):
-                for ahead in range(idx, min(idx + window, last + 1)):
-                    if ahead not in pending:
-                        pending[ahead] = asyncio.ensure_future(self._chunk(info.body_id, ahead))
-                data = await pending.pop(idx)
+                if together:
+                    data = got.pop(idx, None)
+                else:
+                    for ahead in range(idx, min(idx + window, last + 1)):
+                        if ahead not in pending:
+                            pending[ahead] = asyncio.ensure_future(self._chunk(info.body_id, ahead))
+                    data = await pending.pop(idx)
                 if data is None:
                     data = await self._chunk(info.body_id, idx, every_replica=True)
                 if data is None:

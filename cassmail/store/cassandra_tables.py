@@ -623,6 +623,7 @@ class BodyChunks(Table):
     STATEMENTS = {
         "insert": (WRITE, "INSERT INTO body_chunks (body_id, idx, data) VALUES (?, ?, ?)"),
         "get": (READ, "SELECT data FROM body_chunks WHERE body_id = ? AND idx = ?"),
+        "get_many": (READ, "SELECT idx, data FROM body_chunks WHERE body_id = ? AND idx IN ?"),
         "delete": (WRITE, "DELETE FROM body_chunks WHERE body_id = ? AND idx = ?"),
     }
 
@@ -636,6 +637,10 @@ class BodyChunks(Table):
             statement.consistency_level = ConsistencyLevel.ALL
         row = _first(await self.cql.run(statement))
         return row.data if row is not None else None
+
+    async def get_many(self, body_id: uuid.UUID, idxs: Sequence[int]) -> dict[int, bytes]:
+        """Chunks of a body by their index, in one request; those not there are left out."""
+        return {r.idx: r.data for r in await self._run("get_many", body_id, list(idxs))}
 
     async def delete(self, body_id: uuid.UUID, idx: int) -> None:
         await self._run("delete", body_id, idx)
