@@ -319,12 +319,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
                     rate = (last.messages - prev.messages) * 60 / max(last.t - prev.t, 1e-9)
                     say(f"    {run.tool} {last.t:6.0f} s {last.messages:7d} msgs  {rate:8.0f} msgs/min")
                 if stop_when_drained and _drained(run.ticks):
-                    # Two intervals without a message: every mailbox is empty. The idle intervals
-                    # would only pull the mean down; the run's rate is the rate while mail was there.
-                    del run.ticks[-2:]
-                    run.notes.append(f"the mailboxes were empty after {run.ticks[-1].t:.0f} s: {run.tool} stopped "
-                                     "there and the idle intervals were dropped")
-                    break
+                    break  # every mailbox is empty: see drop_drained_tail
                 if now >= deadline - 1e-3:
                     break
                 next_tick += run.interval
@@ -346,6 +341,8 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
                 proc.wait(wait)
             except subprocess.TimeoutExpired:
                 continue
+    if stop_when_drained:
+        drop_drained_tail(run)
     after = counter.count()
     if after > run.total:
         run.notes.append(f"{after - run.total} more messages finished after the deadline (not in the series)")
@@ -362,7 +359,24 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
 
 
 def _drained(ticks: list[Tick]) -> bool:
+    """Two intervals without a message after some came: every mailbox is empty."""
     return len(ticks) >= 4 and ticks[-1].messages == ticks[-2].messages == ticks[-3].messages > 0
+
+
+def drop_drained_tail(run: LoadRun) -> None:
+    """A retrieval that emptied the mailboxes is measured while mail was there: the intervals at
+    its end without a message are dropped, whether the tool was stopped for them or by the
+    deadline, and so is the interval in which it took the last messages (idle for part of it,
+    with fewer and fewer sessions finding mail). A run still busy at its deadline keeps them all."""
+    ticks = run.ticks
+    idle = 0
+    while len(ticks) >= 2 and ticks[-1].messages == ticks[-2].messages > 0:
+        ticks.pop()
+        idle += 1
+    if idle and len(ticks) >= 3:
+        ticks.pop()
+        run.notes.append(f"the mailboxes were empty after {ticks[-1].t:.0f} s or less: the {idle} idle intervals "
+                         f"at the end and the one that emptied them were dropped")
 
 
 def run_postal(server: str, port: int | Sequence[tuple[str, int]], sizes: tuple[int, int], users_file: Path,
