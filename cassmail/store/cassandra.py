@@ -21,11 +21,11 @@ and user creation use lightweight transactions.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -1355,20 +1355,22 @@ class _BodyNotes:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._notes: dict[tuple[uuid.UUID, uuid.UUID], Any] = {}
+        self._notes: OrderedDict[tuple[uuid.UUID, uuid.UUID], tuple[bytes, int, int]] = OrderedDict()
 
     def note(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         notes = self._notes
         for r in rows:
-            if r.size is not None and r.body_id is not None:
-                notes[(mailbox_id, r.id)] = _Body(r.body_id, r.size, r.chunk_size)
-        excess = len(notes) - self.limit
-        if excess > 0:
-            for key in list(itertools.islice(notes, excess)):
-                del notes[key]
+            if r.body_key is not None and r.size is not None:
+                notes[(mailbox_id, r.id)] = (r.body_key, r.size, r.chunk_size)
+        for _ in range(len(notes) - self.limit):
+            notes.popitem(last=False)
 
     def get(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> _Body | None:
-        return self._notes.get((mailbox_id, message_id))
+        found = self._notes.get((mailbox_id, message_id))
+        if found is None:
+            return None
+        key, size, chunk_size = found
+        return _Body(uuid.UUID(bytes=key), size, chunk_size)
 
 
 def _live(rows: Sequence[Any]) -> list[MessageSummary]:
