@@ -122,7 +122,8 @@ class CassandraSettings:
     queue_inline_max: int = 4 * 1024 * 1024
     #: Chunk reads/writes kept in flight per message.
     chunk_concurrency: int = 8
-    #: Chunk reads/writes in flight across all messages of one process (64 x 256 KiB = 16 MiB).
+    #: Chunk reads/writes in flight across all messages of one process (64 x 256 KiB = 16 MiB;
+    #: a body of two chunks is read as one of them).
     max_chunks_in_flight: int = 64
     #: Seconds a deleted range must age before listings skip it by the low-water mark; must
     #: exceed clock skew between nodes plus the longest replication delay (hint window).
