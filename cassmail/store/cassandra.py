@@ -1344,7 +1344,7 @@ class _Body(NamedTuple):
 
 class _BodyNotes:
     """Where the bodies of messages listed lately are: (mailbox id, message id) -> the row's
-    (body_id, size, chunk_size), the `limit` noted last. A read of a noted message's body needs
+    (body_id as its 16 bytes, size, chunk_size), the `limit` noted last; `get` gives a `_Body`. A read of a noted message's body needs
     no read of its row first: POP3 lists its mailbox at login, then RETRs one message after the
     other; an IMAP client fetches what it just listed.
 
