@@ -4,6 +4,7 @@ client sends ahead of its answers is bounded; LIST patterns cannot stall a worke
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import threading
@@ -299,3 +300,43 @@ def test_list_wildcard_patterns_are_answered_at_once(pipe_node: Node, users) -> 
         wire.sock.sendall(b'l%d LIST "" "%s"\r\n' % (n, pattern))
         assert wire.until(b"l%d" % n)[-1] == b"l%d OK LIST completed\r\n" % n
     assert time.monotonic() - started < 5
+
+
+async def test_a_command_not_sent_within_the_command_timeout_ends_the_read_and_one_sent_in_time_does_not() -> None:
+    """The connection's command timeout over a real socket: commands arriving every 0.1 s for
+    longer than the timeout are all read (the timeout counts from each command's start, not
+    from the first), then silence ends the next read with TimeoutError within about the
+    timeout, and so does a command whose literal never comes."""
+    from cassmail.imap.connection import Connection
+
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    conn = Connection(max_line=8192, max_pipelined=65536, write_timeout=5)
+    await loop.connect_accepted_socket(lambda: conn, ours)
+    conn.command_timeout = 0.4
+
+    async def read() -> bytes:
+        frame = await conn.read_command(lambda first, index, before: None, 1 << 20, 1 << 20, lambda: None)
+        return b"".join(frame.parts)
+
+    async def send_slowly() -> None:
+        for i in range(12):
+            theirs.sendall(b"t%d NOOP\r\n" % i)
+            await asyncio.sleep(0.1)
+
+    sender = asyncio.ensure_future(send_slowly())
+    started = time.monotonic()
+    assert [await read() for _ in range(12)] == [b"t%d NOOP" % i for i in range(12)]
+    assert time.monotonic() - started > 1.0  # longer than the timeout, in all
+    await sender
+    for partial in (b"", b"a APPEND INBOX {10+}\r\nhalf"):
+        theirs.sendall(partial)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await read()
+        assert 0.35 < time.monotonic() - began < 1.2
+        conn._buffer.clear()  # (what the client sent of the command is dropped with the session)
+    theirs.sendall(b"u NOOP\r\n")
+    assert await read() == b"u NOOP"
+    conn.close()
+    theirs.close()

@@ -97,7 +97,7 @@ async def fill(session: Session, uids: Iterable[int]) -> None:
 def flags_fetch(session: Session, uid: int) -> bytes:
     """The untagged FETCH telling a flag change made elsewhere (with CONDSTORE, its MODSEQ too)."""
     view = session.selected()
-    line = b"%d FETCH (FLAGS %s UID %d" % (view.seq(uid), wire.flag_list(view.flags(uid)), uid)
+    line = b"%d FETCH (FLAGS %s UID %d" % (view.seq(uid), view.flag_list(uid), uid)
     if session.condstore:
         line += b" MODSEQ (%d)" % view.modseq(uid)
     return line + b")"
@@ -136,7 +136,7 @@ async def store_responses(session: Session, uids: list[int], expected: dict[int,
     for uid in uids:
         line = b"%d FETCH (UID %d MODSEQ (%d)" % (view.seq(uid), uid, view.modseq(uid))
         if uid in shown_set:
-            line += b" FLAGS " + wire.flag_list(view.flags(uid))
+            line += b" FLAGS " + view.flag_list(uid)
         session.untagged(line + b")")
 
 
@@ -180,7 +180,7 @@ async def resync(session: Session, params: c.QResync) -> None:
     session.announce_flags(changed)
     for uid in changed:
         session.untagged(b"%d FETCH (UID %d FLAGS %s MODSEQ (%d))" % (
-            view.seq(uid), uid, wire.flag_list(view.flags(uid)), view.modseq(uid)))
+            view.seq(uid), uid, view.flag_list(uid), view.modseq(uid)))
 
 
 async def vanished_earlier(session: Session, messages: c.SequenceSet, modseq: int) -> None:

@@ -103,6 +103,12 @@ class Connection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._out_size = 0
         self._flush_soon: asyncio.Handle | None = None
+        #: Seconds a command may take to arrive (None: for ever), when the one being read began
+        #: (None: none is), and the timer that checks (see `_command_begins`).
+        self.command_timeout: float | None = None
+        self._reading_since: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed_out = False
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -137,6 +143,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = self.eof = True
+        self._stop_timer()
         self._data.set()
         self._writable.set()
 
@@ -170,6 +177,9 @@ class Connection(asyncio.Protocol):
             self._reading_paused = False
             self.transport.resume_reading()
         await self._data.wait()
+        if self._timed_out:
+            self._timed_out = False
+            raise TimeoutError("no command for the command timeout")
 
     async def read_line(self) -> bytes:
         """The next line without its CRLF (or LF). Raises LineTooLong (the line is skipped to its
@@ -212,7 +222,44 @@ class Connection(asyncio.Protocol):
         """One command with its literals. A literal `message_limit` names (an APPEND's message)
         may be as large as it says; any other is a string of at most `max_string` bytes, and
         a command's strings add up to at most `max_strings`. `continuation` is called before a
-        synchronising literal is read. Raises LiteralTooLarge, LineTooLong, Closed."""
+        synchronising literal is read. Raises LiteralTooLarge, LineTooLong, Closed, and
+        TimeoutError when the command took longer than `command_timeout` to arrive."""
+        self._command_begins()
+        try:
+            return await self._read_command(message_limit, max_string, max_strings, continuation)
+        finally:
+            self._reading_since = None
+
+    def _command_begins(self) -> None:
+        """Note when the command began to be read. One timer per connection checks the time, and
+        sets itself again for the rest of the command's time when it finds one read for less: a
+        client that sends a command as soon as it has the last answer sets no timer per command."""
+        if self.command_timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._reading_since = now = loop.time()
+        if self._timer is None:
+            self._timer = loop.call_at(now + self.command_timeout, self._check_time)
+
+    def _check_time(self) -> None:
+        self._timer = None
+        since, timeout = self._reading_since, self.command_timeout
+        if since is None or timeout is None or self.lost:
+            return  # a command is running (the next read sets the timer again), or the client left
+        loop = asyncio.get_running_loop()
+        if loop.time() < since + timeout:
+            self._timer = loop.call_at(since + timeout, self._check_time)
+            return
+        self._timed_out = True
+        self._data.set()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def _read_command(self, message_limit: MessageLimit, max_string: int, max_strings: int,
+                            continuation: Callable[[], None]) -> Frame:
         first = line = await self.read_line()
         parts: list[bytes] = []
         binary: set[int] = set()
@@ -332,6 +379,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close once what was written is sent."""
+        self._stop_timer()
         if self.transport is not None and not self.lost:
             self.flush()
             self.transport.close()

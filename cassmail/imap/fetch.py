@@ -97,17 +97,16 @@ async def fetch(session: Session, args: c.Fetch) -> str:
             if session.condstore:  # RFC 7162 3.1: the \\Seen it set is told with UID and MODSEQ
                 await condstore.learn(session, unseen, flags=True)
                 atts += [c.FetchAtt(name) for name in ("UID", "MODSEQ") if not any(a.name == name for a in atts)]
-    shows_flags = any(a.name == "FLAGS" for a in atts)
+    if any(a.name == "FLAGS" for a in atts):
+        session.announce_flags(uids)  # every keyword the FETCH shows, before its first line
     if all(a.name in FROM_THE_VIEW for a in atts):
-        await _fetch_from_the_view(session, uids, atts, shows_flags)
+        await _fetch_from_the_view(session, uids, atts)
         return ("UID " if args.uid else "") + "FETCH completed"
     missing = 0
     for message_uid in uids:
         summary = view.messages.get(message_uid)
         if summary is None:
             continue
-        if shows_flags:
-            session.announce_flags([message_uid])
         try:
             await _fetch_one(session, message_uid, summary, atts)
         except NoSuchMessage:
@@ -124,7 +123,7 @@ FROM_THE_VIEW = frozenset({"FLAGS", "UID", "MODSEQ", "INTERNALDATE", "RFC822.SIZ
 VIEW_LINES_PER_DRAIN = 256
 
 
-async def _fetch_from_the_view(session: Session, uids: list[int], atts: list[c.FetchAtt], shows_flags: bool) -> None:
+async def _fetch_from_the_view(session: Session, uids: list[int], atts: list[c.FetchAtt]) -> None:
     """A FETCH of FROM_THE_VIEW items only (a client listing its mailbox's flags): each message's
     line made at once, without the per-message steps of messages that are read; the client is
     waited for every VIEW_LINES_PER_DRAIN lines, as for every message read."""
@@ -134,8 +133,6 @@ async def _fetch_from_the_view(session: Session, uids: list[int], atts: list[c.F
         summary = messages.get(uid)
         if summary is None:
             continue
-        if shows_flags:
-            session.announce_flags([uid])
         conn.write(b"* %d FETCH (%s)\r\n" % (view.seq(uid), b" ".join([_item(session, uid, summary, a, None) for a in atts])))
         if n % VIEW_LINES_PER_DRAIN == 0:
             await conn.drain()
@@ -188,7 +185,7 @@ async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: 
 def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, entity: mime.Entity | None) -> bytes:
     name = att.name
     if name == "FLAGS":
-        return b"FLAGS " + wire.flag_list(session.selected().flags(uid))
+        return b"FLAGS " + session.selected().flag_list(uid)
     if name == "UID":
         return b"UID %d" % uid
     if name == "MODSEQ":

@@ -6,7 +6,8 @@ changed (`Store.changed_mailboxes`: on Cassandra a read of the last seconds' cha
 mbox an inotify read), however many sessions and mailboxes there are. Only a mailbox reported
 changed is listed, once, by its `Watcher`, and the listing handed to every IDLE session on it.
 A newly watched mailbox is listed at the first poll, unless its changes token is still the
-one its first session's view was last brought up to date with. Every `idle_refresh` seconds each watched
+one its first session's view was last brought up to date with (an IDLE that starts a watcher
+first brings its view up to date, so usually it is). Every `idle_refresh` seconds each watched
 one is looked at again, in case a change's event was lost: its `changes_token` first, and the
 listing only when that differs from the token read before the last listing.
 """
@@ -37,9 +38,17 @@ log = logging.getLogger("cassmail.imap")
 async def idle(session: Session, args: c.Simple) -> str:
     session.continuation(b"idling")
     done = asyncio.ensure_future(session.conn.read_line())
-    watcher = watch(session.listener, session.view) if session.view is not None else None
+    watcher = None
     news: asyncio.Future[Listing] | None = None
     try:
+        view = session.view
+        if view is not None:
+            if (view.user, view.name) not in session.listener.watchers:
+                # What changed since the session's last command is told now, which leaves the
+                # view's changes token current: the new watcher's first look then finds the
+                # mailbox unchanged and reads no listing.
+                await _refresh(session)
+            watcher = watch(session.listener, view)
         if watcher is not None and watcher.users > 1:
             # Joining a watcher other sessions share: what it handed out before this session
             # joined is told now, what changes after, the watcher tells. (A new watcher's first

@@ -63,6 +63,10 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
     body) when the keys or the caller (`headers`) need it, else None."""
     view = session.selected()
     program = compile_program(keys, view)
+    messages = view.messages
+    if not (program.needs_body or program.needs_headers or headers):  # the view alone: one pass
+        match = program.match
+        return [(uid, messages[uid], None) for uid in view.uids if uid in messages and match(uid, None)]
     out = []
     for uid in list(view.uids):
         summary = view.messages.get(uid)
@@ -88,7 +92,11 @@ async def search(session: Session, args: c.Search) -> str:
     view = session.selected()
     modseq = await condstore_search(session, args.program)
     found = [uid for uid, _, _ in await matching(session, args.program)]
-    hits = [uid if args.uid else view.seq(uid) for uid in found]
+    if args.uid:
+        hits = found
+    else:  # the sequence numbers in one pass over the view (found is in its order)
+        wanted = set(found)
+        hits = [n for n, uid in enumerate(view.uids, 1) if uid in wanted]
     if args.returns is None:
         highest = condstore.modseq_of(view, found) if modseq else None
         session.untagged(b"SEARCH" + b"".join(b" %d" % n for n in hits) +

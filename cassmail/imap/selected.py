@@ -99,7 +99,7 @@ async def store(session: Session, args: c.Store) -> str:
         session.announce_flags(uids)
         for u in uids:
             session.untagged(b"%d FETCH (FLAGS %s%s)" % (
-                view.seq(u), wire.flag_list(view.flags(u)), b" UID %d" % u if args.uid else b""))
+                view.seq(u), view.flag_list(u), b" UID %d" % u if args.uid else b""))
     code = ""
     if failed:
         code = f"[MODIFIED {wire.compact_set(failed if args.uid else [view.seq(u) for u in failed])}] "

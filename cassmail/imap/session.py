@@ -15,7 +15,6 @@ IDLE and after APPEND, COPY or MOVE into it, never in the middle of FETCH, STORE
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -111,10 +110,10 @@ class Session:
                 self.untagged(b"BYE [UNAVAILABLE] Too many connections, try again later")
                 return
             self.untagged(b"OK [CAPABILITY " + b" ".join(self.capabilities()) + b"] cassmail IMAP4rev1 ready")
+            conn.command_timeout = self.settings.timeout
             while not self.closing:
                 try:
-                    async with asyncio.timeout(self.settings.timeout):  # (no task per command, as wait_for makes)
-                        frame = await self._read_command()
+                    frame = await self._read_command()
                 except TimeoutError:
                     self.untagged(b"BYE Autologout; idle for too long")
                     break
@@ -318,7 +317,8 @@ class Session:
     def announce_flags(self, uids: list[int]) -> None:
         """Before a FETCH shows a keyword the client was not told of, a new FLAGS (RFC 3501 7.2.6)."""
         view = self.selected()
-        new = keywords_of(view.messages[u] for u in uids) - view.keywords
+        messages = view.messages
+        new = keywords_of(messages[u] for u in uids if u in messages) - view.keywords
         if new:
             view.keywords |= new
             self.flags_response()

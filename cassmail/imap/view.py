@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+from cassmail.imap import wire
 from cassmail.imap.cache import Lru
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
@@ -204,6 +205,11 @@ async def _assign(store: Store, user: str, name: str, ids: list[uuid.UUID],
         return None
 
 
+#: Flag lists made by `MailboxView.flag_list`, by (flags, recent), at most this many.
+FLAG_LISTS_KEPT = 4096
+_FLAG_LISTS: dict[tuple[frozenset[str], bool], bytes] = {}
+
+
 def keywords_of(summaries: Iterable[MessageSummary]) -> set[str]:
     """The keywords (flags not starting with a backslash) the summaries carry."""
     return {f for s in summaries for f in s.flags if not f.startswith("\\")}
@@ -368,6 +374,17 @@ class MailboxView:
         if uid in self.recent:
             flags.add("\\Recent")
         return flags
+
+    def flag_list(self, uid: int) -> bytes:
+        """`wire.flag_list(self.flags(uid))`, made once per distinct set of flags (a mailbox has
+        few: a FETCH of many messages' flags sorts and encodes each set once)."""
+        key = (self.messages[uid].flags, uid in self.recent)
+        made = _FLAG_LISTS.get(key)
+        if made is None:
+            if len(_FLAG_LISTS) >= FLAG_LISTS_KEPT:
+                _FLAG_LISTS.clear()
+            made = _FLAG_LISTS[key] = wire.flag_list(self.flags(uid))
+        return made
 
     def set_flags(self, uid: int, flags: frozenset[str]) -> None:
         """Flags this session stored: the change has a MODSEQ the view does not know yet."""

@@ -506,13 +506,17 @@ class MboxStore(MboxQuota, FileQueueStore):
         return await self._call(listing)
 
     def _info(self, key: str, user_dir: Path, name: str) -> MailboxInfo:
-        meta = _meta(self._mailbox_dir(user_dir, name))
-        uidvalidity = self._with_mailbox(key, name, lambda mf: mf.info())
-        return MailboxInfo(name, uidvalidity, meta.get("special_use"), bool(meta.get("subscribed", True)))
+        return self._with_mailbox(key, name, lambda mf: self._info_of(mf, name))
 
     async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
         key, name = address_key(user), mailbox_name(name)
-        return await self._call(lambda: self._info(key, self._existing_user(key), name))
+        return await self._reading(user, name, lambda mf: self._info_of(mf, name),
+                                   lambda: self._info(key, self._existing_user(key), name))
+
+    @staticmethod
+    def _info_of(mf: MailboxFile, name: str) -> MailboxInfo:
+        meta = _meta(mf.mbox_path.parent)
+        return MailboxInfo(name, mf.info(), meta.get("special_use"), bool(meta.get("subscribed", True)))
 
     @contextmanager
     def _locked_mailbox(self, key: str, name: str) -> Iterator[Path]:
@@ -657,11 +661,13 @@ class MboxStore(MboxQuota, FileQueueStore):
         key, name = address_key(user), mailbox_name(mailbox)
         return await self._call(self._with_mailbox, key, name, work)
 
-    async def _reading(self, user: str, mailbox: str, work: Callable[[MailboxFile], T]) -> T:
+    async def _reading(self, user: str, mailbox: str, work: Callable[[MailboxFile], T],
+                       elsewise: Callable[[], T] | None = None) -> T:
         """`_on_mailbox` for work that reads: on the event loop when the mailbox is open here
         and nothing has to be waited for (the index is in memory, the bytes in the page cache),
         which is most of the time and saves a hand-over to a thread and back (on a small VM that
-        costs more than the read); else in a thread (MailboxFile.without_waiting)."""
+        costs more than the read); else in a thread (MailboxFile.without_waiting), `elsewise`
+        when given."""
         key, name = address_key(user), mailbox_name(mailbox)
         box = self._boxes.get((key, name))
         if box is None:
@@ -677,6 +683,8 @@ class MboxStore(MboxQuota, FileQueueStore):
                     return work(mf)
             except (WouldWait, MailboxGone, NeedsRecovery):
                 pass  # in a thread, which waits, reopens or recovers
+        if elsewise is not None:
+            return await self._call(elsewise)
         return await self._call(self._with_mailbox, key, name, work)
 
     # ================================================================= delivery
