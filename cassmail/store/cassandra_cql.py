@@ -15,10 +15,8 @@ import contextvars
 import enum
 import random
 import re
-import threading
 import time
-import weakref
-from collections import deque, namedtuple
+from collections import namedtuple
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +29,7 @@ from cassandra.pool import NoConnectionsAvailable
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
 
 from cassmail.config import CassandraSettings
+from cassmail.threads import inbox
 from cassmail.store.base import StoreUnavailable
 
 #: What the driver raises when Cassandra fails: not all of it derives from DriverException
@@ -249,51 +248,17 @@ def row_factory(colnames: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[
     return [cls(*row) for row in rows]
 
 
-class _Inbox:
-    """Results handed from the driver's thread to one event loop: the loop is woken once for all
-    that arrive while it is busy, not once per result (each wake-up is a write to its pipe)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: deque[tuple[asyncio.Future[Any], Any, BaseException | None]] = deque()
-        self.lock = threading.Lock()
-        self.waking = False
-
-    def put(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-        with self.lock:
-            self.items.append((fut, result, exc))
-            if self.waking:
-                return
-            self.waking = True
-        try:
-            self.loop.call_soon_threadsafe(self.drain)
-        except RuntimeError:  # the loop is closed: nobody waits for these any more
-            pass
-
-    def drain(self) -> None:
-        with self.lock:
-            items, self.items = self.items, deque()
-            self.waking = False
-        for fut, result, exc in items:
-            _settle(fut, result, exc)
-
-
-_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
-
-
 def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
     """An asyncio future for the driver's current page (the driver calls back on its own thread)."""
     loop = asyncio.get_running_loop()
-    inbox = _inboxes.get(loop)
-    if inbox is None:
-        inbox = _inboxes[loop] = _Inbox(loop)
+    to = inbox(loop)
     fut: asyncio.Future[Any] = loop.create_future()
 
     def done(result: Any) -> None:
-        inbox.put(fut, result, None)
+        to.put(_settle, fut, result, None)
 
     def failed(exc: BaseException) -> None:
-        inbox.put(fut, None, exc)
+        to.put(_settle, fut, None, exc)
 
     rf.add_callbacks(done, failed)
     return fut

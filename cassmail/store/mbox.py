@@ -34,7 +34,6 @@ for a mailbox.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import os
@@ -101,6 +100,7 @@ from cassmail.store.base import (
 from cassmail.store.mbox_watch import DirectoryWatch
 from cassmail.store.mbox_index import CompactReport, MailboxFile, MailboxGone, MessageGone, NeedsRecovery, ReadState, WouldWait
 from cassmail.store.mbox_quota import MboxQuota
+from cassmail.threads import THREADS
 
 T = TypeVar("T")
 
@@ -182,7 +182,7 @@ class MboxStore(MboxQuota, FileQueueStore):
         """Run blocking file work off the event loop; storage failures become StoreUnavailable.
         (`cancel` is for callers that may time out; a local disk call is never abandoned.)"""
         with _storage_errors():
-            return await asyncio.to_thread(fn, *args)
+            return await THREADS.run(fn, *args)
 
     @contextmanager
     def _file_lock(self, path: Path) -> Iterator[None]:

@@ -125,6 +125,7 @@ from cassmail.store.wheelfs_layout import (
 )
 from cassmail.store.wheelfs_modseq import ABANDONED, Chains, changed_flags
 from cassmail.store.wheelfs_quota import WheelFSQuota
+from cassmail.threads import THREADS
 
 T = TypeVar("T")
 log = logging.getLogger("cassmail.store.wheelfs")
@@ -275,7 +276,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
                 raise StoreUnavailable(f"wheelfs store: unreadable metadata: {exc}") from exc
 
         try:
-            return await asyncio.wait_for(asyncio.to_thread(guarded), self.settings.timeout)
+            return await asyncio.wait_for(THREADS.run(guarded), self.settings.timeout)
         except TimeoutError as exc:
             if cancel is not None:
                 cancel.set()
@@ -911,7 +912,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
                 yield chunk
         finally:
             try:
-                await asyncio.to_thread(self.fs.close, fd, path)
+                await THREADS.run(self.fs.close, fd, path)
             except OSError:
                 pass  # closing a descriptor only read from loses nothing
 
