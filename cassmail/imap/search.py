@@ -68,21 +68,21 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
         match = program.match
         return [(uid, messages[uid], None) for uid in view.uids if uid in messages and match(uid, None)]
     out = []
+    match = program.match
     for uid in list(view.uids):
-        summary = view.messages.get(uid)
+        summary = messages.get(uid)
         if summary is None:
             continue
-        entity = None
         if program.needs_body:
             try:
                 entity = mime.parse(await session.store.read_message(view.user, view.name, summary.id))
             except NoSuchMessage:
                 continue
-        elif program.needs_headers or headers:
+        else:
             entity = kept_header(session, summary) or await headers_only(session, summary)
             if entity is None:
                 continue
-        if program.match(uid, entity):
+        if match(uid, entity):
             out.append((uid, summary, entity))
     return out
 
@@ -146,22 +146,28 @@ def _decoded(value: str) -> str:
         return value
 
 
-def _field_texts(entity: mime.Entity, name: str) -> tuple[str, ...]:
+def _text_key(name: str) -> str:
+    """Where `_field_texts` keeps a field's texts in `Entity.derived`."""
+    return "text " + name.lower()
+
+
+def _field_texts(entity: mime.Entity, name: str, key: str | None = None) -> tuple[str, ...]:
     """The field's values, encoded words decoded, lowercased: worked out once per parsed header
-    (the worker keeps parsed headers, so a SEARCH repeated over a mailbox decodes nothing again)."""
-    key = "text " + name.lower()
+    (the worker keeps parsed headers, so a SEARCH repeated over a mailbox decodes nothing again).
+    `key` is `_text_key(name)`, made once by a caller that asks for many messages."""
+    key = key or _text_key(name)
     texts = entity.derived.get(key)
     if texts is None:
         texts = entity.derived[key] = tuple(_decoded(str(v)).lower() for v in entity.headers.get_all(name) or [])
     return texts
 
 
-def _header_has(entity: mime.Entity | None, name: str, needle: str) -> bool:
+def _header_has(entity: mime.Entity | None, name: str, needle: str, key: str | None = None) -> bool:
     """Whether a value of the field holds `needle` (lowercased by the caller), or, for an empty
     needle, whether the field is there."""
     if entity is None:
         return False
-    texts = _field_texts(entity, name)
+    texts = _field_texts(entity, name, key)
     if not needle:
         return bool(texts)
     for text in texts:
@@ -236,11 +242,13 @@ def _compile(key: c.SearchKey, view: MailboxView, needs: dict[str, bool]) -> Pre
     if name == "SUBJECT":
         needle = _text(args[0]).lower()
         needs["headers"] = True
-        return lambda u, e: _header_has(e, "subject", needle)
+        key = _text_key("subject")
+        return lambda u, e: _header_has(e, "subject", needle, key)
     if name == "HEADER":
         field, needle = _text(args[0]), _text(args[1]).lower()
         needs["headers"] = True
-        return lambda u, e: _header_has(e, field, needle)
+        key = _text_key(field)
+        return lambda u, e: _header_has(e, field, needle, key)
     if name in ("BODY", "TEXT"):
         raw = _text(args[0]).lower().encode("utf-8")
         needs["body"] = True

@@ -760,19 +760,19 @@ class MboxStore(MboxQuota, FileQueueStore):
         self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0, end: int | None = None
     ) -> AsyncIterator[bytes]:
         """Each step looks the message up again under the shared lock (a compaction may have moved
-        it), so one deleted meanwhile stops the stream with NoSuchMessage at the next chunk."""
-        size = await self._reading(user, mailbox, lambda mf: mf.message_size(message_id))
-        if size is None:
-            raise NoSuchMessage(mailbox_name(mailbox), message_id)
-        stop = size if end is None else min(end, size)
-        if start < 0 or start > stop:
-            raise InvalidInput(f"invalid byte range {start}..{stop} of a {size}-byte message")
-        state = ReadState(message_id, start, stop)
+        it), so one deleted meanwhile stops the stream with NoSuchMessage at the next chunk. The
+        first step also finds the size, and the range is checked against it before any byte
+        goes out."""
+        if start < 0 or (end is not None and start > end):
+            raise InvalidInput(f"invalid byte range {start}..{end}")
+        state = ReadState(message_id, start, end)
         while not state.done:
             try:
                 chunk = await self._reading(user, mailbox, lambda mf: mf.read_step(state))
             except MessageGone:
                 raise NoSuchMessage(mailbox_name(mailbox), message_id) from None
+            if state.size is not None and start > state.size:
+                raise InvalidInput(f"invalid byte range {start}..{end} of a {state.size}-byte message")
             if chunk is None:
                 return
             yield chunk

@@ -361,6 +361,8 @@ class ReadState:
     unquoter: Unquoter | None = None
     checked: bool = False
     done: bool = False
+    #: The message's size, from the first step on.
+    size: int | None = None
 
 
 # --------------------------------------------------------------------------- the mailbox file
@@ -1003,11 +1005,6 @@ class MailboxFile:
         with self.reading():
             return {i: s.summary() for i in ids if (s := self.by_id.get(i)) is not None and s.live}
 
-    def message_size(self, message_id: uuid.UUID) -> int | None:
-        with self.reading():
-            seg = self.by_id.get(message_id)
-            return seg.raw if seg is not None and seg.live else None
-
     def read_step(self, state: ReadState) -> bytes | None:
         """The next piece of a message's bytes [start, end), or None at the end. Holds the shared lock
         only for this step; the message is looked up again each time (compaction may move it)."""
@@ -1022,6 +1019,7 @@ class MailboxFile:
                     self._damaged = f"message {state.message_id} is not where the index says"
                     raise NeedsRecovery
                 state.checked = True
+                state.size = seg.raw
             end = seg.raw if state.end is None else min(state.end, seg.raw)
             if state.start >= end:
                 state.done = True
