@@ -63,12 +63,10 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
     body) when the keys or the caller (`headers`) need it, else None."""
     view = session.selected()
     program = compile_program(keys, view)
-    messages = view.messages
+    messages, match = view.messages, program.match
     if not (program.needs_body or program.needs_headers or headers):  # the view alone: one pass
-        match = program.match
         return [(uid, messages[uid], None) for uid in view.uids if uid in messages and match(uid, None)]
     out = []
-    match = program.match
     for uid in list(view.uids):
         summary = messages.get(uid)
         if summary is None:

@@ -29,8 +29,8 @@ from cassandra.pool import NoConnectionsAvailable
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
 
 from cassmail.config import CassandraSettings
-from cassmail.threads import inbox
 from cassmail.store.base import StoreUnavailable
+from cassmail.threads import inbox, settle
 
 #: What the driver raises when Cassandra fails: not all of it derives from DriverException
 #: (NoHostAvailable, the connection errors and the pool's are plain Exceptions), so code that
@@ -289,16 +289,13 @@ def contended(exc: StoreUnavailable) -> bool:
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(result)
-    elif isinstance(exc, (DriverException, NoHostAvailable)):
-        fut.set_exception(exc)
-    else:  # the driver reports some failures (e.g. connection errors) as plain exceptions
+    """`threads.settle`, with a failure the driver reports as a plain exception (a connection
+    error, for one) made StoreUnavailable."""
+    if exc is not None and not isinstance(exc, (DriverException, NoHostAvailable)):
         unavailable = StoreUnavailable(f"Cassandra: {brief(exc)}")
         unavailable.__cause__ = exc
-        fut.set_exception(unavailable)
+        exc = unavailable
+    settle(fut, result, exc)
 
 
 def _never_sent(exc: NoHostAvailable) -> bool:

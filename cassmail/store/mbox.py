@@ -498,20 +498,24 @@ class MboxStore(MboxQuota, FileQueueStore):
             out = []
             for name in self._names(user_dir):
                 try:
-                    out.append(self._info(key, user_dir, name))
+                    out.append(self._info(key, name))
                 except NoSuchMailbox:
                     continue  # deleted meanwhile
             return out
 
         return await self._call(listing)
 
-    def _info(self, key: str, user_dir: Path, name: str) -> MailboxInfo:
+    def _info(self, key: str, name: str) -> MailboxInfo:
         return self._with_mailbox(key, name, lambda mf: self._info_of(mf, name))
 
     async def mailbox_info(self, user: str, name: str) -> MailboxInfo:
         key, name = address_key(user), mailbox_name(name)
-        return await self._reading(user, name, lambda mf: self._info_of(mf, name),
-                                   lambda: self._info(key, self._existing_user(key), name))
+
+        def in_a_thread() -> MailboxInfo:
+            self._existing_user(key)  # NoSuchUser before NoSuchMailbox
+            return self._info(key, name)
+
+        return await self._reading(user, name, lambda mf: self._info_of(mf, name), in_a_thread)
 
     @staticmethod
     def _info_of(mf: MailboxFile, name: str) -> MailboxInfo:
