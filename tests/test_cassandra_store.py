@@ -17,7 +17,7 @@ from cassandra.query import BatchStatement
 from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, address_key, new_message_id
 from cassmail.store import cassandra as cassandra_module
-from cassmail.store import cassandra_schema
+from cassmail.store import cassandra_events, cassandra_schema
 from cassmail.store.base import (
     DomainInUse, NoSuchMailbox, NoSuchMessage, Store, StoreError, StoreUnavailable, Target,
 )
@@ -275,9 +275,12 @@ async def test_a_sessions_calls_reuse_the_mailbox_row_for_mailbox_cache_and_deli
         await store.mailbox_info(user, "New")
 
 
-async def test_change_events_of_many_deliveries_go_out_together_and_every_mailbox_is_reported(make_store) -> None:
-    """One event write in flight per store: the mailboxes changed meanwhile go in the next write,
-    one batch, and another node's watcher hears of every one of them."""
+async def test_change_events_of_many_deliveries_go_out_together_and_every_mailbox_is_reported(
+    make_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One event write in flight per store, begun a linger after the first change: the mailboxes
+    changed meanwhile go in the next write, one batch, and another node's watcher hears of every
+    one of them."""
     store, other = await make_store(), await make_store()
     user = await new_user(store)
     names = [f"Box{i}" for i in range(30)]
@@ -303,6 +306,13 @@ async def test_change_events_of_many_deliveries_go_out_together_and_every_mailbo
     await store._settle_events()
     assert sum(writes) == len(names)  # an event for each mailbox, none twice
     assert len(writes) < len(names) and max(writes) > 1  # in fewer writes than deliveries
+    # Changes one after the other (a session's commands) within the linger: one write for all.
+    monkeypatch.setattr(cassandra_events, "EVENT_LINGER", 1.0)
+    writes.clear()
+    for name in names[:5]:
+        await store.deliver(b"Subject: f\r\n\r\nf\r\n", [Target(user, name)])
+    await store._settle_events()
+    assert writes == [5]
     seen: set[tuple[str, str]] = set()
     deadline = time.monotonic() + 10
     while seen != set(watched) and time.monotonic() < deadline:
@@ -951,10 +961,31 @@ def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:
     assert [m.version for m in cassandra_schema.migrations()] == list(range(1, len(cassandra_schema.migrations()) + 1))
 
 
-async def test_schema_apply_alters_the_replication_to_the_settings(cassandra_settings) -> None:
-    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmalter_{uuid.uuid4().hex[:8]}")
+async def test_schema_apply_alters_the_replication_to_the_settings_and_sends_every_statement_to_one_node(
+    cassandra_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Changes made by one coordinator in order cannot conflict, so the nodes' agreement is
+    awaited at the end instead of after each of the dozens of statements (a second each on a
+    cluster): the session that makes them holds connections to one node only (the first contact
+    point that answers: one that does not is passed over)."""
+    from cassandra.cluster import Session
+
+    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmalter_{uuid.uuid4().hex[:8]}",
+                                   contact_points=["127.0.0.254", *cassandra_settings.contact_points],
+                                   connect_timeout=2.0)
+    nodes: list[tuple[object, ...]] = []
+    real_execute = Session.execute
+
+    def execute(self: Session, query: object, *args: object, **kwargs: object) -> object:
+        nodes.append(tuple(str(h.endpoint) for h in self.get_pool_state()))
+        return real_execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "execute", execute)
     try:
         assert any("created keyspace" in line for line in cassandra_schema.apply(settings))
+        assert len(nodes) > len(cassandra_schema.migrations())
+        assert set(nodes) == {(f"{cassandra_settings.contact_points[0]}:{cassandra_settings.port}",)}
+        monkeypatch.undo()
         changed = cassandra_schema.apply(dataclasses.replace(settings, replication_factor=2))
         assert any("altered keyspace" in line and "repair" in line for line in changed)
         assert cassandra_schema.apply(dataclasses.replace(settings, replication_factor=2)) == []
@@ -1199,11 +1230,19 @@ async def test_a_changes_token_is_none_while_an_older_write_could_still_land(mak
     [message_id] = await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user)])
     await store.assign_uids(user, "INBOX", [message_id])
     assert await store.changes_token(user, "INBOX") is None  # the last change is a moment old
+    # An IMAP refresh reads the token with HIGHESTMODSEQ, which it wants most while the token is
+    # young: one point read for both (the mailbox row is cached from the calls above).
+    highest = await store.highest_modseq(user, "INBOX")
+    assert highest > 1
+    with store.tracing() as young:
+        assert await store.changes_state(user, "INBOX") == (None, highest)
+    assert young.statements == 1
     settled = cassandra.CHANGES_SETTLE
     try:
         cassandra.CHANGES_SETTLE = -store.settings.request_timeout  # as if the window had passed
         token = await store.changes_token(user, "INBOX")
         assert token is not None and await store.changes_token(user, "INBOX") == token
+        assert await store.changes_state(user, "INBOX") == (token, highest)
     finally:
         cassandra.CHANGES_SETTLE = settled
 

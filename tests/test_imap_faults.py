@@ -61,6 +61,9 @@ class FaultyStore:
         """None: the listings this wrapper makes stale differ without any change to the store."""
         return None
 
+    async def changes_state(self, user: str, mailbox: str) -> tuple[None, None]:
+        return None, None
+
     async def list_messages(self, user: str, mailbox: str, page_size: int = 500) -> AsyncIterator[MessageSummary]:
         if self.stalled is not None:
             await self.stalled.wait()

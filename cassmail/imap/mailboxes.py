@@ -253,15 +253,16 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
     user = session.user
     assert user is not None
     store = session.store
-    token = await store.changes_token(user, name)
+    token, highest = await store.changes_state(user, name)
+    if highest is None and "HIGHESTMODSEQ" in items:
+        # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the counts (asked for only when wanted)
+        highest = await store.highest_modseq(user, name)
     known = session.listener.statuses.get((user, name))
     if (token is not None and known is not None and known[0] == token
             and ("RECENT" not in items or "RECENT" in known[1])):
         values = known[1]  # nothing changed since it was counted (and \Recent was, if asked)
     else:
         info = await store.mailbox_info(user, name)
-        # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the counts (asked for only when wanted)
-        highest = await store.highest_modseq(user, name) if "HIGHESTMODSEQ" in items else None
         counts = await store.mailbox_status(user, name, recent="RECENT" in items)
         values = {
             "MESSAGES": counts.messages,
@@ -280,7 +281,7 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
         if token is not None:
             session.listener.statuses.put((user, name), (token, values))
     if "HIGHESTMODSEQ" in items and "HIGHESTMODSEQ" not in values:  # counted for a STATUS without it
-        values["HIGHESTMODSEQ"] = await store.highest_modseq(user, name)
+        values = {**values, "HIGHESTMODSEQ": highest}
     limit = store.max_message_size
     line = " ".join(f"{item} {limit or 'NIL'}" if item == "APPENDLIMIT" else f"{item} {values[item]}"
                     for item in items).encode()

@@ -434,11 +434,11 @@ class MailboxView:
         Without `expunge` messages gone from the store stay in the view until a later refresh
         may announce them."""
         if listing is None:
-            token = await self.store.changes_token(self.user, self.name)
+            token, highest = await self.store.changes_state(self.user, self.name)
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
                 return Changes()  # nothing changed since the last listing: no need to read it
-            listing = await self._changes() if self.incremental else None
+            listing = await self._changes(highest) if self.incremental else None
             if listing is None:
                 listing = await read_listing(self.store, self.user, self.name, self.page_size,
                                              self.condstore or self.incremental)
@@ -507,17 +507,19 @@ class MailboxView:
         else:
             self.mark = None
 
-    async def _changes(self) -> Listing | None:
+    async def _changes(self, highest: int | None) -> Listing | None:
         """A listing of only what changed since the view's HIGHESTMODSEQ (Store.changes_since:
         the messages, and the UIDs expunged) and what arrived since its last listing
         (Store.arrivals): a few small reads instead of the whole mailbox. None when a full
-        listing is due: none yet, one older than `full_listing_period`, expunges the store forgot."""
+        listing is due: none yet, one older than `full_listing_period`, expunges the store forgot.
+        `highest`: the store's HIGHESTMODSEQ if it came with the changes token (else it is read)."""
         if self.mark is None or not self.highest:
             return None
         if time.monotonic() - self.full_at > full_listing_period(len(self.uids)) and not self.defer_full:
             return None
         store, user, name = self.store, self.user, self.name
-        highest = await store.highest_modseq(user, name)
+        if highest is None:
+            highest = await store.highest_modseq(user, name)
         vanished: set[int] = set()
         changed: list[MessageSummary] = []
         if highest > self.highest:

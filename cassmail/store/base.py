@@ -648,6 +648,12 @@ class Store(abc.ABC):
         listing; read it before the listing it goes with. Raises NoSuchMailbox."""
         return None
 
+    async def changes_state(self, user: str, mailbox: str) -> tuple[Hashable | None, int | None]:
+        """`changes_token` and, where the same read gives it, `highest_modseq` (else None): what
+        an IMAP refresh reads first, and from one request where the store keeps both together.
+        Raises NoSuchMailbox."""
+        return await self.changes_token(user, mailbox), None
+
     # ----------------------------------------------------------------- MODSEQs (RFC 7162)
     # Every change an IMAP client can see gets a MODSEQ from a per-mailbox counter that only
     # grows: a message's numbering (its first MODSEQ comes with its UID, also when renumbered),

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from cassandra import DriverException
 from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, DefaultConnection, ExecutionProfile, Session
-from cassandra.policies import DCAwareRoundRobinPolicy, TokenAwarePolicy
+from cassandra.policies import DCAwareRoundRobinPolicy, LoadBalancingPolicy, TokenAwarePolicy, WhiteListRoundRobinPolicy
 from cassandra.query import BatchStatement, BatchType
 
 from cassmail.config import CassandraSettings
@@ -177,9 +177,12 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     # ================================================================= connection
 
-    def _make_cluster(self) -> Cluster:
+    def _make_cluster(self, only: str | None = None) -> Cluster:
+        """The driver's cluster; with `only` (a contact point), one that connects to that node alone."""
         s = self.settings
-        lb = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=s.local_dc or None))
+        lb: LoadBalancingPolicy = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=s.local_dc or None))
+        if only is not None:
+            lb = WhiteListRoundRobinPolicy([only])
         profile = ExecutionProfile(
             load_balancing_policy=lb,
             request_timeout=s.request_timeout,
@@ -189,7 +192,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         )
         auth = PlainTextAuthProvider(s.username, s.password) if s.username else None
         return Cluster(
-            contact_points=s.contact_points,
+            contact_points=s.contact_points if only is None else [only],
             port=s.port,
             execution_profiles={EXEC_PROFILE_DEFAULT: profile},
             auth_provider=auth,
@@ -1064,14 +1067,19 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         can land after it (and after a listing) without changing the column, last-write-wins by
         timestamp keeping the newer value. Once no write that old can still arrive, an unchanged
         column means an unchanged mailbox."""
+        return (await self.changes_state(user, mailbox))[0]
+
+    async def changes_state(self, user: str, mailbox: str) -> tuple[Hashable | None, int | None]:
+        """The changes token and HIGHESTMODSEQ, both from the anchor row (one point read)."""
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         row = await self.tables.messages.changes_token(mailbox_id)
-        if row is None or row.changed is None:
-            return None
+        if row is None:
+            return None, 1
+        highest = row.highest_modseq or 1
         changed = row.changed
-        if time.time() - timeuuid_seconds(changed) < self.settings.request_timeout + CHANGES_SETTLE:
-            return None
-        return (mailbox_id, changed)
+        if changed is None or time.time() - timeuuid_seconds(changed) < self.settings.request_timeout + CHANGES_SETTLE:
+            return None, highest
+        return (mailbox_id, changed), highest
 
     async def assign_uids(
         self,

@@ -9,10 +9,11 @@ write failed) only delays the news to the IDLE sessions' slow fallback refresh. 
 poller reads the partitions of the last few seconds; an event stamped up to EVENT_WINDOW
 seconds before it lands (a slow write, clocks of two nodes apart) is still read.
 
-A worker has at most one event write in flight. Changes stored while it is out wait for it, and
-the next write carries all of them, in one batch on the partition of its second (up to
-EVENTS_PER_WRITE rows): under a stream of deliveries, one request for many messages instead of
-one each, and an event is held back no longer than one write takes.
+A worker has at most one event write in flight, and it begins EVENT_LINGER seconds after the
+first change it carries: changes stored meanwhile, or while a write is out, go in the next write,
+in one batch on the partition of its second (up to EVENTS_PER_WRITE rows). Under a stream of
+changes, one request for many of them instead of one each; an event is held back no longer than
+the linger and one write take, a small part of the pollers' period (imap.idle_poll).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds an event may land after the time it carries and still be read.
 EVENT_WINDOW = 2.0
+#: Seconds an event waits for more changes to go out with it (see the module's docstring).
+EVENT_LINGER = 0.05
 #: Seconds a watched mailbox's id is trusted before it is resolved again (renamed, recreated).
 #: Until then the events of a mailbox created again under a watched name are not matched to it;
 #: IMAP's look at each watched mailbox every `imap.idle_refresh` (its changes token, which names
@@ -73,6 +76,7 @@ class CassandraEvents(Store):
         """Write what is due, one write at a time, until nothing is."""
         due = self._events_due
         while due:
+            await asyncio.sleep(EVENT_LINGER)
             mailbox_ids = list(itertools.islice(due, EVENTS_PER_WRITE))
             for m in mailbox_ids:
                 del due[m]

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from cassandra.cluster import Cluster, Session
 
@@ -24,6 +25,10 @@ from cassmail.store.cassandra_cql import DRIVER_FAILURES, brief
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent.parent / "schema"
 _FILE = re.compile(r"(\d{3})_([a-z0-9_]+)\.cql\Z")
+#: Statements that change the schema (the rest read or write data, which waits for agreement).
+SCHEMA_VERBS = frozenset({"CREATE", "ALTER", "DROP"})
+#: Seconds `apply` waits for every node to have the schema before it goes on.
+AGREEMENT_WAIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -73,46 +78,80 @@ def _same_replication(current: dict[str, str], wanted: dict[str, str]) -> bool:
 
 
 def apply(settings: CassandraSettings, directory: Path = SCHEMA_DIR) -> list[str]:
-    """Create or update the keyspace and apply new migrations; returns what was done, line by line."""
+    """Create or update the keyspace and apply new migrations; returns what was done, line by line.
+
+    Every statement goes to one node (the first contact point that answers), one after the
+    other, and the nodes' agreement on the schema is awaited before the next statement that reads
+    or writes data, not after each change: on a cluster each wait is a round of schema pushes to
+    every node (about a second each, on a small machine), and changes made by one coordinator in
+    order cannot conflict. The driver waits for agreement as that node sees it, so until every
+    node has its schema. So a fresh keyspace waits twice: before `schema_migrations` is read, and
+    before the versions applied are recorded, all at the end (every statement is idempotent: a
+    run cut short before that applies them again)."""
     store = CassandraStore(settings)
-    cluster: Cluster = store._make_cluster()
+    cluster, session = _connect_one(store)
     done: list[str] = []
+    changed = False
+
+    def agree() -> None:
+        nonlocal changed
+        changed = False
+        if not cluster.control_connection.wait_for_schema_agreement(wait_time=AGREEMENT_WAIT):
+            done.append(f"warning: nodes did not agree on the schema within {AGREEMENT_WAIT:g} s")
+
+    def execute(statement: str, values: tuple[object, ...] | None = None) -> list[Any]:
+        nonlocal changed
+        schema = statement.split(None, 1)[0].upper() in SCHEMA_VERBS
+        if changed and not schema:
+            agree()
+        rows = list(session.execute(statement, values, timeout=120))
+        changed = changed or schema
+        return rows
+
     try:
-        try:
-            session: Session = cluster.connect()
-        except Exception as exc:  # the driver raises NoHostAvailable (a plain Exception) here
-            raise StoreUnavailable(f"cannot reach Cassandra at {store._where()}: {brief(exc)}") from exc
         ks = settings.keyspace
         wanted = replication_map(settings)
         current = _current(session, ks)
         if not current:
-            session.execute(f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {_cql_map(wanted)}")
+            execute(f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {_cql_map(wanted)}")
             done.append(f"created keyspace {ks} with {wanted}")
         elif not _same_replication(current, wanted):
-            session.execute(f"ALTER KEYSPACE {ks} WITH replication = {_cql_map(wanted)}")
+            execute(f"ALTER KEYSPACE {ks} WITH replication = {_cql_map(wanted)}")
             done.append(f"altered keyspace {ks} replication to {wanted}: run a full repair on every node")
         session.set_keyspace(ks)
-        session.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version int PRIMARY KEY, name text, applied_at timestamp)"
-        )
-        applied = {row.version for row in session.execute("SELECT version FROM schema_migrations")}
-        for migration in migrations(directory):
-            if migration.version in applied:
-                continue
+        execute("CREATE TABLE IF NOT EXISTS schema_migrations (version int PRIMARY KEY, name text, applied_at timestamp)")
+        applied = {row.version for row in execute("SELECT version FROM schema_migrations")}
+        new = [m for m in migrations(directory) if m.version not in applied]
+        for migration in new:
             for statement in migration.statements:
-                session.execute(statement, timeout=120)
-            session.execute(
+                execute(statement)
+        for migration in new:
+            execute(
                 "INSERT INTO schema_migrations (version, name, applied_at) VALUES (%s, %s, %s)",
                 (migration.version, migration.name, datetime.now(timezone.utc)),
             )
             done.append(f"applied schema {migration.version:03d}_{migration.name}")
-        if not cluster.control_connection.wait_for_schema_agreement(wait_time=60):
-            done.append("warning: nodes did not agree on the schema within 60 s")
+        if changed:
+            agree()
         return done
     except DRIVER_FAILURES as exc:  # e.g. the node died mid-way: NoHostAvailable is no DriverException
         raise StoreUnavailable(f"schema apply failed: {brief(exc)}") from exc
     finally:
         cluster.shutdown()
+
+
+def _connect_one(store: CassandraStore) -> tuple[Cluster, Session]:
+    """A session whose requests all go to one node, the first contact point that answers."""
+    failures = []
+    for address in store.settings.contact_points:
+        cluster = store._make_cluster(only=address)
+        cluster.max_schema_agreement_wait = 0  # (awaited where `apply` says)
+        try:
+            return cluster, cluster.connect()
+        except Exception as exc:  # the driver raises NoHostAvailable (a plain Exception) here
+            cluster.shutdown()
+            failures.append(brief(exc))
+    raise StoreUnavailable(f"cannot reach Cassandra at {store._where()}: {'; '.join(failures)}")
 
 
 def _current(session: Session, keyspace: str) -> dict[str, str]:

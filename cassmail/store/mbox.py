@@ -851,6 +851,9 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def highest_modseq(self, user: str, mailbox: str) -> int:
         return await self._reading(user, mailbox, lambda mf: mf.highest_modseq())
 
+    async def changes_state(self, user: str, mailbox: str) -> tuple[Hashable | None, int | None]:
+        return await self._reading(user, mailbox, lambda mf: (mf.changes_token(), mf.highest_modseq()))
+
     async def changed_since(self, user: str, mailbox: str, modseq: int) -> list[MessageSummary]:
         return await self._reading(user, mailbox, lambda mf: mf.changed_since(modseq))
 

@@ -941,6 +941,10 @@ async def test_a_changes_token_changes_with_every_change_and_only_then(store: St
         token = await store.changes_token(user, "Junk")
         assert token not in seen, "a change left the token as it was"
         assert await store.changes_token(user, "Junk") == token
+        # changes_state: the same token, and HIGHESTMODSEQ where the same read gives it
+        state_token, highest = await store.changes_state(user, "Junk")
+        assert state_token == token
+        assert highest in (None, await store.highest_modseq(user, "Junk"))
         seen.append(token)
 
     [message_id] = await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user, "Junk")])
@@ -955,6 +959,8 @@ async def test_a_changes_token_changes_with_every_change_and_only_then(store: St
     await changed()
     with pytest.raises(NoSuchMailbox):
         await store.changes_token(user, "Nowhere")
+    with pytest.raises(NoSuchMailbox):
+        await store.changes_state(user, "Nowhere")
 
 
 # ----------------------------------------------------------------------------- storage quotas
