@@ -755,6 +755,39 @@ async def test_two_nodes_claiming_recent_at_once_give_each_uid_to_one_session(ma
     assert await node_b.recent_mark(user, INBOX) == 50
 
 
+async def test_a_change_decides_on_a_plain_read_and_one_overtaken_meanwhile_is_retried_after_a_serial_read(
+    make_store
+) -> None:
+    """Where reads see every acknowledged write (here RF=1, ONE), a flag change reads the rows at
+    the read level, with no Paxos round of its own; a change another node made between that read
+    and the batch moved the counters, so the batch does not apply and the change is decided again
+    on a SERIAL read. Neither change is lost."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    ids = [(await store.deliver(b"Subject: %d\r\n\r\nx\r\n" % n, [Target(user)]))[0] for n in range(2)]
+    await store.assign_uids(user, INBOX, ids)
+    assert store._reads_see_writes()
+    reads: list[bool] = []
+    real = store.tables.messages.state
+
+    async def state(mailbox_id: uuid.UUID, wanted: list[uuid.UUID], serial: bool = True) -> list[object]:
+        reads.append(serial)
+        rows = await real(mailbox_id, wanted, serial)
+        if len(reads) == 1:  # another node changes the mailbox between this read and the batch
+            await other.store_flags(user, INBOX, [ids[1]], ["\\Flagged"], "add")
+        return rows
+
+    store.tables.messages.state = state  # type: ignore[method-assign]
+    await store.store_flags(user, INBOX, [ids[0]], ["\\Seen"], "add")
+    assert reads == [False, True]
+    flags = {s.id: s.flags async for s in other.list_messages(user, INBOX)}
+    assert flags == {ids[0]: {"\\Seen"}, ids[1]: {"\\Flagged"}}
+    reads.clear()
+    await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add")  # nobody in the way: one plain read
+    assert reads == [False]
+    assert {s.id: s.flags async for s in other.list_messages(user, INBOX)}[ids[1]] == {"\\Seen", "\\Flagged"}
+
+
 async def test_reading_the_recent_mark_or_a_covered_claim_is_two_reads_and_no_paxos_write(make_store) -> None:
     store = await make_store(mailbox_cache=0)
     user = await new_user(store)

@@ -922,7 +922,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         uids: Callable[[list[Any]], int] | None = None,
     ) -> bool:
         """Apply a change to messages of one mailbox in one conditional batch: `plan` gets the
-        rows of `ids` read at SERIAL (with the counters, static columns on every row) and the
+        rows of `ids` as read (with the counters, static columns on every row) and the
         MODSEQ this change gets, and returns its statements; `uids` (numbering) returns how many
         UIDs it hands out. The batch applies only if both counters are still as read, and it
         moves the MODSEQ counter (also for a change to unnumbered messages only, which needs no
@@ -930,10 +930,19 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         no change is lost to another and no MODSEQ or UID is handed out twice. Retried on
         contention. False when there was nothing to do."""
         messages = self.tables.messages
+        # Where reads see every acknowledged write, the first try decides on a read at the read
+        # level, without a Paxos round of its own: a change that overtook it, or one still in a
+        # Paxos round (which the batch's own round finishes first), moved a counter, so the batch
+        # does not apply and the next try reads at SERIAL.
+        serial = not self._reads_see_writes()
         for attempt in range(LWT_ATTEMPTS):
             if attempt:
                 await _backoff(attempt)
-            rows = await self._state(mailbox_id, ids)
+                serial = True
+            rows = await self._state(mailbox_id, ids, serial)
+            if not rows and not serial:  # none there: as SERIAL says, a Paxos round finished first
+                serial = True
+                rows = await self._state(mailbox_id, ids, serial)
             if not rows:
                 return False
             read = rows[0]
@@ -958,19 +967,19 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 return True
         raise StoreUnavailable("could not change messages: too much contention")
 
-    async def _state(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID]) -> list[Any]:
-        """The SERIAL read of `_change`. Many ids (numbering a run of new mail, a change to a
+    async def _state(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], serial: bool = True) -> list[Any]:
+        """The read of `_change` (at SERIAL, or at the read level: see there). Many ids (numbering a run of new mail, a change to a
         whole mailbox) are read as the slice from the first one's tick to the last one's, when
         that slice holds few other rows: Cassandra answers a slice of a thousand rows in two
         thirds of the time of an IN of a thousand keys."""
         messages = self.tables.messages
         if len(ids) < STATE_SLICE_MIN:
-            return await messages.state(mailbox_id, ids)
+            return await messages.state(mailbox_id, ids, serial)
         ticks = [message_id.time for message_id in ids]
         limit = 2 * len(ids)
-        rows = await messages.state_slice(mailbox_id, min(ticks), max(ticks), limit)
+        rows = await messages.state_slice(mailbox_id, min(ticks), max(ticks), limit, serial)
         if len(rows) >= limit:  # the ids are spread among many others: read them by key
-            return await messages.state(mailbox_id, ids)
+            return await messages.state(mailbox_id, ids, serial)
         wanted = set(ids)
         return [row for row in rows if row.id in wanted]
 

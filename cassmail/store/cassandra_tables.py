@@ -484,17 +484,24 @@ class Messages(Table):
         first written."""
         return _first(await self._run("changes_token", mailbox_id, ANCHOR))
 
-    async def state(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+    async def state(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID], serial: bool = True) -> list[Any]:
         """The rows of these ids with the counters and trim state (static columns, on every row),
-        at SERIAL: what a conditional batch decides on. No rows when none of the ids is there."""
-        return await self._run("state", mailbox_id, ids)
+        at SERIAL (or at the read level): what a conditional batch decides on. No rows when none
+        of the ids is there."""
+        return await self.cql.run(self._at(self.bind("state", mailbox_id, ids), serial))
 
-    async def state_slice(self, mailbox_id: uuid.UUID, first: int, last: int, limit: int) -> list[Any]:
+    async def state_slice(self, mailbox_id: uuid.UUID, first: int, last: int, limit: int,
+                          serial: bool = True) -> list[Any]:
         """As `state`, for the rows whose ids' times (100 ns ticks) are `first` to `last`, at most
         `limit`: from the smallest timeuuid of `first` in Cassandra's order (which takes the
         bytes after the time as signed) to the smallest of the tick after `last`."""
         low, high = _timeuuid(first, 0x8080, 0x808080808080), _timeuuid(last + 1, 0x8080, 0x808080808080)
-        return await self._run("state_slice", mailbox_id, low, high, limit)
+        return await self.cql.run(self._at(self.bind("state_slice", mailbox_id, low, high, limit), serial))
+
+    def _at(self, statement: BoundStatement, serial: bool) -> BoundStatement:
+        if not serial:
+            statement.consistency_level = self.cql.read_cl
+        return statement
 
     def advance_statement(
         self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None, was: tuple[int | None, int | None]
