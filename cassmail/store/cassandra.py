@@ -968,10 +968,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         raise StoreUnavailable("could not change messages: too much contention")
 
     async def _state(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], serial: bool = True) -> list[Any]:
-        """The read of `_change` (at SERIAL, or at the read level: see there). Many ids (numbering a run of new mail, a change to a
-        whole mailbox) are read as the slice from the first one's tick to the last one's, when
-        that slice holds few other rows: Cassandra answers a slice of a thousand rows in two
-        thirds of the time of an IN of a thousand keys."""
+        """The read of `_change` (at SERIAL, or at the read level: see there). Many ids
+        (numbering a run of new mail, a change to a whole mailbox) are read as the slice from the
+        first one's tick to the last one's, when that slice holds few other rows: Cassandra
+        answers a slice of a thousand rows in two thirds of the time of an IN of a thousand keys."""
         messages = self.tables.messages
         if len(ids) < STATE_SLICE_MIN:
             return await messages.state(mailbox_id, ids, serial)
