@@ -1270,14 +1270,65 @@ async def test_a_changes_token_is_none_while_an_older_write_could_still_land(mak
     with store.tracing() as young:
         assert await store.changes_state(user, "INBOX") == (None, highest)
     assert young.statements == 1
+    # While the token is young the refresh reads the arrivals anyway: with the token, in the
+    # same read (the slice ends at the anchor row; the token is in static columns).
+    mark = store.arrivals_mark([s async for s in store.list_messages(user, "INBOX")])
+    [arrived] = await store.deliver(b"Subject: a\r\n\r\nx\r\n", [Target(user)])
+    with store.tracing() as together:
+        found, _, token, state_highest = await store.arrivals_state(user, "INBOX", mark)
+    assert together.statements == 1
+    assert arrived in {s.id for s in found} and (token, state_highest) == (None, highest)
     settled = cassandra.CHANGES_SETTLE
     try:
         cassandra.CHANGES_SETTLE = -store.settings.request_timeout  # as if the window had passed
         token = await store.changes_token(user, "INBOX")
         assert token is not None and await store.changes_token(user, "INBOX") == token
         assert await store.changes_state(user, "INBOX") == (token, highest)
+        assert (await store.arrivals_state(user, "INBOX", mark))[2:] == (token, highest)
     finally:
         cassandra.CHANGES_SETTLE = settled
+
+
+async def test_arrivals_of_more_than_a_page_come_whole_with_no_token(make_store, monkeypatch) -> None:
+    """Past a page the anchor row is not in the first read: every arrival is still read, and the
+    token is None (the view then reads what changed, as for a young one)."""
+    from cassmail.store import cassandra
+
+    monkeypatch.setattr(cassandra, "ARRIVALS_PAGE", 3)
+    store = await make_store()
+    monkeypatch.setattr(cassandra, "CHANGES_SETTLE", -store.settings.request_timeout)  # tokens trusted at once
+    domain = f"c{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    user = f"page@{domain}"
+    await store.create_user(user, "$scrypt$x")
+    await store.assign_uids(user, "INBOX", await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user)]))
+    mark = store.arrivals_mark([s async for s in store.list_messages(user, "INBOX")])
+    assert (await store.arrivals_state(user, "INBOX", mark))[2] is not None  # one page: the token
+    ids = [(await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user)]))[0] for _ in range(3)]
+    found, _, token, highest = await store.arrivals_state(user, "INBOX", mark)
+    assert set(ids) <= {s.id for s in found} and token is None
+    assert highest == await store.highest_modseq(user, "INBOX")
+
+
+async def test_an_imap_refresh_after_a_young_token_reads_the_arrivals_and_the_token_at_once(make_store) -> None:
+    """A refresh right after a change (the token then young, so untrusted) is one request when
+    nothing changed since: the arrivals with the token, not the token and then the arrivals."""
+    from cassmail.imap.view import MailboxView
+
+    store = await make_store()
+    domain = f"c{uuid.uuid4().hex[:10]}.example"
+    await store.add_domain(domain)
+    user = f"view@{domain}"
+    await store.create_user(user, "$scrypt$x")
+    await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user)])
+    view = MailboxView(store, user, "INBOX", 1, False, 500)
+    changes = await view.refresh(True)  # the first: a full listing, which numbers the message
+    assert changes.exists == 1 and view.token is None
+    with store.tracing() as again:
+        assert not (await view.refresh(True)).exists
+    assert again.statements == 1
+    [new] = await store.deliver(b"Subject: n\r\n\r\nx\r\n", [Target(user)])
+    assert (await view.refresh(True)).exists == 2 and view.messages[view.uids[-1]].id == new
 
 
 async def test_a_keyspace_from_before_modseqs_is_upgraded_and_its_numbered_mail_has_modseq_1(

@@ -374,10 +374,10 @@ def experiment(cluster: Cluster, remote_mx: RemoteMx, tmp_path_factory: pytest.T
     run(_prepare(cluster.store_settings(), load_users + all_users + [out_user], 0))
     run(_prepare(cluster.store_settings(), read_users, 2))
     # The matrix: a keyspace per RF (the cluster's own is RF=2), a front end per (RF, CL).
-    keyspaces = {2: cluster.store_settings().keyspace}
-    for rf in (1, 3):
-        keyspaces[rf] = f"matrix_rf{rf}"
-        cassandra_schema.apply(cluster.store_settings(keyspace=keyspaces[rf], replication_factor=rf))
+    keyspaces = {2: cluster.store_settings().keyspace, 1: "matrix_rf1", 3: "matrix_rf3"}
+    with ThreadPoolExecutor(2) as pool:  # (each apply waits on its node more than it works)
+        list(pool.map(lambda rf: cassandra_schema.apply(cluster.store_settings(keyspace=keyspaces[rf],
+                                                                               replication_factor=rf)), (1, 3)))
     matrix_users = _users("m")
     for rf, keyspace in keyspaces.items():
         run(_prepare(cluster.store_settings(keyspace=keyspace, replication_factor=rf, write_consistency="ALL"),

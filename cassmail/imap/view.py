@@ -434,11 +434,18 @@ class MailboxView:
         Without `expunge` messages gone from the store stay in the view until a later refresh
         may announce them."""
         if listing is None:
-            token, highest = await self.store.changes_state(self.user, self.name)
+            arrived: tuple[list[MessageSummary], Hashable] | None = None
+            if self.token is None and self._incremental_due():
+                # The last token was too young to trust (a change moments before), as it will
+                # most likely be again: the arrivals, read anyway then, with the token.
+                found, mark, token, highest = await self.store.arrivals_state(self.user, self.name, self.mark)
+                arrived = found, mark
+            else:
+                token, highest = await self.store.changes_state(self.user, self.name)
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
                 return Changes()  # nothing changed since the last listing: no need to read it
-            listing = await self._changes(highest) if self.incremental else None
+            listing = await self._changes(highest, arrived) if self._incremental_due() else None
             if listing is None:
                 listing = await read_listing(self.store, self.user, self.name, self.page_size,
                                              self.condstore or self.incremental)
@@ -507,16 +514,21 @@ class MailboxView:
         else:
             self.mark = None
 
-    async def _changes(self, highest: int | None) -> Listing | None:
+    def _incremental_due(self) -> bool:
+        """Whether the next refresh may read only the changes (`_changes`), not a full listing:
+        the store lists arrivals, the view was listed in full once, not too long ago."""
+        if not self.incremental or self.mark is None or not self.highest:
+            return False
+        return time.monotonic() - self.full_at <= full_listing_period(len(self.uids)) or self.defer_full
+
+    async def _changes(self, highest: int | None,
+                       arrived: tuple[list[MessageSummary], Hashable] | None = None) -> Listing | None:
         """A listing of only what changed since the view's HIGHESTMODSEQ (Store.changes_since:
         the messages, and the UIDs expunged) and what arrived since its last listing
         (Store.arrivals): a few small reads instead of the whole mailbox. None when a full
-        listing is due: none yet, one older than `full_listing_period`, expunges the store forgot.
-        `highest`: the store's HIGHESTMODSEQ if it came with the changes token (else it is read)."""
-        if self.mark is None or not self.highest:
-            return None
-        if time.monotonic() - self.full_at > full_listing_period(len(self.uids)) and not self.defer_full:
-            return None
+        listing is due after all: expunges the store forgot. `highest`: the store's
+        HIGHESTMODSEQ if it came with the changes token (else it is read); `arrived`: the
+        arrivals and their next mark if they came with it too."""
         store, user, name = self.store, self.user, self.name
         if highest is None:
             highest = await store.highest_modseq(user, name)
@@ -527,9 +539,9 @@ class MailboxView:
             if gone is None:
                 return None
             vanished = set(gone)
-        arrived, mark = await store.arrivals(user, name, self.mark)
+        found, mark = arrived if arrived is not None else await store.arrivals(user, name, self.mark)
         latest: dict[uuid.UUID, MessageSummary] = {}
-        for s in [*changed, *arrived]:
+        for s in [*changed, *found]:
             known = latest.get(s.id)
             if known is None or s.uid != known.uid or (s.modseq or 0) >= (known.modseq or 0):
                 latest[s.id] = s

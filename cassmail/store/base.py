@@ -707,6 +707,17 @@ class Store(abc.ABC):
         Raises NoSuchMailbox."""
         return [s async for s in self.list_messages(user, mailbox)], mark
 
+    async def arrivals_state(
+        self, user: str, mailbox: str, mark: Hashable
+    ) -> tuple[list[MessageSummary], Hashable, Hashable | None, int | None]:
+        """`arrivals` with `changes_state` as read with them or before them: (arrived, the next
+        mark, token, HIGHESTMODSEQ or None). What an IMAP refresh reads when the token it last
+        saw could not be trusted yet, so that it will most likely read the arrivals anyway: one
+        request where the store keeps both in one place. Raises NoSuchMailbox."""
+        token, highest = await self.changes_state(user, mailbox)
+        arrived, mark = await self.arrivals(user, mailbox, mark)
+        return arrived, mark, token, highest
+
     # ----------------------------------------------------------------- view snapshots (IMAP SELECT)
     # A session that closes its view of a large mailbox may leave the view's state here (bytes
     # only the IMAP server reads: cassmail.imap.snapshots), so that a SELECT of the mailbox on

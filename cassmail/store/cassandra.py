@@ -96,6 +96,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds two nodes' clocks may be apart, for `arrivals` (beyond the request timeout).
 ARRIVAL_SKEW = 3.0
+#: Rows of one read of the arrivals.
+ARRIVALS_PAGE = 500
 #: Rows (mailbox and account rows) a store keeps for reuse at most (then it starts afresh).
 MAILBOX_CACHE_ROWS = 10_000
 #: A read of at most this many chunks is one request (more are read one by one, read ahead
@@ -1081,11 +1083,14 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def changes_state(self, user: str, mailbox: str) -> tuple[Hashable | None, int | None]:
         """The changes token and HIGHESTMODSEQ, both from the anchor row (one point read)."""
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
-        row = await self.tables.messages.changes_token(mailbox_id)
-        if row is None:
+        return self._changes_state(mailbox_id, await self.tables.messages.changes_token(mailbox_id))
+
+    def _changes_state(self, mailbox_id: uuid.UUID, anchor: Any) -> tuple[Hashable | None, int]:
+        """The changes token and HIGHESTMODSEQ from the anchor row as read (None: not there)."""
+        if anchor is None:
             return None, 1
-        highest = row.highest_modseq or 1
-        changed = row.changed
+        highest = anchor.highest_modseq or 1
+        changed = anchor.changed
         if changed is None or time.time() - timeuuid_seconds(changed) < self.settings.request_timeout + CHANGES_SETTLE:
             return None, highest
         return (mailbox_id, changed), highest
@@ -1273,13 +1278,34 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         """The rows of ids stamped since `mark` less the arrival window: a row lands at most one
         write (the request timeout) after its id's time, plus the clocks of two nodes apart; a
         row later than that is seen by the next full listing (see MailboxView)."""
-        assert isinstance(mark, int)
-        key, name = address_key(user), mailbox_name(mailbox)
-        mailbox_id = (await self._resolve(key, name, cached=True)).mailbox_id
-        window = int((self.settings.request_timeout + CHANGES_SETTLE + ARRIVAL_SKEW) * 10_000_000)
-        started = _now_100ns()  # (a row stamped a window before this has landed: see arrivals_mark)
-        found = [s async for s in self._after(mailbox_id, _floor_uuid(mark - window), 500)]
+        mailbox_id, after, started = await self._arrivals_from(user, mailbox, mark)
+        found = [s async for s in self._after(mailbox_id, after, ARRIVALS_PAGE)]
         return found, max([mark, started, *(s.id.time for s in found)])
+
+    async def arrivals_state(
+        self, user: str, mailbox: str, mark: Hashable
+    ) -> tuple[list[MessageSummary], Hashable, Hashable | None, int | None]:
+        """One read while fewer than a page arrived: the slice of the arrivals ends at the anchor
+        row (the largest id), and the token and HIGHESTMODSEQ are static columns, on its every
+        row. Past a page, the rest is read as `arrivals` reads it, and the token is None."""
+        mailbox_id, after, started = await self._arrivals_from(user, mailbox, mark)
+        rows = await self.tables.messages.arrivals(mailbox_id, after, ARRIVALS_PAGE)
+        self._bodies.note(mailbox_id, rows)
+        found = _live(rows)
+        cursor = _cursor(rows, ARRIVALS_PAGE)
+        token, highest = self._changes_state(mailbox_id, rows[-1] if rows and rows[-1].id == ANCHOR else None)
+        if cursor is not None:
+            token, highest = None, rows[0].highest_modseq or 1
+            found += [s async for s in self._after(mailbox_id, cursor, ARRIVALS_PAGE)]
+        return found, max([mark, started, *(s.id.time for s in found)]), token, highest
+
+    async def _arrivals_from(self, user: str, mailbox: str, mark: Hashable) -> tuple[uuid.UUID, uuid.UUID, int]:
+        """The mailbox's id, the id after which arrivals since `mark` are read, and now (in
+        100 ns ticks: a row stamped a window before it has landed, see `arrivals_mark`)."""
+        assert isinstance(mark, int)
+        mailbox_id = (await self._resolve(address_key(user), mailbox_name(mailbox), cached=True)).mailbox_id
+        window = int((self.settings.request_timeout + CHANGES_SETTLE + ARRIVAL_SKEW) * 10_000_000)
+        return mailbox_id, _floor_uuid(mark - window), _now_100ns()
 
     # ================================================================= IMAP \Recent
 

@@ -344,6 +344,9 @@ class Messages(Table):
         ),
         "page": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size FROM messages "
                           "WHERE mailbox_id = ? AND id > ? LIMIT ?"),
+        # (the changes token and HIGHESTMODSEQ are static: on every row, the anchor's too)
+        "arrivals": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size, changed, highest_modseq "
+                              "FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
         "anchor": (
             SERIAL_READ,
             "SELECT uidnext, recent_mark, uid, highest_modseq, vanished_floor FROM messages WHERE mailbox_id = ? AND id = ?",
@@ -438,6 +441,11 @@ class Messages(Table):
         their bodies are: body_key (body_id's 16 bytes, left undecoded: most are never read)
         and chunk_size."""
         return await self._run("page", mailbox_id, after or FIRST_REAL, limit)
+
+    async def arrivals(self, mailbox_id: uuid.UUID, after: uuid.UUID, limit: int) -> list[Any]:
+        """`page` with the changes token and HIGHESTMODSEQ on each row (static columns): the rows
+        after `after` up to the anchor, which is the last row of every partition."""
+        return await self._run("arrivals", mailbox_id, after, limit)
 
     async def anchor(self, mailbox_id: uuid.UUID) -> Any:
         """The anchor row (uidnext, recent_mark) at SERIAL; None before it was first written."""

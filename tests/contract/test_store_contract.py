@@ -721,8 +721,12 @@ async def test_arrivals_give_every_message_delivered_since_the_mark_numbered_mea
     assert {s.id for s in found} >= {*first, *second}
     third = await store.deliver(MESSAGE, [Target(user)])
     await store.assign_uids(user, INBOX, [*second, *third])
-    found, mark = await store.arrivals(user, INBOX, mark)
+    found, _ = await store.arrivals(user, INBOX, mark)
     assert third[0] in {s.id for s in found}
+    # arrivals_state: the same, with the changes token and HIGHESTMODSEQ read with them
+    found, _, token, highest = await store.arrivals_state(user, INBOX, mark)
+    assert third[0] in {s.id for s in found}
+    assert (token, highest) == await store.changes_state(user, INBOX)
 
 
 async def test_unchanged_since_leaves_messages_changed_after_it_alone(store: Store, user: str) -> None:
@@ -936,6 +940,7 @@ async def test_a_changes_token_changes_with_every_change_and_only_then(store: St
         return
     assert await store.changes_token(user, "Junk") == first
     seen = [first]
+    mark = store.arrivals_mark(await listing(store, user, "Junk"))
 
     async def changed() -> None:
         token = await store.changes_token(user, "Junk")
@@ -945,6 +950,10 @@ async def test_a_changes_token_changes_with_every_change_and_only_then(store: St
         state_token, highest = await store.changes_state(user, "Junk")
         assert state_token == token
         assert highest in (None, await store.highest_modseq(user, "Junk"))
+        if mark is not None:  # and arrivals_state, with the arrivals
+            arrived, _, state_token, highest = await store.arrivals_state(user, "Junk", mark)
+            assert state_token == token and highest in (None, await store.highest_modseq(user, "Junk"))
+            assert {s.id for s in arrived} <= {s.id for s in await listing(store, user, "Junk")}
         seen.append(token)
 
     [message_id] = await store.deliver(b"Subject: t\r\n\r\nx\r\n", [Target(user, "Junk")])
