@@ -4,12 +4,15 @@ Changes made elsewhere are pushed, not polled per session: one `Poller` per list
 asks the store every `idle_poll` seconds which of the mailboxes its IDLE sessions watch have
 changed (`Store.changed_mailboxes`: on Cassandra a read of the last seconds' change events, on
 mbox an inotify read), however many sessions and mailboxes there are. Only a mailbox reported
-changed is listed, once, by its `Watcher`, and the listing handed to every IDLE session on it.
-A newly watched mailbox is listed at the first poll, unless its changes token is still the
+changed is looked at, once, by its `Watcher`, which tells every IDLE session on it: where the
+store lists new arrivals cheaply (Cassandra, mbox) each session then reads what changed since
+its own view (`MailboxView.refresh`: a request or two, whatever the mailbox's size); elsewhere
+(WheelFS) the watcher reads the listing once and hands it to them all.
+A newly watched mailbox is looked at at the first poll, unless its changes token is still the
 one its first session's view was last brought up to date with (an IDLE that starts a watcher
 first brings its view up to date, so usually it is). Every `idle_refresh` seconds each watched
 one is looked at again, in case a change's event was lost: its `changes_token` first, and the
-listing only when that differs from the token read before the last listing.
+sessions are told only when that differs from the token read before the last look.
 """
 
 from __future__ import annotations
@@ -162,16 +165,20 @@ class Poller:
 
 
 class Watcher:
-    """What IDLE sessions on one mailbox in one worker share: the listing read when the poller
-    reports the mailbox changed (one at a time; a report during a read asks for one more)."""
+    """What IDLE sessions on one mailbox in one worker share: the look when the poller reports
+    the mailbox changed (one at a time; a report during a look asks for one more), and what it
+    hands them: the listing it read, or None where each session reads what changed itself."""
 
     def __init__(self, listener: Listener, key: tuple[str, str]) -> None:
         self.listener, self.key = listener, key
         self.users = 0
         self.listed_at: float | None = None
-        #: The mailbox's changes token read just before the last listing (None: not known).
+        #: The mailbox's changes token read just before the last look (None: not known).
         self.token: Hashable | None = None
-        self._next: asyncio.Future[Listing] = asyncio.get_running_loop().create_future()
+        #: Whether the watcher reads the listing for its sessions (the store has no cheap way
+        #: to find what arrived, see Store.arrivals_mark), else each reads what changed itself.
+        self.lists = listener.store.arrivals_mark(()) is None
+        self._next: asyncio.Future[Listing | None] = asyncio.get_running_loop().create_future()
         self._reading: asyncio.Task[None] | None = None
         self._again = False
 
@@ -202,7 +209,8 @@ class Watcher:
                 continue
             try:
                 # with the HIGHESTMODSEQ, for the sessions that have CONDSTORE on
-                listing = await read_listing(store, self.key[0], self.key[1], settings.page_size, highest=True)
+                listing = (await read_listing(store, self.key[0], self.key[1], settings.page_size, highest=True)
+                           if self.lists else None)
             except StoreError as exc:
                 log.warning(kv("imap-idle", user=self.key[0], mailbox=self.key[1], error=exc))
                 self.token = None  # not taken in: the next look lists whatever the token says
@@ -212,8 +220,9 @@ class Watcher:
             if not self._again:
                 return
 
-    async def next(self) -> Listing:
-        """The next listing (when the mailbox changes)."""
+    async def next(self) -> Listing | None:
+        """What the next look hands out (when the mailbox changes): the listing, or None (each
+        session reads what changed itself)."""
         return await asyncio.shield(self._next)
 
     def release(self) -> None:
