@@ -14,7 +14,9 @@ entries delivered before nor earlier minutes. New rows arrive at the current tim
 that position; a row that turns up late behind it (a slow replica at consistency ONE,
 a node with a slow clock) is found by the sweep: every `SWEEP_SECONDS` the reader
 starts again from the shard's durable low mark (`queue_shards`), which moves only past
-minutes older than the tombstone grace that read empty. An entry is taken with one
+minutes older than the tombstone grace that read empty. While every shard's position is in
+the current minute or the one before, all sixteen are read in one request (`_read_ahead`):
+an idle worker's look is one request. An entry is taken with one
 lightweight transaction on its lease (`IF lease_until < now AND held = false`); then its
 due row moves to the lease's end, so if the worker dies the entry is due again when
 the lease runs out, on any node.
@@ -110,6 +112,15 @@ def _entry(rows: Sequence[Any]) -> QueueEntry | None:
         last_error=head.last_error or "", lease_owner=head.lease_owner or "", lease_until=_secs(head.lease_until),
         smtputf8=bool(head.smtputf8),
     )
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """Rows of `queue_due` read for every shard at once (see `_read_ahead`): the minutes read,
+    and the rows found by (shard, minute)."""
+
+    buckets: set[int]
+    rows: dict[tuple[int, int], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -225,7 +236,8 @@ class CassandraQueue(Store):
         # At least a few rows a shard: a page of one row that is stale would be read again and
         # again (a page's last row is where the next one starts, as rows may share a due time).
         page = max(limit, MIN_PAGE)
-        scans = await asyncio.gather(*(self._scan(shard, now, page) for shard in range(SHARDS)))
+        ahead = await self._read_ahead(now, page)
+        scans = await asyncio.gather(*(self._scan(shard, now, page, ahead) for shard in range(SHARDS)))
         candidates = [(shard, row) for shard, (_, rows) in enumerate(scans) for row in rows]
         random.shuffle(candidates)  # workers of every node start at different entries
         seen: set[uuid.UUID] = set()
@@ -267,10 +279,26 @@ class CassandraQueue(Store):
             raise failure
         return bool(candidates), taken
 
-    async def _scan(self, shard: int, now: float, limit: int) -> tuple[int, list[Any]]:
+    async def _read_ahead(self, now: float, limit: int) -> _Ahead | None:
+        """While every shard's position is in the current minute or the one before (a reader
+        that keeps up), the rows `_scan` will want of every shard, in one request: from the
+        lowest position to now, `limit` a partition. None otherwise (a reader catching up after
+        its sweep reads shard by shard)."""
+        buckets = {bucket for bucket, _ in self._cursor.values()}
+        current = _bucket(now)
+        if len(buckets) != 1 or not 0 <= current - min(buckets) <= 1:
+            return None
+        spanned = list(range(min(buckets), current + 1))
+        start = min(position for _, position in self._cursor.values())
+        rows = await self.tables.queue_due.pages(range(SHARDS), spanned, _ts(start), _ts(now), limit)
+        return _Ahead(set(spanned), rows)
+
+    async def _scan(self, shard: int, now: float, limit: int, ahead: _Ahead | None = None) -> tuple[int, list[Any]]:
         """The due rows of one shard from this reader's position (and the minute they are in);
         minutes left behind read empty are never read again by this reader until its sweep,
-        nor by anyone once they are older than the tombstone grace."""
+        nor by anyone once they are older than the tombstone grace. A minute `ahead` holds is
+        not read again unless its page there was full (rows from below this shard's position
+        may be in it: rows there are dead, or late, which only finds them sooner)."""
         bucket, position = self._cursor[shard]
         settled = now - SETTLE_SECONDS
         grace = now - self.settings.tombstone_grace
@@ -278,7 +306,9 @@ class CassandraQueue(Store):
         for _ in range(BUCKETS_PER_TAKE):
             if bucket > _bucket(now):
                 break
-            rows = await self.tables.queue_due.page(shard, bucket, _ts(position), _ts(now), limit)
+            rows = ahead.rows.get((shard, bucket), []) if ahead is not None and bucket in ahead.buckets else None
+            if rows is None or len(rows) >= limit:
+                rows = await self.tables.queue_due.page(shard, bucket, _ts(position), _ts(now), limit)
             if rows:
                 return bucket, rows
             end = (bucket + 1) * BUCKET_SECONDS

@@ -784,6 +784,11 @@ class QueueDue(Table):
             READ,
             "SELECT due, id FROM queue_due WHERE shard = ? AND bucket = ? AND due >= ? AND due <= ? LIMIT ?",
         ),
+        "pages": (
+            READ,
+            "SELECT shard, bucket, due, id FROM queue_due WHERE shard IN ? AND bucket IN ? AND due >= ? AND due <= ? "
+            "PER PARTITION LIMIT ?",
+        ),
     }
 
     async def insert(self, shard: int, bucket: int, due: datetime, entry_id: uuid.UUID) -> None:
@@ -798,6 +803,14 @@ class QueueDue(Table):
     async def page(self, shard: int, bucket: int, start: datetime, end: datetime, limit: int) -> list[Any]:
         """Rows (due, id) of one partition due from `start` to `end`."""
         return await self._run("page", shard, bucket, start, end, limit)
+
+    async def pages(self, shards: Sequence[int], buckets: Sequence[int], start: datetime, end: datetime,
+                    limit: int) -> dict[tuple[int, int], list[Any]]:
+        """`page` of every (shard, bucket) named, in one request: rows (due, id) by partition."""
+        found: dict[tuple[int, int], list[Any]] = {}
+        for row in await self._run("pages", list(shards), list(buckets), start, end, limit):
+            found.setdefault((row.shard, row.bucket), []).append(row)
+        return found
 
 
 class QueueShards(Table):
