@@ -520,8 +520,8 @@ class ImapSettings(MailboxListenerSettings):
     max_string_literal: int = 8192
     #: Seconds between two questions to the store, while sessions IDLE, of which of their
     #: mailboxes changed (on any node): one per worker process, whatever the number of sessions
-    #: and mailboxes (a read of recent change events on Cassandra, of inotify on mbox); only a
-    #: mailbox that changed is listed.
+    #: and mailboxes (a read of recent change events on Cassandra, of inotify on mbox); only the
+    #: sessions of a mailbox that changed read anything (what changed; on WheelFS its listing).
     idle_poll: float = 0.5
     #: Seconds after which an IDLE session's mailbox is looked at even if no change was reported:
     #: its changes token is read, and it is listed if the token moved (a change whose event was
