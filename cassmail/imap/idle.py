@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from cassmail.imap import commands as c
 from cassmail.imap.connection import LineTooLong
 from cassmail.imap.errors import Bad
-from cassmail.imap.view import TOKEN_TRUST, Listing, MailboxView, read_listing
+from cassmail.imap.view import TOKEN_TRUST, Listing, MailboxView, lists_arrivals, read_listing
 from cassmail.logs import kv
 from cassmail.store.base import StoreError
 
@@ -176,8 +176,8 @@ class Watcher:
         #: The mailbox's changes token read just before the last look (None: not known).
         self.token: Hashable | None = None
         #: Whether the watcher reads the listing for its sessions (the store has no cheap way
-        #: to find what arrived, see Store.arrivals_mark), else each reads what changed itself.
-        self.lists = listener.store.arrivals_mark(()) is None
+        #: to find what arrived), else each reads what changed itself.
+        self.lists = not lists_arrivals(listener.store)
         self._next: asyncio.Future[Listing | None] = asyncio.get_running_loop().create_future()
         self._reading: asyncio.Task[None] | None = None
         self._again = False

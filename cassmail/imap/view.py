@@ -67,6 +67,12 @@ def full_listing_period(messages: int) -> float:
     """Seconds a view of `messages` messages goes on from changes and arrivals between two full listings."""
     return max(FULL_LISTING, messages * FULL_LISTING_PER_MESSAGE)
 
+
+def lists_arrivals(store: Store) -> bool:
+    """Whether the store lists new arrivals without the whole mailbox (Store.arrivals_mark), so
+    that a view can follow the changes instead of listing the mailbox again."""
+    return store.arrivals_mark(()) is not None
+
 #: Renumbering asks the store at most this many times per refresh: a message renumbered by
 #: another session meanwhile comes back with that session's UID, which may still be one this
 #: view has shown, and is renumbered again. What is left waits for the next refresh.
@@ -283,7 +289,7 @@ class MailboxView:
         self.condstore = False
         #: Whether the store can list new arrivals without the whole mailbox (Store.arrivals_mark),
         #: the mark of the last listing for it, and when the view was last listed in full.
-        self.incremental = store.arrivals_mark(()) is not None
+        self.incremental = lists_arrivals(store)
         self.mark: Hashable | None = None
         self.full_at = 0.0
         #: Set while a SELECT takes in what changed since its snapshot: a full listing that is
@@ -435,7 +441,8 @@ class MailboxView:
         may announce them."""
         if listing is None:
             arrived: tuple[list[MessageSummary], Hashable] | None = None
-            if self.token is None and self._incremental_due():
+            incremental = self._incremental_due()
+            if self.token is None and incremental:
                 # The last token was too young to trust (a change moments before), as it will
                 # most likely be again: the arrivals, read anyway then, with the token.
                 found, mark, token, highest = await self.store.arrivals_state(self.user, self.name, self.mark)
@@ -445,7 +452,7 @@ class MailboxView:
             fresh = time.monotonic() - self.listed_at < TOKEN_TRUST
             if token is not None and token == self.token and fresh:
                 return Changes()  # nothing changed since the last listing: no need to read it
-            listing = await self._changes(highest, arrived) if self._incremental_due() else None
+            listing = await self._changes(highest, arrived) if incremental else None
             if listing is None:
                 listing = await read_listing(self.store, self.user, self.name, self.page_size,
                                              self.condstore or self.incremental)

@@ -712,7 +712,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _page(self, mailbox_id: uuid.UUID, after: uuid.UUID | None, limit: int) -> Page:
-        rows = await self.tables.messages.page(mailbox_id, after, limit)
+        return self._taken_in(mailbox_id, await self.tables.messages.page(mailbox_id, after, limit), limit)
+
+    def _taken_in(self, mailbox_id: uuid.UUID, rows: Sequence[Any], limit: int) -> Page:
+        """A page of message rows read with a LIMIT of `limit`, their bodies' places noted."""
         self._bodies.note(mailbox_id, rows)
         return Page(_live(rows), _cursor(rows, limit))
 
@@ -1290,13 +1293,13 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         row. Past a page, the rest is read as `arrivals` reads it, and the token is None."""
         mailbox_id, after, started = await self._arrivals_from(user, mailbox, mark)
         rows = await self.tables.messages.arrivals(mailbox_id, after, ARRIVALS_PAGE)
-        self._bodies.note(mailbox_id, rows)
-        found = _live(rows)
-        cursor = _cursor(rows, ARRIVALS_PAGE)
-        token, highest = self._changes_state(mailbox_id, rows[-1] if rows and rows[-1].id == ANCHOR else None)
-        if cursor is not None:
+        page = self._taken_in(mailbox_id, rows, ARRIVALS_PAGE)
+        found = list(page.items)
+        if page.cursor is None:
+            token, highest = self._changes_state(mailbox_id, rows[-1] if rows and rows[-1].id == ANCHOR else None)
+        else:
             token, highest = None, rows[0].highest_modseq or 1
-            found += [s async for s in self._after(mailbox_id, cursor, ARRIVALS_PAGE)]
+            found += [s async for s in self._after(mailbox_id, page.cursor, ARRIVALS_PAGE)]
         return found, max([mark, started, *(s.id.time for s in found)]), token, highest
 
     async def _arrivals_from(self, user: str, mailbox: str, mark: Hashable) -> tuple[uuid.UUID, uuid.UUID, int]:
