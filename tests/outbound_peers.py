@@ -1,5 +1,6 @@
 """The rest of the world for outbound tests, on loopback: a DNS server of our own (dnslib's),
-remote MXs (aiosmtpd with STARTTLS, recording what they receive), and remotes that misbehave.
+remote MXs (aiosmtpd with STARTTLS, recording what they receive), and remotes that misbehave;
+and an LMTP server (aiosmtpd's) that keeps what a client delivers to it.
 
 Each runs in a thread of the test process, on its own address (127.0.0.x) and one shared
 port, the way MX hosts on many machines listen on port 25.
@@ -20,6 +21,7 @@ import dns.message
 import dns.query
 import dnslib
 from aiosmtpd.controller import Controller
+from aiosmtpd.lmtp import LMTP
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
@@ -237,6 +239,18 @@ class RemoteMx(Controller):
 
     def factory(self) -> SMTP:
         return _CountingSMTP(self.handler, **self.SMTP_kwargs)
+
+
+class LmtpServer(Controller):
+    """aiosmtpd's LMTP on 127.0.0.1: a local delivery agent that keeps each message (`mx.messages`)."""
+
+    def __init__(self) -> None:
+        self.mx = MxHandler()
+        super().__init__(self.mx, hostname="127.0.0.1", port=free_port_on("127.0.0.1"), decode_data=False,
+                         ready_timeout=10)
+
+    def factory(self) -> SMTP:
+        return LMTP(self.handler, **self.SMTP_kwargs)
 
 
 class _Password:

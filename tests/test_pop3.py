@@ -26,6 +26,7 @@ import tests.nodes
 from cassmail.model import uidl
 from cassmail.store.base import Store, Target
 from tests.nodes import CLIENT_TLS, Node, inbox, node_settings, strip_trace
+from tests.outbound_peers import LmtpServer
 
 pytestmark = pytest.mark.cassandra
 
@@ -317,16 +318,17 @@ async def test_getmail6_fetches_200_messages_byte_exact(backend_settings, tmp_pa
         bodies.append(body)
         await store.deliver(body, [Target(users["carol"])])
     node = Node(node_settings(backend_settings), tmp_path, pop3={"allow_plaintext_auth": True}).start()
+    # getmail hands each message to a local LMTP server: its delivery agents that fork a child
+    # (MDA_external, Maildir, Mboxrd) race the child's exit and sometimes wait 180 s for nothing
+    lmtp = LmtpServer()
+    lmtp.start()
     try:
-        received = tmp_path / "received"
-        received.mkdir()
         rc = tmp_path / "getmailrc"
         rc.write_text(
             "[retriever]\ntype = SimplePOP3Retriever\nserver = 127.0.0.1\n"
             f"port = {node.port('pop3')}\nusername = {users['carol']}\npassword = carol\n\n"
-            # one file per message, written by a shell: the bytes getmail hands to a delivery agent
-            "[destination]\ntype = MDA_external\npath = /bin/sh\n"
-            f"arguments = ('-c', 'cat > {received}/msg.$$$$')\nallow_root_commands = true\n\n"
+            "[destination]\ntype = MDA_lmtp\nhost = 127.0.0.1\n"
+            f"port = {lmtp.port}\noverride = {users['carol']}\n\n"
             "[options]\nread_all = true\ndelete = true\ndelivered_to = false\nreceived = false\nverbose = 0\n"
         )
         result = await asyncio.to_thread(
@@ -335,13 +337,10 @@ async def test_getmail6_fetches_200_messages_byte_exact(backend_settings, tmp_pa
         )
         assert result.returncode == 0, result.stdout + result.stderr
     finally:
+        lmtp.stop()
         assert node.stop() == 0
-    prefix = b"Return-Path: <unknown>\n"  # getmail adds it to a message without one
-    fetched = [p.read_bytes() for p in received.iterdir()]
-    assert all(f.startswith(prefix) for f in fetched)
-    fetched = sorted(f[len(prefix) :] for f in fetched)
-    # and hands messages over with LF line ends: the only other change it makes
-    assert fetched == sorted(b.replace(b"\r\n", b"\n") for b in bodies)
+    fetched = sorted(m.content for m in lmtp.mx.messages)
+    assert fetched == sorted(bodies)
     assert await inbox(store, users["carol"]) == []  # delete = true: removed by QUIT
 
 
