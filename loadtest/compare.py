@@ -237,7 +237,8 @@ def run_target(target: Target, args: argparse.Namespace, users_files: tuple[Path
             target.quiet()
             before = run.server_after
             run = run_rabid(target.name, pop3, label, users_files[1], out, args.seconds, args.processes,
-                            interval=args.interval, average_last=args.average_last, probes=target.probes, say=say)
+                            interval=args.interval, average_last=args.average_last, probes=target.probes, say=say,
+                            messages=before[0])
             run.server_before, run.server_after = before, target.count()
             run.save(out / "json")
             runs.append(run)

@@ -271,8 +271,11 @@ Probes = dict[str, Callable[[], float | None]]
 
 def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds: float,
              probes: Probes | None = None, interrupt_first: bool = False, stop_when_drained: bool = False,
-             actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print) -> LoadRun:
+             actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print,
+             messages: int | None = None) -> LoadRun:
     """Run `cmd` for `seconds` in its own directory, sampling its log and the probes every interval.
+    With `stop_when_drained`, a retrieval stops once the mailboxes are empty (`messages`: what
+    they held at the start, when known; see drop_drained_tail).
 
     `actions` maps seconds into the run to a call made then (a fault injected, say); what the call
     returns is noted in the run with its time.
@@ -281,6 +284,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
     then SIGKILL) and its stdout/stderr are kept in the directory."""
     rundir = workdir / run.slug
     rundir.mkdir(parents=True, exist_ok=True)
+    (rundir / log_name).unlink(missing_ok=True)  # a reused --out: the tool appends to its log
     probes = dict(probes or {})
     counter = LineCounter(rundir / log_name)
     stdbuf = shutil.which("stdbuf")
@@ -318,7 +322,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
                     prev = run.ticks[-2]
                     rate = (last.messages - prev.messages) * 60 / max(last.t - prev.t, 1e-9)
                     say(f"    {run.tool} {last.t:6.0f} s {last.messages:7d} msgs  {rate:8.0f} msgs/min")
-                if stop_when_drained and _drained(run.ticks):
+                if stop_when_drained and _drained(run.ticks, messages):
                     break  # every mailbox is empty: see drop_drained_tail
                 if now >= deadline - 1e-3:
                     break
@@ -342,7 +346,7 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
             except subprocess.TimeoutExpired:
                 continue
     if stop_when_drained:
-        drop_drained_tail(run)
+        drop_drained_tail(run, messages)
     after = counter.count()
     if after > run.total:
         run.notes.append(f"{after - run.total} more messages finished after the deadline (not in the series)")
@@ -358,22 +362,28 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
     return run
 
 
-def _drained(ticks: list[Tick]) -> bool:
-    """Two intervals without a message after some came: every mailbox is empty."""
+def _drained(ticks: list[Tick], messages: int | None = None) -> bool:
+    """Every mailbox is empty: the tool took the `messages` that were there (when known), or two
+    intervals went by without a message after some came."""
+    if messages is not None and ticks and ticks[-1].messages >= messages > 0:
+        return True
     return len(ticks) >= 4 and ticks[-1].messages == ticks[-2].messages == ticks[-3].messages > 0
 
 
-def drop_drained_tail(run: LoadRun) -> None:
+def drop_drained_tail(run: LoadRun, messages: int | None = None) -> None:
     """A retrieval that emptied the mailboxes is measured while mail was there: the intervals at
     its end without a message are dropped, whether the tool was stopped for them or by the
     deadline, and so is the interval in which it took the last messages (idle for part of it,
-    with fewer and fewer sessions finding mail). A run still busy at its deadline keeps them all."""
+    with fewer and fewer sessions finding mail). `messages`: what the mailboxes held at the start,
+    when known, so that a run that took the last of them in its last interval is seen to have
+    emptied them. A run still busy at its deadline keeps them all."""
     ticks = run.ticks
     idle = 0
     while len(ticks) >= 2 and ticks[-1].messages == ticks[-2].messages > 0:
         ticks.pop()
         idle += 1
-    if idle and len(ticks) >= 3:
+    emptied = idle > 0 or (messages is not None and len(ticks) > 1 and ticks[-1].messages >= messages > 0)
+    if emptied and len(ticks) >= 3:
         ticks.pop()
         run.notes.append(f"the mailboxes were empty after {ticks[-1].t:.0f} s or less: the {idle} idle intervals "
                          f"at the end and the one that emptied them were dropped")
@@ -398,7 +408,7 @@ def run_postal(server: str, port: int | Sequence[tuple[str, int]], sizes: tuple[
 
 def run_rabid(server: str, port: int, sizes: str, users_file: Path, workdir: Path, seconds: float,
               processes: int = 8, interval: float = 60.0, average_last: int = 5, probes: Probes | None = None,
-              say: Callable[[str], None] = print) -> LoadRun:
+              say: Callable[[str], None] = print, messages: int | None = None) -> LoadRun:
     """rabid -p PROCESSES against the POP3 server on 127.0.0.1:port for `seconds`: every session logs
     in, lists, retrieves and deletes every message (rabid's default -d 100:100) and quits.
     (rabid 0.76's IMAP mode, -i, cannot connect at all, here to Dovecot as to cassmail: IMAP load
@@ -407,7 +417,8 @@ def run_rabid(server: str, port: int, sizes: str, users_file: Path, workdir: Pat
     run.settings = {"processes": str(processes)}
     cmd = ["rabid", "-p", str(processes), "-r", str(UNLIMITED_RATE), f"[{HOST}]{port}", str(users_file)]
     say(f"  {server}: {' '.join(cmd)}  ({seconds:g} s)")
-    return run_tool(run, cmd, "rabid.log", workdir, seconds, probes, stop_when_drained=True, say=say)
+    return run_tool(run, cmd, "rabid.log", workdir, seconds, probes, stop_when_drained=True, say=say,
+                    messages=messages)
 
 
 def write_users(users: Sequence[str], directory: Path, password: str = PASSWORD) -> tuple[Path, Path]:
@@ -560,7 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs.append(run)
             if args.pop3:
                 run = run_rabid(args.server, args.pop3[1], range_label(lo, hi), rabid_file, workdir, args.seconds,
-                                args.processes, args.interval, args.average_last)
+                                args.processes, args.interval, args.average_last,
+                                messages=before[0] if before else None)
                 if side:
                     run.server_before, run.server_after = before, side.call(count_inboxes(side.store, users))
                 run.save(workdir / "json")

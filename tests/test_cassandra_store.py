@@ -343,19 +343,27 @@ async def test_the_native_protocol_version_comes_from_settings_and_carries_bodie
     assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
 
 
-async def test_the_drivers_connections_write_each_request_whole(make_store) -> None:
+async def test_the_drivers_connections_write_each_request_whole_and_read_in_large_pieces(make_store) -> None:
     """One send() per request: in the driver's 4 KiB pieces, Nagle's algorithm held each request's
     second piece for Cassandra's delayed ACK (40 ms), which made a submission's DATA take 47 ms
-    on an idle server. (`out_buffer_size` is the driver's class attribute: this fails loudly if
-    it changes.)"""
+    on an idle server. And a recv() of up to IN_BUFFER_SIZE bytes, where the driver reads 4 KiB
+    (CPU per body read). (`out_buffer_size` and `in_buffer_size` are the driver's class
+    attributes: this fails loudly if they change.) A body of many chunks still reads back whole."""
     from cassandra.connection import Connection
+
+    from cassmail.store.cassandra import IN_BUFFER_SIZE
 
     store = await make_store()
     await new_user(store)  # some traffic: every pool has its connection
     connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
     assert connections
     assert Connection.out_buffer_size == 4096, "the driver's write size changed: measure the store again"
-    assert all(c.out_buffer_size == 1 << 20 for c in connections)
+    assert Connection.in_buffer_size == 4096, "the driver's read size changed: measure the store again"
+    assert all(c.out_buffer_size == 1 << 20 and c.in_buffer_size == IN_BUFFER_SIZE for c in connections)
+    user = await new_user(store)
+    body = b"Subject: big\r\n\r\n" + os.urandom(3 * IN_BUFFER_SIZE).hex().encode()
+    [message_id] = await store.deliver(body, [Target(user)])
+    assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
 
 
 async def test_a_batch_takes_statements_with_values_serialized_by_the_store(make_store) -> None:

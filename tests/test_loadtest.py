@@ -105,23 +105,28 @@ def test_rabid_is_stopped_only_after_two_intervals_without_a_message() -> None:
     assert not _drained(ticks)
     assert _drained(ticks + [Tick(4.0, 20, {}, 0.0)])
     assert not _drained([Tick(float(i), 0, {}, 0.0) for i in range(5)])  # nothing ever came: not "drained"
+    # with what the mailboxes held known: empty as soon as that much was taken
+    assert _drained(ticks[:3], messages=20) and not _drained(ticks[:2], messages=20)
     assert parse_ranges("200K-2M, 50K") == [(200_000, 2_000_000), (50_000, 50_000)]
 
 
-@pytest.mark.parametrize("counts, kept", [
+@pytest.mark.parametrize("counts, messages, kept", [
     # emptied before the deadline, then stopped: the idle intervals and the emptying one go
-    ([0, 100, 200, 300, 330, 330, 330], [0, 100, 200, 300]),
+    ([0, 100, 200, 300, 330, 330, 330], None, [0, 100, 200, 300]),
     # emptied just before the deadline: its one idle interval goes too
-    ([0, 100, 200, 300, 310, 310], [0, 100, 200, 300]),
+    ([0, 100, 200, 300, 310, 310], None, [0, 100, 200, 300]),
+    # the last messages taken in the last interval: seen only knowing what the mailboxes held
+    ([0, 100, 200, 300, 310], 310, [0, 100, 200, 300]),
+    ([0, 100, 200, 300, 310], None, [0, 100, 200, 300, 310]),
     # still busy at the deadline: every interval is kept
-    ([0, 100, 200, 300, 400], [0, 100, 200, 300, 400]),
+    ([0, 100, 200, 300, 400], 500, [0, 100, 200, 300, 400]),
     # nothing ever came: nothing to measure, nothing dropped
-    ([0, 0, 0, 0], [0, 0, 0, 0]),
+    ([0, 0, 0, 0], None, [0, 0, 0, 0]),
 ])
-def test_a_retrieval_that_emptied_the_mailboxes_is_measured_while_mail_was_there(counts, kept) -> None:
+def test_a_retrieval_that_emptied_the_mailboxes_is_measured_while_mail_was_there(counts, messages, kept) -> None:
     run = LoadRun("rabid", "s", "50K", 15.0, 5)
     run.ticks = [Tick(15.0 * i, n, {}, 0.0) for i, n in enumerate(counts)]
-    drop_drained_tail(run)
+    drop_drained_tail(run, messages)
     assert [t.messages for t in run.ticks] == kept
     assert bool(run.notes) == (kept != counts)
 
