@@ -365,9 +365,14 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
 def _drained(ticks: list[Tick], messages: int | None = None) -> bool:
     """Every mailbox is empty: the tool took the `messages` that were there (when known), or two
     intervals went by without a message after some came."""
-    if messages is not None and ticks and ticks[-1].messages >= messages > 0:
+    if _took_all(ticks, messages):
         return True
     return len(ticks) >= 4 and ticks[-1].messages == ticks[-2].messages == ticks[-3].messages > 0
+
+
+def _took_all(ticks: list[Tick], messages: int | None) -> bool:
+    """Whether the last sample counts every one of the `messages` the mailboxes held (when known)."""
+    return messages is not None and len(ticks) > 1 and ticks[-1].messages >= messages > 0
 
 
 def drop_drained_tail(run: LoadRun, messages: int | None = None) -> None:
@@ -382,7 +387,7 @@ def drop_drained_tail(run: LoadRun, messages: int | None = None) -> None:
     while len(ticks) >= 2 and ticks[-1].messages == ticks[-2].messages > 0:
         ticks.pop()
         idle += 1
-    emptied = idle > 0 or (messages is not None and len(ticks) > 1 and ticks[-1].messages >= messages > 0)
+    emptied = idle > 0 or _took_all(ticks, messages)
     if emptied and len(ticks) >= 3:
         ticks.pop()
         run.notes.append(f"the mailboxes were empty after {ticks[-1].t:.0f} s or less: the {idle} idle intervals "

@@ -317,11 +317,11 @@ async def test_getmail6_fetches_200_messages_byte_exact(backend_settings, tmp_pa
         body += b".leading dot line\r\n" if i % 5 == 0 else b""
         bodies.append(body)
         await store.deliver(body, [Target(users["carol"])])
-    node = Node(node_settings(backend_settings), tmp_path, pop3={"allow_plaintext_auth": True}).start()
     # getmail hands each message to a local LMTP server: its delivery agents that fork a child
     # (MDA_external, Maildir, Mboxrd) race the child's exit and sometimes wait 180 s for nothing
     lmtp = LmtpServer()
     lmtp.start()
+    node = Node(node_settings(backend_settings), tmp_path, pop3={"allow_plaintext_auth": True}).start()
     try:
         rc = tmp_path / "getmailrc"
         rc.write_text(

@@ -73,6 +73,7 @@ def lists_arrivals(store: Store) -> bool:
     that a view can follow the changes instead of listing the mailbox again."""
     return store.arrivals_mark(()) is not None
 
+
 #: Renumbering asks the store at most this many times per refresh: a message renumbered by
 #: another session meanwhile comes back with that session's UID, which may still be one this
 #: view has shown, and is renumbered again. What is left waits for the next refresh.
