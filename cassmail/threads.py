@@ -1,6 +1,6 @@
 """Work handed between an event loop and threads, with fewer wake-ups than asyncio's own.
 
-- `Inbox`: calls handed from other threads (the Cassandra driver's, the pool's below) to one
+- `Inbox`: calls handed from other threads (the Cassandra driver's own, the pool's below) to one
   event loop. The loop is woken once for all that arrive while it is busy, not once per call
   (each wake-up is a write to its pipe).
 - `Threads`: a pool for the blocking work of the file stores (reads that must wait, writes,

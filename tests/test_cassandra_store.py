@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from cassandra import ConsistencyLevel
-from cassandra.query import BatchStatement
+from cassandra.query import BatchStatement, SimpleStatement
 
 from cassmail.config import CassandraSettings
 from cassmail.model import INBOX, address_key, new_message_id
@@ -351,7 +351,7 @@ async def test_the_drivers_connections_write_each_request_whole_and_read_in_larg
     attributes: this fails loudly if they change.) A body of many chunks still reads back whole."""
     from cassandra.connection import Connection
 
-    from cassmail.store.cassandra import IN_BUFFER_SIZE
+    from cassmail.store.cassandra_io import IN_BUFFER_SIZE
 
     store = await make_store()
     await new_user(store)  # some traffic: every pool has its connection
@@ -364,6 +364,70 @@ async def test_the_drivers_connections_write_each_request_whole_and_read_in_larg
     body = b"Subject: big\r\n\r\n" + os.urandom(3 * IN_BUFFER_SIZE).hex().encode()
     [message_id] = await store.deliver(body, [Target(user)])
     assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
+
+
+async def test_the_stores_connections_are_served_by_its_event_loop(make_store) -> None:
+    """The store's connections are read and written by the loop that opened it (cassandra_io):
+    the driver calls back on the loop's thread. The driver's blocking calls still work from
+    another thread, and on the loop they fail at once instead of waiting for ever for an answer
+    only the loop would read. (This uses the driver's `Connection` internals that cassandra_io
+    names: it fails loudly if they change.)"""
+    import threading
+
+    from cassandra.connection import Connection
+
+    from cassmail.store.cassandra_io import LoopConnection
+
+    for name in ("_connect_socket", "_send_options_message", "process_io_buffer", "defunct",
+                 "error_all_requests", "create_timer", "send_msg", "close"):
+        assert callable(getattr(Connection, name, None)), f"the driver changed: Connection.{name}"
+    store = await make_store()
+    user = await new_user(store)
+    connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+    assert connections and all(isinstance(c, LoopConnection) for c in connections)
+    assert all(c.loop is asyncio.get_running_loop() and hasattr(c, "_iobuf") for c in connections)
+    version = SimpleStatement("SELECT release_version FROM system.local")
+    called_on: list[int] = []
+    store.session.execute_async(version).add_callback(lambda rows: called_on.append(threading.get_ident()))
+    [row] = await store.cql.run(version)
+    assert row.release_version
+    while not called_on:
+        await asyncio.sleep(0.01)
+    assert called_on == [threading.get_ident()]
+    # another thread's request goes through the loop; the loop's own blocking call is refused
+    rows = await asyncio.to_thread(store.session.execute, "SELECT release_version FROM system.local")
+    assert rows.one().release_version == row.release_version
+    with pytest.raises(RuntimeError, match="blocks"):
+        store.session.execute("SELECT release_version FROM system.local")
+    assert await store.uid_next(user, INBOX) == 1  # and the store goes on
+
+
+async def test_a_connection_cassandra_closes_fails_its_requests_and_the_store_reconnects(make_store) -> None:
+    """When Cassandra closes a connection (seen as the end of its stream by the loop), what was
+    in flight on it fails as StoreUnavailable, nothing hangs, and the driver's new connection
+    serves the store again."""
+    import socket
+
+    store = await make_store()
+    user = await new_user(store)
+    [connection] = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+    pending = asyncio.ensure_future(store.cql.run(SimpleStatement("SELECT release_version FROM system.local")))
+    connection._socket.shutdown(socket.SHUT_RDWR)  # (as if Cassandra closed it)
+    try:
+        await asyncio.wait_for(pending, 10)
+    except StoreUnavailable:
+        pass  # (or it was answered before the end was seen: either is right)
+    assert connection.is_closed or connection.is_defunct
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert await store.uid_next(user, INBOX) == 1
+            break
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "the store did not reconnect"
+            await asyncio.sleep(0.2)
+    [again] = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+    assert again is not connection and not again.is_closed
 
 
 async def test_a_batch_takes_statements_with_values_serialized_by_the_store(make_store) -> None:
@@ -984,7 +1048,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     assert cassandra_schema.apply(cassandra_settings) == []
     async with CassandraStore(cassandra_settings) as store:
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
-        rows = await store.cql.run(store.session.prepare(query).bind(()))
+        rows = await store.cql.run((await asyncio.to_thread(store.session.prepare, query)).bind(()))
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve"), (8, "modseq"), (9, "events"), (10, "quota"), (11, "counts"),
@@ -1363,10 +1427,10 @@ async def test_a_keyspace_from_before_modseqs_is_upgraded_and_its_numbered_mail_
             # what version 7 left: UIDs and their counter, no MODSEQ anywhere
             mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
             for message_id in ids:
-                await store.cql.run(store.session.prepare(
-                    f"UPDATE {settings.keyspace}.messages SET modseq = null WHERE mailbox_id = ? AND id = ?").bind((mailbox_id, message_id)))
-            await store.cql.run(store.session.prepare(
-                f"UPDATE {settings.keyspace}.messages SET highest_modseq = null WHERE mailbox_id = ?").bind((mailbox_id,)))
+                await store.cql.run((await asyncio.to_thread(store.session.prepare,
+                    f"UPDATE {settings.keyspace}.messages SET modseq = null WHERE mailbox_id = ? AND id = ?")).bind((mailbox_id, message_id)))
+            await store.cql.run((await asyncio.to_thread(store.session.prepare,
+                f"UPDATE {settings.keyspace}.messages SET highest_modseq = null WHERE mailbox_id = ?")).bind((mailbox_id,)))
             assert [(s.uid, s.modseq) async for s in store.list_messages(user, INBOX)] == [(1, 1), (2, 1), (3, 1)]
             assert await store.highest_modseq(user, INBOX) == 1
             await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add")
@@ -1483,9 +1547,9 @@ async def test_body_chunks_are_kept_uncompressed_and_compacted_in_tiers_of_eight
     Schema 013: it is compacted by the unified strategy in tiers of eight (write-once chunks,
     rewritten less often than by size tiers of four)."""
     async with CassandraStore(cassandra_settings) as store:
-        rows = await store.cql.run(store.session.prepare(
+        rows = await store.cql.run((await asyncio.to_thread(store.session.prepare,
             "SELECT compression, compaction FROM system_schema.tables WHERE keyspace_name = ? AND table_name = 'body_chunks'"
-        ).bind((cassandra_settings.keyspace,)))
+        )).bind((cassandra_settings.keyspace,)))
         [row] = list(rows)
         assert row.compression.get("enabled") == "false", row.compression
         assert row.compaction["class"].endswith("UnifiedCompactionStrategy"), row.compaction

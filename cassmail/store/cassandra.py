@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -31,9 +32,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
-from cassandra import DriverException
 from cassandra.auth import PlainTextAuthProvider
-from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, DefaultConnection, ExecutionProfile, Session
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
 from cassandra.policies import DCAwareRoundRobinPolicy, LoadBalancingPolicy, TokenAwarePolicy, WhiteListRoundRobinPolicy
 from cassandra.query import BatchStatement, BatchType
 
@@ -86,6 +86,7 @@ from cassmail.store.cassandra_ahead import NumberAhead
 from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, reads_see_writes, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
+from cassmail.store.cassandra_io import ThreadConnection, loop_connection, refuse_blocking
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_quota import CassandraQuota
 from cassmail.store.cassandra_sieve import CassandraSieve
@@ -123,27 +124,6 @@ CATCH_UP_STEP_100NS = 60 * 10_000_000
 #: Attempts at one conditional write before giving up with StoreUnavailable.
 LWT_ATTEMPTS = 32
 _EPOCH_OFFSET_100NS = 0x01B21DD213814000
-
-
-#: What the driver's connections read a recv(), where the driver reads 4 KiB: 64 calls and
-#: appends for a chunk of a body. One process reading 200-450 KB bodies, 8 at a time: 1.45-1.82 ms
-#: of CPU per body at 4 KiB, 1.34-1.59 at 64 KiB. Not more: Python allocates the whole size for
-#: every recv(), and past glibc's mmap threshold (128 KiB) that is an mmap, an mremap and a
-#: munmap for each small answer (13 us a recv() instead of 1.4).
-IN_BUFFER_SIZE = 64 * 1024
-
-
-class _Connection(DefaultConnection):  # type: ignore[misc,valid-type]
-    """The driver's connection, writing each request with one send() where the driver cuts it
-    into 4 KiB pieces (`out_buffer_size`, a class attribute of cassandra-driver 3.x; a test fails
-    if it changes). With the pieces, Nagle's algorithm held the second piece of a request until
-    the first was acknowledged, and Cassandra, holding half a request it cannot answer, delays
-    that ACK by 40 ms: a submission's DATA took 47 ms on an idle server. TCP_NODELAY would end
-    the wait too, but costs both sides CPU under load (every small request its own packet)."""
-
-    out_buffer_size = 1 << 20
-    #: And reads up to IN_BUFFER_SIZE bytes a recv() (the same kind of class attribute).
-    in_buffer_size = IN_BUFFER_SIZE
 
 
 def _floor_uuid(timestamp_100ns: int) -> uuid.UUID:
@@ -189,8 +169,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     # ================================================================= connection
 
-    def _make_cluster(self, only: str | None = None) -> Cluster:
-        """The driver's cluster; with `only` (a contact point), one that connects to that node alone."""
+    def _make_cluster(self, only: str | None = None, loop: asyncio.AbstractEventLoop | None = None) -> Cluster:
+        """The driver's cluster; with `only` (a contact point), one that connects to that node
+        alone; with `loop` (the running one), one whose connections that loop serves
+        (cassandra_io), else the driver's thread."""
         s = self.settings
         lb: LoadBalancingPolicy = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=s.local_dc or None))
         if only is not None:
@@ -211,23 +193,21 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             connect_timeout=s.connect_timeout,
             control_connection_timeout=s.connect_timeout,
             protocol_version=s.protocol_version,
-            connection_class=_Connection,
+            connection_class=ThreadConnection if loop is None else loop_connection(loop),
         )
 
     async def open(self) -> None:
         if self.cql.is_open:
             return
         self._ahead.threshold = self.settings.number_ahead
-        self._cluster = self._make_cluster()
+        self._cluster = self._make_cluster(loop=asyncio.get_running_loop())
         try:
-            self.cql.session = await asyncio.to_thread(self._cluster.connect)
-        except DriverException as exc:
-            self._cluster.shutdown()
-            self._cluster = None
-            raise StoreUnavailable(f"cannot reach Cassandra at {self._where()}: {brief(exc)}") from exc
-        except Exception as exc:  # the driver raises bare Exception subclasses on connect
-            self._cluster.shutdown()
-            self._cluster = None
+            session = await asyncio.to_thread(self._cluster.connect)
+            refuse_blocking(session, threading.get_ident())
+            self.cql.session = session
+        except Exception as exc:  # DriverException, and bare Exception subclasses the driver raises on connect
+            cluster, self._cluster = self._cluster, None
+            await asyncio.to_thread(cluster.shutdown)  # (not on the loop its connections wait for)
             raise StoreUnavailable(f"cannot reach Cassandra at {self._where()}: {brief(exc)}") from exc
         if self.settings.keyspace not in self._cluster.metadata.keyspaces:
             await self.close()

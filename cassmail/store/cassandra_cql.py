@@ -15,6 +15,7 @@ import contextvars
 import enum
 import random
 import re
+import threading
 import time
 from collections import namedtuple
 from collections.abc import Iterable, Iterator, Sequence
@@ -249,16 +250,25 @@ def row_factory(colnames: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[
 
 
 def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
-    """An asyncio future for the driver's current page (the driver calls back on its own thread)."""
+    """An asyncio future for the driver's current page. The driver calls back on the loop's
+    thread (the store's connections are the loop's: cassandra_io), where it is settled at once,
+    or on one of its own threads (a connection that failed or closed), from where it is handed
+    to the loop."""
     loop = asyncio.get_running_loop()
-    to = inbox(loop)
+    here = threading.get_ident()
     fut: asyncio.Future[Any] = loop.create_future()
 
     def done(result: Any) -> None:
-        to.put(_settle, fut, result, None)
+        if threading.get_ident() == here:
+            _settle(fut, result, None)
+        else:
+            inbox(loop).put(_settle, fut, result, None)
 
     def failed(exc: BaseException) -> None:
-        to.put(_settle, fut, None, exc)
+        if threading.get_ident() == here:
+            _settle(fut, None, exc)
+        else:
+            inbox(loop).put(_settle, fut, None, exc)
 
     rf.add_callbacks(done, failed)
     return fut
