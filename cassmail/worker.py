@@ -83,7 +83,7 @@ async def run_worker(settings: Settings) -> int:
     if settings.pop3.enabled or settings.pop3s.enabled:
         # First: importing the Cassandra driver (or twisted.mail) would install Twisted's default reactor.
         reactor = twisted_asyncio.install(loop)
-    store = stores.make_store(settings)
+    store = stores.make_store(settings, serving=True)
     if settings.metrics.enabled:
         from cassmail import metrics
 

@@ -366,12 +366,13 @@ async def test_the_drivers_connections_write_each_request_whole_and_read_in_larg
     assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
 
 
-async def test_the_stores_connections_are_served_by_its_event_loop(make_store) -> None:
-    """The store's connections are read and written by the loop that opened it (cassandra_io):
-    the driver calls back on the loop's thread. The driver's blocking calls still work from
-    another thread, and on the loop they fail at once instead of waiting for ever for an answer
-    only the loop would read. (This uses the driver's `Connection` internals that cassandra_io
-    names: it fails loudly if they change.)"""
+async def test_a_serving_stores_connections_are_served_by_its_event_loop(cassandra_settings) -> None:
+    """A worker's store (`loop_io`) has its connections read and written by the loop that opened
+    it (cassandra_io): the driver calls back on the loop's thread. The driver's blocking calls
+    still work from another thread, and on the loop they fail at once instead of waiting for
+    ever for an answer only the loop would read. Any other store keeps the driver's thread.
+    (This uses the driver's `Connection` internals that cassandra_io names: it fails loudly if
+    they change.)"""
     import threading
 
     from cassandra.connection import Connection
@@ -381,53 +382,57 @@ async def test_the_stores_connections_are_served_by_its_event_loop(make_store) -
     for name in ("_connect_socket", "_send_options_message", "process_io_buffer", "defunct",
                  "error_all_requests", "create_timer", "send_msg", "close"):
         assert callable(getattr(Connection, name, None)), f"the driver changed: Connection.{name}"
-    store = await make_store()
-    user = await new_user(store)
-    connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
-    assert connections and all(isinstance(c, LoopConnection) for c in connections)
-    assert all(c.loop is asyncio.get_running_loop() and hasattr(c, "_iobuf") for c in connections)
     version = SimpleStatement("SELECT release_version FROM system.local")
-    called_on: list[int] = []
-    store.session.execute_async(version).add_callback(lambda rows: called_on.append(threading.get_ident()))
-    [row] = await store.cql.run(version)
-    assert row.release_version
-    while not called_on:
-        await asyncio.sleep(0.01)
-    assert called_on == [threading.get_ident()]
-    # another thread's request goes through the loop; the loop's own blocking call is refused
-    rows = await asyncio.to_thread(store.session.execute, "SELECT release_version FROM system.local")
-    assert rows.one().release_version == row.release_version
-    with pytest.raises(RuntimeError, match="blocks"):
-        store.session.execute("SELECT release_version FROM system.local")
-    assert await store.uid_next(user, INBOX) == 1  # and the store goes on
+    async with CassandraStore(cassandra_settings, loop_io=True) as store:
+        user = await new_user(store)
+        connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+        assert connections and all(isinstance(c, LoopConnection) for c in connections)
+        assert all(c.loop is asyncio.get_running_loop() and hasattr(c, "_iobuf") for c in connections)
+        called_on: list[int] = []
+        store.session.execute_async(version).add_callback(lambda rows: called_on.append(threading.get_ident()))
+        [row] = await store.cql.run(version)
+        assert row.release_version
+        while not called_on:
+            await asyncio.sleep(0.01)
+        assert called_on == [threading.get_ident()]
+        # another thread's request goes through the loop; the loop's own blocking call is refused
+        rows = await asyncio.to_thread(store.session.execute, version)
+        assert rows.one().release_version == row.release_version
+        with pytest.raises(RuntimeError, match="blocks"):
+            store.session.execute(version)
+        assert await store.uid_next(user, INBOX) == 1  # and the store goes on
+    async with CassandraStore(cassandra_settings) as store:
+        connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+        assert connections and not any(isinstance(c, LoopConnection) for c in connections)
+        assert (await asyncio.to_thread(store.session.execute, version)).one().release_version == row.release_version
 
 
-async def test_a_connection_cassandra_closes_fails_its_requests_and_the_store_reconnects(make_store) -> None:
-    """When Cassandra closes a connection (seen as the end of its stream by the loop), what was
-    in flight on it fails as StoreUnavailable, nothing hangs, and the driver's new connection
-    serves the store again."""
+async def test_a_connection_cassandra_closes_fails_its_requests_and_the_store_reconnects(cassandra_settings) -> None:
+    """When Cassandra closes a connection of a worker's store (seen by the loop as the end of its
+    stream), what was in flight on it fails as StoreUnavailable, nothing hangs, and the driver's
+    new connection serves the store again."""
     import socket
 
-    store = await make_store()
-    user = await new_user(store)
-    [connection] = [c for pool in store.session.get_pools() for c in pool.get_connections()]
-    pending = asyncio.ensure_future(store.cql.run(SimpleStatement("SELECT release_version FROM system.local")))
-    connection._socket.shutdown(socket.SHUT_RDWR)  # (as if Cassandra closed it)
-    try:
-        await asyncio.wait_for(pending, 10)
-    except StoreUnavailable:
-        pass  # (or it was answered before the end was seen: either is right)
-    assert connection.is_closed or connection.is_defunct
-    deadline = time.monotonic() + 30
-    while True:
+    async with CassandraStore(cassandra_settings, loop_io=True) as store:
+        user = await new_user(store)
+        [connection] = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+        pending = asyncio.ensure_future(store.cql.run(SimpleStatement("SELECT release_version FROM system.local")))
+        connection._socket.shutdown(socket.SHUT_RDWR)  # (as if Cassandra closed it)
         try:
-            assert await store.uid_next(user, INBOX) == 1
-            break
+            await asyncio.wait_for(pending, 10)
         except StoreUnavailable:
-            assert time.monotonic() < deadline, "the store did not reconnect"
-            await asyncio.sleep(0.2)
-    [again] = [c for pool in store.session.get_pools() for c in pool.get_connections()]
-    assert again is not connection and not again.is_closed
+            pass  # (or it was answered before the end was seen: either is right)
+        assert connection.is_closed or connection.is_defunct
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert await store.uid_next(user, INBOX) == 1
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline, "the store did not reconnect"
+                await asyncio.sleep(0.2)
+        [again] = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+        assert again is not connection and not again.is_closed
 
 
 async def test_a_batch_takes_statements_with_values_serialized_by_the_store(make_store) -> None:

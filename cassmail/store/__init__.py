@@ -13,19 +13,22 @@ if TYPE_CHECKING:
     from cassmail.store.base import Store
 
 
-def make_store(settings: Settings) -> Store:
-    """The configured backend, not yet opened. Backends are imported here only, on demand."""
-    store = _backend(settings)
+def make_store(settings: Settings, serving: bool = False) -> Store:
+    """The configured backend, not yet opened. Backends are imported here only, on demand.
+    `serving`: the store of a worker, whose event loop runs as long as the store is open (on
+    Cassandra that loop then does the I/O of the store's connections: store/cassandra_io.py)."""
+    store = _backend(settings, serving)
     store.vanished_keep = settings.store.vanished_keep
     return store
 
 
-def _backend(settings: Settings) -> Store:
+def _backend(settings: Settings, serving: bool) -> Store:
     backend = settings.store.backend
     if backend == "cassandra":
         from cassmail.store.cassandra import CassandraStore
 
-        return CassandraStore(settings.store.cassandra, max_message_size=settings.store.max_message_size)
+        return CassandraStore(settings.store.cassandra, max_message_size=settings.store.max_message_size,
+                              loop_io=serving)
     if backend == "mbox":
         from cassmail.store.mbox import MboxStore
 

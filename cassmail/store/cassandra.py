@@ -142,9 +142,13 @@ def _now_100ns() -> int:
 
 
 class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts, CassandraSnapshots):
-    def __init__(self, settings: CassandraSettings, max_message_size: int = 0) -> None:
+    def __init__(self, settings: CassandraSettings, max_message_size: int = 0, loop_io: bool = False) -> None:
         #: The one executor of every statement; the tables hold the statements.
         self.cql = Cql(settings)
+        #: Whether the event loop that opens the store reads and writes its connections
+        #: (cassandra_io): only for a loop that runs as long as the store is open (a worker's),
+        #: since the connections wait for it. Else the driver's thread does.
+        self.loop_io = loop_io
         self.tables = Tables(self.cql)
         self.max_message_size = max_message_size
         self._cluster: Cluster | None = None
@@ -200,10 +204,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         if self.cql.is_open:
             return
         self._ahead.threshold = self.settings.number_ahead
-        self._cluster = self._make_cluster(loop=asyncio.get_running_loop())
+        self._cluster = self._make_cluster(loop=asyncio.get_running_loop() if self.loop_io else None)
         try:
             session = await asyncio.to_thread(self._cluster.connect)
-            refuse_blocking(session, threading.get_ident())
+            if self.loop_io:
+                refuse_blocking(session, threading.get_ident())
             self.cql.session = session
         except Exception as exc:  # DriverException, and bare Exception subclasses the driver raises on connect
             cluster, self._cluster = self._cluster, None

@@ -6,16 +6,18 @@ event loop hands it to the driver's thread (a wake-up of that thread), and the a
 back to the loop (a wake-up of the loop, `threads.Inbox`), each with its own fight for the GIL.
 Measured alone, that was about 40% of the CPU a request cost the process (below).
 
-`LoopConnection` is a connection of the driver whose socket the event loop of the opened store
-reads and writes itself: a request is written by the task that makes it (one send()), answers
+`LoopConnection` is a connection of the driver whose socket the event loop of a worker's store
+(`make_store(settings, serving=True)`: a loop that runs as long as the store is open) reads and
+writes itself: a request is written by the task that makes it (one send()), answers
 are read when the loop finds the socket readable, and the driver's callbacks run on the loop,
 where the awaiting future is settled at once (`cassandra_cql._wrap`). Measured alone, one
 process reading a 200-byte row 8 at a time: 280-310 us of CPU a request with libev's thread,
 160-190 with the loop (30-40% less; at 32 at a time 200-215 and 110-120). The driver's own
 threads (its executor, its reconnections and heartbeats, a blocking `prepare` run in a thread)
 still use these connections: what they send is handed to the loop, and they wait for the
-answer as before. What nobody awaits on a loop (`cassmail schema apply`, dropping a keyspace)
-uses `ThreadConnection`, the driver's libev connection.
+answer as before, which is why the loop must keep running: a store opened on a loop that runs
+only now and then (a command, a benchmark's set-up, a test) uses `ThreadConnection`, the driver's
+libev connection, as do callers with no loop (`cassmail schema apply`, dropping a keyspace).
 
 What this uses of the driver: the `Connection` base class, as its libev and asyncio connections
 do (its `_connect_socket`, `_send_options_message`, `_iobuf`, `process_io_buffer`, `defunct`,
