@@ -250,10 +250,10 @@ def row_factory(colnames: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[
 
 
 def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
-    """An asyncio future for the driver's current page. The driver calls back on the loop's
-    thread (the store's connections are the loop's: cassandra_io), where it is settled at once,
-    or on one of its own threads (a connection that failed or closed), from where it is handed
-    to the loop."""
+    """An asyncio future for the driver's current page. When the loop serves the store's
+    connections (cassandra_io) the driver calls back on the loop's thread, and the future is
+    settled at once; from the driver's own threads (its libev thread, or a connection that
+    failed or closed there) the outcome is handed to the loop."""
     loop = asyncio.get_running_loop()
     here = threading.get_ident()
     fut: asyncio.Future[Any] = loop.create_future()

@@ -109,7 +109,8 @@ class _Timer:
         self._cancelled = True
         handle = self._handle
         if handle is not None:
-            handle.cancel()  # (asyncio's cancel only marks the handle: safe from any thread)
+            handle.cancel()  # (marks it, and counts it for the loop's clean-up of its timers:
+            # from another thread a lost count only delays that clean-up)
 
     def __lt__(self, other: _Timer) -> bool:  # (the driver may sort timers)
         return id(self) < id(other)
