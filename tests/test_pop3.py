@@ -732,7 +732,7 @@ def wrap_the_store(directory: str) -> None:
     from cassmail import store
 
     make_store = store.make_store
-    store.make_store = lambda settings: RecordingStore(make_store(settings), Path(directory))  # type: ignore[assignment,return-value]
+    store.make_store = lambda settings, **options: RecordingStore(make_store(settings, **options), Path(directory))  # type: ignore[assignment,return-value]
 
 
 class Recorder:
