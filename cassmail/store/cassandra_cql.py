@@ -258,19 +258,13 @@ def _wrap(rf: ResponseFuture) -> asyncio.Future[Any]:
     here = threading.get_ident()
     fut: asyncio.Future[Any] = loop.create_future()
 
-    def done(result: Any) -> None:
+    def outcome(result: Any, exc: BaseException | None) -> None:
         if threading.get_ident() == here:
-            _settle(fut, result, None)
+            _settle(fut, result, exc)
         else:
-            inbox(loop).put(_settle, fut, result, None)
+            inbox(loop).put(_settle, fut, result, exc)
 
-    def failed(exc: BaseException) -> None:
-        if threading.get_ident() == here:
-            _settle(fut, None, exc)
-        else:
-            inbox(loop).put(_settle, fut, None, exc)
-
-    rf.add_callbacks(done, failed)
+    rf.add_callbacks(lambda result: outcome(result, None), lambda exc: outcome(None, exc))
     return fut
 
 
