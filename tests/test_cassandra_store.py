@@ -167,6 +167,35 @@ async def test_a_listing_after_the_grace_moves_the_mark_past_recent_deletions(ma
     assert [s.id for s in (await store.list_page(user, "Emptied")).items] == late
 
 
+async def test_deletes_move_the_low_water_mark_at_most_once_per_minute_of_deleted_mail(make_store, monkeypatch) -> None:
+    """The first delete of a mailbox moves its mark; a delete of mail less than a minute newer
+    than the newest deleted before reads nor writes anything for it (two requests of every
+    EXPUNGE); one of mail a minute newer does. Listings stay as they were."""
+    store = await make_store(tombstone_grace=0.0)
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 6)
+    calls: list[str] = []
+    for name in ("first_live", "set_low_water"):
+        table = store.tables.messages if name == "first_live" else store.tables.users
+        real = getattr(table, name)
+
+        def counted(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(table, name, counted)
+    await store.delete_messages(user, INBOX, ids[:2])
+    assert calls == ["first_live", "set_low_water"]
+    calls.clear()
+    await store.delete_messages(user, INBOX, ids[2:4])
+    assert calls == []
+    monkeypatch.setattr(cassandra_module, "new_message_id", lambda: new_message_id(time.time() + 61))
+    [later] = await store.deliver(b"Subject: later\r\n\r\nx\r\n", [Target(user)])
+    await store.delete_messages(user, INBOX, [later])
+    assert calls == ["first_live", "set_low_water"]
+    assert [s.id async for s in store.list_messages(user, INBOX)] == ids[4:]
+
+
 async def test_a_late_message_older_than_the_live_ones_is_still_listed_within_the_grace(make_store, monkeypatch) -> None:
     store = await make_store()  # default grace: hours
     user = await new_user(store)
@@ -206,11 +235,11 @@ async def test_arrivals_after_a_listing_read_only_the_window_before_it_began(mak
 
 
 async def test_a_listing_that_numbered_its_mail_takes_in_the_highestmodseq_after_it(make_store, monkeypatch) -> None:
-    """A listing whose numbering took every MODSEQ between the HIGHESTMODSEQ read before it and
-    the one after (one per batch of UIDs) knows nothing else changed: its HIGHESTMODSEQ is the
-    one after the numbering,
-    so the next look at changes does not read the numbering back. A change by someone else
-    meanwhile keeps the one read before the listing, and that change is then read."""
+    """A listing whose numbering took every MODSEQ above the HIGHESTMODSEQ read before it (one
+    per batch of UIDs, each decided on the one below) knows nothing else changed up to the last
+    of them: that is its HIGHESTMODSEQ, without another read, so the next look at changes does
+    not read the numbering back. A change by someone else after the numbering is above it, and
+    is what that look reads."""
     from cassmail.imap.view import read_listing
 
     monkeypatch.setattr(cassandra_module, "UID_BATCH", 16)
@@ -234,9 +263,52 @@ async def test_a_listing_that_numbered_its_mail_takes_in_the_highestmodseq_after
     monkeypatch.setattr(store, "assign_uids", and_another_change)
     before = await store.highest_modseq(user, INBOX)
     listing = await read_listing(store, user, INBOX, 100, highest=True)
-    assert len(listing.assigned) == 20 and listing.highest == before
+    assert len(listing.assigned) == 20 and set(listing.modseqs.values()) == {before + 1, before + 2}
+    assert listing.highest == before + 2 and await store.highest_modseq(user, INBOX) == before + 3
     changed, _ = await store.changes_since(user, INBOX, listing.highest)
-    assert len(changed) == 20 and {s.id: s.flags for s in changed}[first] == {"\\Seen"}
+    assert [(s.id, s.flags) for s in changed] == [(first, {"\\Seen"})]
+
+    # Another session's change before the numbering: the numbering's MODSEQ is not the one
+    # above the listing's, so the listing keeps the one read before it, and both are read.
+    second = (await deliver_many(store, user, 5))[0]
+
+    async def another_change_first(*args, **kwargs):
+        await store.store_flags(user, INBOX, [first], ["\\Flagged"], "add")
+        return await numbering(*args, **kwargs)
+
+    monkeypatch.setattr(store, "assign_uids", another_change_first)
+    before = await store.highest_modseq(user, INBOX)
+    listing = await read_listing(store, user, INBOX, 100, highest=True)
+    assert len(listing.assigned) == 5 and listing.highest == before
+    changed, _ = await store.changes_since(user, INBOX, listing.highest)
+    assert {s.id: s.flags for s in changed}[first] == {"\\Seen", "\\Flagged"} and second in {s.id for s in changed}
+
+
+async def test_changes_tell_the_modseq_each_took_over_the_one_below(make_store) -> None:
+    """store_flags, delete_messages and append tell the MODSEQ of each message they changed,
+    deleted or numbered: the one above the mailbox's HIGHESTMODSEQ as the change found it (so a
+    caller up to date to that one is up to date to this one), none for a message left as it
+    was; what another node did in between shows as a gap."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 4)
+    await store.assign_uids(user, INBOX, ids)
+    start = await store.highest_modseq(user, INBOX)
+    flagged: dict[uuid.UUID, int] = {}
+    await store.store_flags(user, INBOX, ids[:2], ["\\Seen"], "add", modseqs=flagged)
+    assert flagged == dict.fromkeys(ids[:2], start + 1)
+    unchanged: dict[uuid.UUID, int] = {}
+    await store.store_flags(user, INBOX, ids[:2], ["\\Seen"], "add", modseqs=unchanged)
+    assert unchanged == {} and await store.highest_modseq(user, INBOX) == start + 1
+    await other.store_flags(user, INBOX, [ids[3]], ["\\Flagged"], "add")  # start + 2, another's
+    deleted: dict[uuid.UUID, int] = {}
+    await store.delete_messages(user, INBOX, [ids[0], ids[1], uuid.uuid1()], modseqs=deleted)
+    assert deleted == dict.fromkeys(ids[:2], start + 3)
+    numbered: dict[uuid.UUID, int] = {}
+    new_id, uid = await store.append(b"Subject: new\r\n\r\nx\r\n", Target(user), modseqs=numbered)
+    assert uid == 5 and numbered == {new_id: start + 4} and await store.highest_modseq(user, INBOX) == start + 4
+    changed, gone = await store.changes_since(user, INBOX, start + 3)
+    assert [(s.id, s.modseq) for s in changed] == [(new_id, start + 4)] and gone == []
 
 
 async def test_a_sessions_calls_reuse_the_mailbox_row_for_mailbox_cache_and_delivery_never(make_store) -> None:
@@ -830,6 +902,40 @@ async def test_two_nodes_claiming_recent_at_once_give_each_uid_to_one_session(ma
     results = await asyncio.gather(*(node.claim_recent(user, INBOX, below) for node, below in zip(nodes, belows)))
     assert sorted(recent_owners(zip(belows, results))) == list(range(1, 50))
     assert await node_b.recent_mark(user, INBOX) == 50
+
+
+async def test_a_claim_of_recent_from_a_known_mark_reads_nothing_and_a_stale_one_learns_from_its_round(
+    make_store
+) -> None:
+    """A session that knows the mark (it claimed or read it before) claims from it: one Paxos
+    round, no read of the anchor. When another node raised the mark meanwhile the round does not
+    apply and answers with the mark as it is, and the claim goes on from there; claims from two
+    nodes with stale marks still give each UID to one session."""
+    store, other = await make_store(mailbox_cache=60.0), await make_store()
+    user = await new_user(store)
+    assert await store.claim_recent(user, INBOX, 5) == 1
+    with store.tracing() as known:
+        assert await store.claim_recent(user, INBOX, 8, known=5) == 5
+    assert known.statements == 1  # the conditional batch alone
+    assert await other.claim_recent(user, INBOX, 12) == 8
+    anchors: list[uuid.UUID] = []
+    real = store.tables.messages.anchor
+
+    async def anchor(mailbox_id: uuid.UUID) -> object:
+        anchors.append(mailbox_id)
+        return await real(mailbox_id)
+
+    store.tables.messages.anchor = anchor  # type: ignore[method-assign]
+    assert await store.claim_recent(user, INBOX, 15, known=8) == 12  # stale: learnt 12 from the round
+    assert await store.claim_recent(user, INBOX, 14, known=9) == 15  # stale and covered: nothing written
+    assert await store.claim_recent(user, INBOX, 20, known=15) == 15
+    assert anchors == [] and await other.recent_mark(user, INBOX) == 20
+    belows = [24, 29, 29, 35, 24, 42, 38, 50, 50, 47, 61, 55, 61, 70, 22, 70]
+    nodes = [store, other] * (len(belows) // 2)
+    results = await asyncio.gather(*(node.claim_recent(user, INBOX, below, known=20 + i % 3)
+                                     for i, (node, below) in enumerate(zip(nodes, belows))))
+    assert sorted(recent_owners(zip(belows, results))) == list(range(20, 70))
+    assert await other.recent_mark(user, INBOX) == 70
 
 
 async def test_a_change_decides_on_a_plain_read_and_one_overtaken_meanwhile_is_retried_after_a_serial_read(

@@ -139,6 +139,62 @@ async def test_fetch_modseq_changedsince_and_unsolicited_flag_changes(plain_node
     assert ok(raw, raw.cmd("FETCH 4 (MODSEQ)"))[0] == b"* 4 FETCH (MODSEQ (%d))\r\n" % now
 
 
+async def test_a_sessions_own_changes_are_not_read_back_and_anothers_are(plain_node, store: Store, users) -> None:  # noqa: F811
+    """A session's STORE, APPEND and EXPUNGE are in its view as it makes them. Where the store
+    tells the MODSEQ each one took (Cassandra), the next NOOP reads none of them back
+    (Store.changes_since is not asked), yet the view is the store's: every flag and MODSEQ,
+    and the HIGHESTMODSEQ told. Another session's change in between is read and told."""
+    from tests.test_metrics import scrape, value
+
+    user = users["carol"]
+    await store.create_mailbox(user, "Own")
+    await numbered(store, user, 4, "Own")
+    raw = logged_in(plain_node, user, "carol")
+    ok(raw, raw.cmd("ENABLE QRESYNC"))
+    ok(raw, raw.cmd("SELECT Own"))
+    tells = store.arrivals_mark(()) is not None and type(store).__name__ == "CassandraStore"
+
+    def reads() -> float:
+        return value(scrape(plain_node), "cassmail_store_seconds_count", op="changes_since") or 0
+
+    async def in_step(noop: list[bytes]) -> None:
+        """The session's view is the store's: flags and MODSEQs, and the HIGHESTMODSEQ its NOOP told."""
+        told = highest(noop) if any(b"HIGHESTMODSEQ" in x for x in noop) else None
+        out = ok(raw, raw.cmd("UID FETCH 1:* (FLAGS MODSEQ)"))
+        listed = {s.uid: s async for s in store.list_messages(user, "Own")}
+        assert modseqs(out) == {uid: s.modseq for uid, s in listed.items()}, (out, listed)
+        flags = {int(re.search(rb"UID (\d+)", x).group(1)): set(re.search(rb"FLAGS \(([^)]*)\)", x).group(1).split())
+                 for x in fetched(out).values()}
+        assert flags == {uid: {f.encode() for f in s.flags} | ({b"\\Recent"} if b"\\Recent" in flags[uid] else set())
+                         for uid, s in listed.items()}
+        assert told is None or told == max(s.modseq for s in listed.values())
+
+    before = reads()
+    ok(raw, raw.cmd("UID STORE 1 +FLAGS (\\Flagged $Own)"))
+    ok(raw, raw.cmd("UID STORE 2,3 +FLAGS.SILENT (\\Seen)"))
+    await in_step(ok(raw, raw.cmd("NOOP")))
+    body = message(9)
+    appended = ok(raw, raw.cmd(b"APPEND Own {%d+}\r\n" % len(body) + body))
+    assert b"* 5 EXISTS\r\n" in appended
+    ok(raw, raw.cmd("UID STORE 2,5 +FLAGS.SILENT (\\Deleted)"))
+    expunged = ok(raw, raw.cmd("UID EXPUNGE 2,5"))
+    assert b"* VANISHED 2,5\r\n" in expunged
+    await in_step(ok(raw, raw.cmd("NOOP")))
+    if tells:
+        assert reads() == before  # nothing but its own changes: none read back
+
+    other = logged_in(plain_node, user, "carol", "Own")
+    ok(other, other.cmd("UID STORE 4 +FLAGS.SILENT (\\Answered)"))
+    ok(raw, raw.cmd("UID STORE 1 -FLAGS.SILENT ($Own)"))  # its own change, after the other's
+    now = await store.highest_modseq(user, "Own")
+    out = ok(raw, raw.cmd("NOOP"))
+    assert b"* 3 FETCH (FLAGS (\\Answered) UID 4 MODSEQ (%d))\r\n" % (now - 1) in out, out
+    assert highest(out) == now
+    await in_step(out)
+    if tells:
+        assert reads() > before  # the other session's change was read
+
+
 async def test_idle_tells_flag_changes_with_their_modseq(plain_node, store: Store, users) -> None:  # noqa: F811
     user = users["carol"]
     await numbered(store, user, 2, "Junk")

@@ -89,9 +89,12 @@ async def fetch(session: Session, args: c.Fetch) -> str:
     if not view.readonly and any(a.sets_seen for a in atts):
         unseen = [u for u in uids if "\\Seen" not in view.messages[u].flags]
         if unseen:
-            await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in unseen], ["\\Seen"], "add")
+            modseqs: dict[uuid.UUID, int] = {}
+            await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in unseen], ["\\Seen"],
+                                            "add", modseqs=modseqs)
             for u in unseen:
                 view.set_flags(u, view.messages[u].flags | {"\\Seen"})
+            view.took(modseqs, flagged={view.messages[u].id: u for u in unseen})
             if not any(a.name == "FLAGS" for a in atts):
                 atts.append(c.FetchAtt("FLAGS"))
             if session.condstore:  # RFC 7162 3.1: the \\Seen it set is told with UID and MODSEQ

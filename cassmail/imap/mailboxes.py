@@ -5,6 +5,7 @@ SPECIAL-USE), LSUB, NAMESPACE, STATUS and APPEND."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -304,8 +305,9 @@ async def append(session: Session, args: c.Append) -> str:
     name = session.mailbox(args.name)
     store = session.store
     wanted = flag_set(f for f in args.flags if f.lower() != "\\recent")
+    modseqs: dict[uuid.UUID, int] = {}
     try:
-        _, uid = await store.append(args.message, Target(user, name, wanted), args.date)
+        _, uid = await store.append(args.message, Target(user, name, wanted), args.date, modseqs)
     except NoSuchMailbox:
         raise No("No such mailbox", "TRYCREATE") from None
     except MessageTooLarge:
@@ -318,6 +320,7 @@ async def append(session: Session, args: c.Append) -> str:
             info = await store.mailbox_info(user, name)
             code = f"[APPENDUID {info.uidvalidity} {uid}] "
         if session.view is not None and session.view.name == name:
+            session.view.took(modseqs, numbered=True)
             await session.refresh(expunge=False)
     except StoreUnavailable as exc:
         log.warning(kv("imap-append", user=user, mailbox=name, error=exc))

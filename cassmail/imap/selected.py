@@ -58,8 +58,10 @@ async def expunge(session: Session, args: c.Expunge) -> str:
     candidates = session.uids(args.uids, True) if args.uids is not None else list(view.uids)
     doomed = [u for u in candidates if "\\Deleted" in view.messages[u].flags]
     if doomed:
-        await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed])
+        modseqs: dict[uuid.UUID, int] = {}
+        await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed], modseqs)
         session.expunged(doomed)
+        view.took(modseqs)
     done = ("UID " if args.uids is not None else "") + "EXPUNGE completed"
     if session.qresync:
         # RFC 7162 3.2.7: the answer carries the HIGHESTMODSEQ, which must cover these expunges:
@@ -80,9 +82,10 @@ async def store(session: Session, args: c.Store) -> str:
     flags = flag_set(f for f in args.flags if f.lower() != "\\recent")
     uids = session.uids(args.messages, args.uid)
     modified: set[uuid.UUID] = set()
+    modseqs: dict[uuid.UUID, int] = {}
     if uids:
         modified = await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in uids], flags,
-                                                   args.mode, unchanged_since=args.unchangedsince)
+                                                   args.mode, unchanged_since=args.unchangedsince, modseqs=modseqs)
     # RFC 7162 3.1.3: what failed UNCHANGEDSINCE is left as it was and named in [MODIFIED ...]
     failed = [u for u in uids if view.messages[u].id in modified]
     uids = [u for u in uids if view.messages[u].id not in modified]
@@ -92,6 +95,7 @@ async def store(session: Session, args: c.Store) -> str:
         new = flags if args.mode == "set" else (old | flags if args.mode == "add" else old - flags)
         view.set_flags(u, frozenset(new))
         expected[u] = frozenset(new)
+    view.took(modseqs, flagged={view.messages[u].id: u for u in uids})
     _learn_from_flags(session, uids, flags, args.mode)
     if session.condstore:
         await condstore.store_responses(session, uids, expected, args.silent)
@@ -131,8 +135,9 @@ async def copy(session: Session, args: c.Copy) -> str:
     # copies can be had now. RFC 4315 lets a server leave it out, and its two sets must pair one
     # to one: a copy another session expunged before it was numbered leaves it out too.
     code = ""
+    numbered: dict[uuid.UUID, int] = {}
     try:
-        new_uids = await store.assign_uids(view.user, dest, new_ids)
+        new_uids = await store.assign_uids(view.user, dest, new_ids, modseqs=numbered)
         if all(i in new_uids for i in new_ids):
             code = "[COPYUID %d %s %s]" % (
                 info.uidvalidity, wire.compact_set(uids), wire.compact_set([new_uids[i] for i in new_ids]))
@@ -142,11 +147,14 @@ async def copy(session: Session, args: c.Copy) -> str:
     except StoreUnavailable as exc:
         log.warning(kv("imap-uids", user=view.user, mailbox=dest, waiting=len(new_ids), error=exc))
     if args.move:
-        await store.delete_messages(view.user, view.name, ids)
+        moved: dict[uuid.UUID, int] = {}
+        await store.delete_messages(view.user, view.name, ids, moved)
         session.untagged(b"OK " + (code + " Moved").strip().encode())
         session.expunged(uids)
+        view.took(moved)
         code = ""
     if dest == view.name:
+        view.took(numbered, numbered=True)
         await session.refresh(expunge=False)
     return f"{code} {verb} completed".strip()
 

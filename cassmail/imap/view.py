@@ -23,6 +23,11 @@ client may be told it is in step with. A message numbered by this view's own lis
 MODSEQ the numbering gave it where the store tells it (Cassandra), else none yet (the listing
 was read before the numbering); `condstore.fill` learns a missing one when a
 client needs it. What CONDSTORE and QRESYNC tell the client is in `condstore.py`.
+
+The session's own changes (STORE, EXPUNGE, APPEND, COPY and MOVE) are in the view as soon as it
+makes them. Where the store tells the MODSEQ each one took (Cassandra), the view keeps it
+(`took`), and a refresh that finds nothing but those above its HIGHESTMODSEQ reads none of
+them back (`_changes`): a client that changes a flag and then polls costs one read, not three.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ def lists_arrivals(store: Store) -> bool:
     return store.arrivals_mark(()) is not None
 
 
+#: MODSEQs of the session's own changes a view keeps (`took`) until a refresh takes them in;
+#: past them it forgets them, and reads the changes back as it would another session's.
+OWN_KEPT = 256
+
 #: Renumbering asks the store at most this many times per refresh: a message renumbered by
 #: another session meanwhile comes back with that session's UID, which may still be one this
 #: view has shown, and is renumbered again. What is left waits for the next refresh.
@@ -120,7 +129,7 @@ async def read_listing(store: Store, user: str, name: str, page_size: int, highe
         assigned = await numbering.done()
     finally:
         numbering.cancel()
-    highest = await _numbered_highest(store, user, name, modseq, numbering.modseqs)
+    highest = _numbered_highest(modseq, numbering.modseqs)
     return Listing(summaries, assigned, highest, started, modseqs=numbering.modseqs)
 
 
@@ -179,16 +188,15 @@ class Numbering:
             self.assigned.update(got)
 
 
-async def _numbered_highest(store: Store, user: str, name: str, highest: int | None,
-                            modseqs: dict[uuid.UUID, int]) -> int | None:
+def _numbered_highest(highest: int | None, modseqs: dict[uuid.UUID, int]) -> int | None:
     """The HIGHESTMODSEQ for a listing read at `highest` whose numbering gave out `modseqs`: the
-    store's after the numbering when every MODSEQ between the two is one the numbering took
-    (nothing else changed, so the next look at changes does not read the numbering back: for a
-    first SELECT of 100,000 messages, 100,000 rows); else `highest`."""
+    highest of those when they are every MODSEQ above `highest` up to it (each was decided on
+    the one below: Store.assign_uids), so that the next look at changes does not read the
+    numbering back (for a first SELECT of 100,000 messages, 100,000 rows); else `highest`."""
     if highest is None or not modseqs:
         return highest
-    after = await store.highest_modseq(user, name)
-    return after if set(modseqs.values()) == set(range(highest + 1, after + 1)) else highest
+    taken = set(modseqs.values())
+    return max(taken) if taken == set(range(highest + 1, max(taken) + 1)) else highest
 
 
 async def number(store: Store, user: str, name: str, summaries: list[MessageSummary],
@@ -257,6 +265,17 @@ class Changes:
     recent: int | None = None
 
 
+@dataclass
+class OwnChange:
+    """A change of the session's own, at the MODSEQ it took (`MailboxView.took`). An expunge
+    needs nothing here: the session took its messages out of the view already."""
+
+    #: UID -> id of the messages in the view whose flags it set (their flags are the view's).
+    flagged: dict[int, uuid.UUID] = field(default_factory=dict)
+    #: Messages it numbered that are not in the view yet: the refresh's arrivals bring them.
+    numbered: set[uuid.UUID] = field(default_factory=set)
+
+
 class MailboxView:
     """UIDs in ascending order (sequence number = index + 1) and the summary of each."""
 
@@ -299,6 +318,8 @@ class MailboxView:
         #: Whether the last refresh took in every expunge it found (see `refresh`): only then is
         #: the view what the store held, for a snapshot.
         self.clean = True
+        #: The session's own changes above `highest`, by the MODSEQ each took (see `took`).
+        self.own: dict[int, OwnChange] = {}
 
     def snapshot(self) -> Snapshot | None:
         """The state of a view being closed (it is not used after: the snapshot takes its lists)
@@ -409,6 +430,41 @@ class MailboxView:
         known = self.messages[uid].modseq
         return known is None or known > modseq
 
+    def took(self, modseqs: dict[uuid.UUID, int], flagged: dict[uuid.UUID, int] | None = None,
+             numbered: bool = False) -> None:
+        """Keep the MODSEQs a change of this session took, as the store told them (the `modseqs`
+        of Store.store_flags, with `flagged` the UID in the view of each message; of
+        Store.delete_messages, once `Session.expunged` took the messages out of the view; of
+        Store.append or assign_uids, `numbered`). Each was taken by that change alone, decided
+        on the mailbox as of the MODSEQ below (Store.assign_uids), so a refresh that finds
+        only these above the view's HIGHESTMODSEQ is up to date without reading them back."""
+        for message_id, modseq in modseqs.items():
+            if modseq <= self.highest:
+                continue
+            if modseq not in self.own and len(self.own) >= OWN_KEPT:
+                self.own.clear()  # (a session that changes and never looks: it reads the changes)
+            change = self.own.setdefault(modseq, OwnChange())
+            if flagged is not None and message_id in flagged:
+                change.flagged[flagged[message_id]] = message_id
+            elif numbered:
+                change.numbered.add(message_id)
+
+    def _own_only(self, highest: int) -> dict[int, OwnChange] | None:
+        """The own changes that are every MODSEQ from the view's HIGHESTMODSEQ up to `highest`,
+        or None when some change between is another's (or one this view forgot)."""
+        if highest - self.highest > len(self.own):
+            return None
+        steps = {m: self.own[m] for m in range(self.highest + 1, highest + 1) if m in self.own}
+        return steps if len(steps) == highest - self.highest else None
+
+    def _take_own(self, steps: dict[int, OwnChange]) -> None:
+        """The MODSEQs of the messages those changes set the flags of (the flags are the view's)."""
+        for modseq in sorted(steps):
+            for uid, message_id in steps[modseq].flagged.items():
+                summary = self.messages.get(uid)
+                if summary is not None and summary.id == message_id and (summary.modseq or 0) < modseq:
+                    self.messages[uid] = dataclasses.replace(summary, modseq=modseq)
+
     def remove(self, uids: list[int]) -> list[int]:
         """Take messages out of the view; their sequence numbers, descending, as EXPUNGE wants them."""
         if not uids:
@@ -513,6 +569,8 @@ class MailboxView:
         if (len(self.uids), len(self.recent)) != before or changes.expunged:
             changes.exists, changes.recent = len(self.uids), len(self.recent)
         self.clean = expunge or not gone
+        if self.own:
+            self.own = {m: change for m, change in self.own.items() if m > self.highest}
         return changes
 
     def _listed_in_full(self, listing: Listing) -> None:
@@ -542,12 +600,22 @@ class MailboxView:
             highest = await store.highest_modseq(user, name)
         vanished: set[int] = set()
         changed: list[MessageSummary] = []
-        if highest > self.highest:
+        own = self._own_only(highest) if highest > self.highest else None
+        if highest > self.highest and own is None:
             changed, gone = await store.changes_since(user, name, self.highest)
             if gone is None:
                 return None
             vanished = set(gone)
         found, mark = arrived if arrived is not None else await store.arrivals(user, name, self.mark)
+        if own is not None:
+            arrivals = {s.id for s in found}
+            if all(i in arrivals for change in own.values() for i in change.numbered):
+                self._take_own(own)
+            else:  # (a message numbered here that the arrivals missed: read the changes after all)
+                changed, gone = await store.changes_since(user, name, self.highest)
+                if gone is None:
+                    return None
+                vanished = set(gone)
         latest: dict[uuid.UUID, MessageSummary] = {}
         for s in [*changed, *found]:
             known = latest.get(s.id)
@@ -557,7 +625,7 @@ class MailboxView:
         modseqs: dict[uuid.UUID, int] = {}
         assigned = await number(store, user, name, summaries, modseqs)
         self.mark = mark
-        highest = await _numbered_highest(store, user, name, highest, modseqs)
+        highest = _numbered_highest(highest, modseqs)
         return Listing(summaries, assigned, highest, vanished=vanished, modseqs=modseqs)
 
     async def _claim_recent(self) -> None:
@@ -581,7 +649,7 @@ class MailboxView:
                 self.recent_mark = known  # (the store's mark only grows)
             if top <= self.recent_mark:
                 return
-            before = await self.store.claim_recent(self.user, self.name, top)
+            before = await self.store.claim_recent(self.user, self.name, top, known=self.recent_mark)
         except StoreUnavailable as exc:  # \\Recent waits for the next refresh; the session goes on
             log.warning(kv("imap-recent", user=self.user, mailbox=self.name, error=exc))
             return

@@ -452,15 +452,17 @@ class Store(abc.ABC):
         """
 
     async def append(
-        self, body: Body, target: Target, internal_date: datetime | None = None
+        self, body: Body, target: Target, internal_date: datetime | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None,
     ) -> tuple[uuid.UUID, int | None]:
         """IMAP APPEND: `deliver` to one mailbox (raising what it raises), then the message's UID,
         None when it cannot be had now (StoreUnavailable while numbering, logged: the message is
         stored either way, and the next listing numbers it). A store that can give the UID in the
-        delivery's own write does (mbox: one index append and one sync fewer)."""
+        delivery's own write does (mbox: one index append and one sync fewer). `modseqs` as in
+        `assign_uids`."""
         [message_id] = await self.deliver(body, [target], internal_date)
         try:
-            uids = await self.assign_uids(target.user, target.mailbox, [message_id])
+            uids = await self.assign_uids(target.user, target.mailbox, [message_id], modseqs=modseqs)
         except StoreUnavailable as exc:
             log.warning(kv("imap-uids", user=target.user, mailbox=target.mailbox, waiting=1, error=exc))
             return message_id, None
@@ -506,7 +508,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
-        unchanged_since: int | None = None,
+        unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
     ) -> set[uuid.UUID]:
         """Set, add or remove flags on messages; concurrent adds/removes of different flags both hold.
 
@@ -514,12 +516,17 @@ class Store(abc.ABC):
         one whose flags stay as they were keeps its MODSEQ. With `unchanged_since` (RFC 7162
         UNCHANGEDSINCE) a message whose MODSEQ is above it is left alone, decided atomically with
         the change against concurrent callers on any node; the ids left alone are returned (the
-        MODIFIED set; always empty without `unchanged_since`). Ids that do not exist are ignored."""
+        MODIFIED set; always empty without `unchanged_since`). Ids that do not exist are ignored.
+        `modseqs`, when given, gets the MODSEQ of each message this call changed, as in
+        `assign_uids`."""
 
     @abc.abstractmethod
-    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+    async def delete_messages(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
+    ) -> None:
         """Delete messages in one call; ids already gone are ignored. The UID of each numbered
-        message deleted is remembered with a new MODSEQ (see `vanished_since`)."""
+        message deleted is remembered with a new MODSEQ (see `vanished_since`); `modseqs`, when
+        given, gets it, as in `assign_uids`."""
 
     async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
         """Copy messages to another mailbox of the same user keeping flags and internal date;
@@ -611,7 +618,10 @@ class Store(abc.ABC):
         message given a UID here gets a new MODSEQ with it, and the UID a renumbered message
         gives up is remembered as expunged (see `vanished_since`). `modseqs`, when given, gets
         the MODSEQ of each message this call numbered, where the store can tell (Cassandra; the
-        mbox and WheelFS stores leave it as it is).
+        mbox and WheelFS stores leave it as it is). Each MODSEQ a store puts there was taken by
+        this call's change alone, decided on the mailbox as it stood at the MODSEQ below: a
+        caller that had taken in every change up to that one, and takes in this change, is up to
+        date to it without reading the change back (`imap.view.MailboxView.took`).
 
         `listed_at`: the HIGHESTMODSEQ read before the listing in which `ids` had no UID, with
         `modseqs` holding the MODSEQs that earlier calls for that listing took. A store may then
@@ -779,13 +789,14 @@ class Store(abc.ABC):
         claimer. Raises NoSuchMailbox."""
 
     @abc.abstractmethod
-    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+    async def claim_recent(self, user: str, mailbox: str, below: int, known: int | None = None) -> int:
         """Raise the mark to `below` (if it is lower) and return the mark as it was just before
         this call raised it. The caller's session owns \\Recent for the UIDs in [returned, below);
         when the returned value is >= below, other sessions claimed them first, the caller owns
         none, and nothing was written. Safe against concurrent callers on any node: of several
         claims over the same UIDs, exactly one gets each UID. Raises NoSuchMailbox, InvalidInput
-        unless 1 <= below <= 2**32 (one above the largest UID)."""
+        unless 1 <= below <= 2**32 (one above the largest UID). `known`: the mark as the caller
+        last learnt it, a hint a store may start from instead of reading it (Cassandra)."""
 
     # ----------------------------------------------------------------- the outbound queue
     # Mail for other domains waits here, in the store, never only on a node's disk: any worker

@@ -119,7 +119,8 @@ IN_BATCH = 100
 #: more partitions than its unlogged_batch_across_partitions_warn_threshold, 10 by default.
 CHUNKS_PER_DELETE = 10
 #: Smallest partial move of a low-water mark by a listing (100 ns units: one minute), so that
-#: listings of a mailbox with recent deletions write at most about once a minute.
+#: listings of a mailbox with recent deletions write at most about once a minute; also how much
+#: newer deleted mail must be than low_water_due for a delete to move the mark.
 CATCH_UP_STEP_100NS = 60 * 10_000_000
 #: Attempts at one conditional write before giving up with StoreUnavailable.
 LWT_ATTEMPTS = 32
@@ -790,7 +791,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
-        unchanged_since: int | None = None,
+        unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
     ) -> set[uuid.UUID]:
         """Flags are written whole, in a conditional batch decided on the flags and MODSEQs read at
         SERIAL (`_change`), so no change is lost to another. When no Paxos round can be had (too
@@ -801,10 +802,12 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         values = flag_set(flags)
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         modified: set[uuid.UUID] = set()
+        given: dict[uuid.UUID, int] = {}
         messages = self.tables.messages
 
         def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
             modified.clear()
+            given.clear()
             statements = []
             for r in rows:
                 if r.size is None:
@@ -820,12 +823,14 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                         mailbox_id, r.id, set(new) or None, modseq if r.uid else None))
                     if r.uid:
                         statements += messages.record_statements(mailbox_id, r.uid, modseq, r.id, r.uid, r.modseq)
+                        given[r.id] = modseq
             return statements
 
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         for n, group in enumerate(_groups(wanted, UID_BATCH)):
             try:
-                await self._change(mailbox_id, group, plan)
+                if await self._change(mailbox_id, group, plan) and modseqs is not None:
+                    modseqs.update(given)
             except StoreUnavailable as exc:
                 if unchanged_since is not None:
                     raise
@@ -849,7 +854,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             await self.cql.run(batch)
         self._notify([mailbox_id])
 
-    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+    async def delete_messages(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
+    ) -> None:
+        """Where reads see every acknowledged write, one read of the rows decides both whether the
+        group needs a Paxos round at all and, as the first try of `_change`, what it deletes."""
         key, name = address_key(user), mailbox_name(mailbox)
         row = await self._resolve(key, name)
         mailbox_id = row.mailbox_id
@@ -857,18 +866,22 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         newest: uuid.UUID | None = None
         messages = self.tables.messages
+        sees_writes = self._reads_see_writes()
         for group in _groups(wanted, IN_BATCH):
             gone: list[Any] = []
             forget: list[int] = []
+            given: dict[uuid.UUID, int] = {}
             def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
                 gone[:] = [r for r in rows if r.body_id is not None]
                 forget.clear()
+                given.clear()
                 statements = [messages.expunge_statement(mailbox_id, r.id) for r in rows]
                 for r in rows:
                     tally.gone(r)
                 numbered = [r for r in rows if r.size is not None and r.uid]
                 for r in numbered:
                     statements += messages.record_statements(mailbox_id, r.uid, modseq, None, r.uid, r.modseq)
+                    given[r.id] = modseq
                 if numbered:
                     read = rows[0]
                     at = read.vanished_mark_at.replace(tzinfo=timezone.utc).timestamp() if read.vanished_mark_at else None
@@ -882,7 +895,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                             forget.append(floor)
                 return statements
 
-            found = await messages.body_infos(mailbox_id, group)
+            found = await (self._state(mailbox_id, group, serial=False) if sees_writes
+                           else messages.body_infos(mailbox_id, group))
             if found and found[0].uidnext is None and found[0].highest_modseq is None:
                 # Never numbered (POP3 only so far): no UID to remember, so a plain deletion, no
                 # Paxos. (An IMAP session numbering one of these messages in the same instant keeps
@@ -897,7 +911,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 self._notify([mailbox_id])
                 gone = [r for r in found if r.body_id is not None]
             elif found:
-                await self._change(mailbox_id, group, plan)
+                if await self._change(mailbox_id, group, plan, read=found if sees_writes else None) and modseqs is not None:
+                    modseqs.update(given)
             for r in gone:
                 newest = _later(newest, r.id)
             await self._quota_freed(key, row, gone)
@@ -920,6 +935,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID],
         plan: Callable[[list[Any], int, Tally], list[Any]],
         uids: Callable[[list[Any]], int] | None = None,
+        read: list[Any] | None = None,
     ) -> bool:
         """Apply a change to messages of one mailbox in one conditional batch: `plan` gets the
         rows of `ids` as read (with the counters, static columns on every row) and the
@@ -928,7 +944,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         moves the MODSEQ counter (also for a change to unnumbered messages only, which needs no
         MODSEQ: it still must not apply over a concurrent change decided on the same read), so
         no change is lost to another and no MODSEQ or UID is handed out twice. Retried on
-        contention. False when there was nothing to do."""
+        contention. False when there was nothing to do. `read`: the rows of `ids` as the caller
+        read them (`_state` at the read level, where reads see writes), for the first try."""
         messages = self.tables.messages
         # Where reads see every acknowledged write, the first try decides on a read at the read
         # level, without a Paxos round of its own: a change that overtook it, or one still in a
@@ -939,7 +956,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if attempt:
                 await _backoff(attempt)
                 serial = True
-            rows = await self._state(mailbox_id, ids, serial)
+            rows = read if read and not attempt and not serial else await self._state(mailbox_id, ids, serial)
             if not rows and not serial:  # none there: as SERIAL says, a Paxos round finished first
                 serial = True
                 rows = await self._state(mailbox_id, ids, serial)
@@ -1010,9 +1027,20 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         period: a message that turns up late (slow replica, slow clock) must stay above it. The
         newest id deleted is kept as low_water_due, for listings to catch up with (see
         `_catch_up_low_water`). Two deletes at once may each keep their own: the lower one only
-        stops the catching up early, and the next delete sets it again."""
+        stops the catching up early, and the next delete sets it again.
+
+        At most once per CATCH_UP_STEP_100NS of deleted ids (a minute): a delete of mail less
+        than that newer than low_water_due reads and writes nothing (a read of the oldest
+        live message and a conditional write of the mailbox's row, each delete, were two of the
+        five requests of an IMAP EXPUNGE). Meanwhile listings catch up as far as the kept due
+        lets them, and a minute of deletions at most waits for the next delete to be caught up
+        with: mail younger than the grace (hours, by default) is walked by listings anyway."""
         mailbox_id, current = mailbox.mailbox_id, mailbox.low_water
         due = _later(mailbox.low_water_due, deleted)
+        if current is not None and mailbox.low_water_due is not None and due is not None and (
+            due.time - mailbox.low_water_due.time < CATCH_UP_STEP_100NS
+        ):
+            return
         rows = await self.tables.messages.first_live(mailbox_id, current)
         live = next((r.id for r in rows if r.size is not None), None)
         if live is None and len(rows) == 16:
@@ -1312,17 +1340,23 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         anchor = await self._anchor(mailbox_id)
         return (anchor.recent_mark if anchor else None) or 1
 
-    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+    async def claim_recent(self, user: str, mailbox: str, below: int, known: int | None = None) -> int:
         """Compare-and-set of the mark from the value read at SERIAL, retried on contention like
         `_assign_group`; with the anchor row in the same conditional batch, so the mark is read
-        by the same point read as the UID counter. A claim the mark already covers writes nothing."""
+        by the same point read as the UID counter. A claim the mark already covers writes nothing.
+        With `known`, the first try sets the mark from it without that read: a round that does
+        not apply answers with the mark as it is, which the next try sets it from."""
         below = check_recent_below(below)
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
+        guess = known if known is not None and known > 1 else None
         for attempt in range(LWT_ATTEMPTS):
             if attempt:
                 await _backoff(attempt)
-            anchor = await self._anchor(mailbox_id)
-            current = anchor.recent_mark if anchor else None
+            if guess is not None:
+                current, guess = guess, None
+            else:
+                anchor = await self._anchor(mailbox_id)
+                current = anchor.recent_mark if anchor else None
             mark = current or 1
             if mark >= below:
                 return mark
@@ -1332,9 +1366,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
             # A timed-out round that did apply is found by the next read: the mark is then past
             # `below`, and this session claims nothing (no message recent twice, at worst none).
-            applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
+            applied, row = await self.cql.conditional(batch, contention_not_applied=True)
             if applied:
                 return mark
+            if row is not None and getattr(row, "recent_mark", None) is not None:
+                guess = row.recent_mark  # (a round that lost a race, not one that timed out)
         raise StoreUnavailable("could not claim \\Recent: too much contention")
 
 

@@ -703,7 +703,8 @@ class MboxStore(MboxQuota, FileQueueStore):
         return [ids[(t.user, t.mailbox)] for t in targets]
 
     async def append(
-        self, body: Body, target: Target, internal_date: datetime | None = None
+        self, body: Body, target: Target, internal_date: datetime | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None,
     ) -> tuple[uuid.UUID, int | None]:
         """The UID comes in the delivery's own index append (MailboxFile.deliver with `number`)."""
         view, _, unique = prepare_delivery(body, [target], self.max_message_size)
@@ -785,7 +786,7 @@ class MboxStore(MboxQuota, FileQueueStore):
 
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
-        unchanged_since: int | None = None,
+        unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
     ) -> set[uuid.UUID]:
         mode = check_flag_mode(mode)
         values = flag_set(flags)
@@ -797,7 +798,9 @@ class MboxStore(MboxQuota, FileQueueStore):
         }
         return await self._on_mailbox(user, mailbox, lambda mf: mf.store_flags(wanted, changes[mode], unchanged_since))
 
-    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+    async def delete_messages(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
+    ) -> None:
         wanted = list(ids)
         await self._on_mailbox(user, mailbox, lambda mf: mf.delete(wanted))
 
@@ -875,7 +878,7 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def recent_mark(self, user: str, mailbox: str) -> int:
         return await self._reading(user, mailbox, lambda mf: mf.recent_mark())
 
-    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+    async def claim_recent(self, user: str, mailbox: str, below: int, known: int | None = None) -> int:
         below = check_recent_below(below)
         return await self._reading(user, mailbox, lambda mf: mf.claim_recent(below))
 

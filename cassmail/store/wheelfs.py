@@ -986,7 +986,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
 
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
-        unchanged_since: int | None = None,
+        unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
     ) -> set[uuid.UUID]:
         """One MODSEQ claim holds the change: taken empty, then decided against every claim below
         it (all read by then, and no later claim can change them), then written with the messages
@@ -1040,7 +1040,9 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
                 changing.append(sid)
         return modified, changing
 
-    async def delete_messages(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> None:
+    async def delete_messages(
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
+    ) -> None:
         wanted = list(ids)
         key, name = address_key(user), mailbox_name(mailbox)
 
@@ -1497,7 +1499,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
 
         return await self._call(mark)
 
-    async def claim_recent(self, user: str, mailbox: str, below: int) -> int:
+    async def claim_recent(self, user: str, mailbox: str, below: int, known: int | None = None) -> int:
         """Claim [mark, below) by creating the claim named by the mark; a lost create means
         another node claimed from there first: walk on and claim what lies above, if anything."""
         below = check_recent_below(below)
