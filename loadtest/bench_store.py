@@ -13,10 +13,11 @@ backend is mbox, which is what `serve` wants out of the box but not what this
 benchmark is for. The backend measured is printed above the settings and
 above the table.
 
-Per size range it runs three phases, each bounded by --seconds and by
---max-messages: deliver (one recipient), list (INBOX pages of up to 500) and
-read (whole bodies, checked byte for byte); plus one "deliver x3" phase (one
-call, three mailboxes) at the first range. Sizes are decimal (K = 10^3,
+Per size range it runs four phases, each bounded by --seconds and by
+--max-messages: deliver (one recipient), list (INBOX pages of up to 500),
+read (whole bodies, checked byte for byte) and copy (IMAP COPY of a delivered
+message to Archive); plus one "deliver x3" phase (one call, three mailboxes)
+at the first range. Sizes are decimal (K = 10^3,
 M = 10^6) and MB/s means 10^6 bytes per second. Failed calls are counted
 (errors column) and count towards --max-messages, but not towards ops/s, MB/s
 or the latencies.
@@ -265,6 +266,31 @@ class Bench:
         result.note = f"bodies checked byte for byte; from {len(delivered)} delivered"
         return result
 
+    async def copy(self, label: str, delivered: list[Delivered]) -> PhaseResult:
+        """IMAP COPY (and MOVE's first half): a delivered message copied to Archive; the first
+        copy is read back and checked byte for byte. The messages are given UIDs first, outside
+        the phase, as an IMAP session's listing would have."""
+        checked: list[bool] = []
+        by_user: dict[str, list[uuid.UUID]] = {}
+        for m in delivered:
+            by_user.setdefault(m.user, []).append(m.id)
+        for user, ids in by_user.items():
+            await self.store.assign_uids(user, "INBOX", ids)
+
+        async def op(_: int) -> tuple[int, int]:
+            m = self.rng.choice(delivered)
+            [copy] = await self.store.copy_messages(m.user, "INBOX", [m.id], "Archive")
+            if not checked:
+                checked.append(True)
+                got = await self.store.read_message(m.user, "Archive", copy)
+                if got != self.pool[m.offset : m.offset + m.size]:
+                    raise ValueError(f"copy of {m.id} differs from what was delivered")
+            return m.size, 1
+
+        result = await self.phase("copy", label, op)
+        result.note = "COPY INBOX -> Archive; MB/s counts the bytes copied"
+        return result
+
 
 # --------------------------------------------------------------------------- setup and report
 
@@ -413,8 +439,9 @@ async def main(argv: Sequence[str] | None = None) -> int:
             results.append(await bench.list(label))
             if delivered:
                 results.append(await bench.read(label, delivered))
+                results.append(await bench.copy(label, delivered))
             else:
-                print(f"  read       {label:<10} skipped: nothing was delivered", flush=True)
+                print(f"  read, copy {label:<10} skipped: nothing was delivered", flush=True)
             if index == 0:
                 if len(users) >= 3:
                     results.append(await bench.deliver(lo, hi, label, 3, None))

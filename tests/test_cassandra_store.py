@@ -9,6 +9,8 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime, timezone
+from typing import Any
 
 import pytest
 from cassandra import ConsistencyLevel
@@ -1087,6 +1089,149 @@ async def test_a_deletion_whose_tidying_up_fails_is_still_done_and_says_so(make_
     await store.delete_messages(user, INBOX, ids[:2])
     monkeypatch.undo()
     assert set(await store.get_summaries(user, INBOX, ids)) == {ids[2]}
+
+
+async def body_of(store: CassandraStore, user: str, mailbox: str, message_id: uuid.UUID) -> Any:
+    """The message row's (body_id, chunk_size, size, shared)."""
+    mailbox_id = (await store._resolve(user, mailbox)).mailbox_id
+    [row] = await store.tables.messages.copies(mailbox_id, [message_id])
+    return row
+
+
+async def chunks_there(store: CassandraStore, body_id: uuid.UUID, count: int) -> int:
+    return sum([await store.tables.body_chunks.get(body_id, i) is not None for i in range(count)])
+
+
+async def test_a_copy_of_a_large_message_refers_to_its_body_and_the_last_deletion_frees_it(make_store) -> None:
+    """COPY of a numbered message of more than SHARE_CHUNKS chunks writes no chunk: the copy
+    names the same body, also a copy of a copy; deleting the original (a MOVE) keeps the body,
+    and the last deletion frees it. A small message, and one never numbered (a mailbox only
+    POP3 reads deletes without a Paxos round), are copied byte for byte. Flags and internal
+    date carry."""
+    store = await make_store()
+    user = await new_user(store)
+    body = b"Subject: big\r\n\r\n" + bytes(range(256)) * 1200  # 307,217 bytes: five 64 KiB chunks
+    when = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+    [original] = await store.deliver(body, [Target(user, INBOX, frozenset({"\\Flagged", "$Work"}))], when)
+    [small] = await store.deliver(b"Subject: small\r\n\r\nx\r\n", [Target(user)])
+    [unnumbered] = await store.deliver(body, [Target(user)])
+    await store.assign_uids(user, INBOX, [original, small])
+    writes: list[int] = []
+    real = store.tables.body_chunks.insert
+
+    async def counted(body_id: uuid.UUID, idx: int, data: bytes) -> None:
+        writes.append(idx)
+        await real(body_id, idx, data)
+
+    store.tables.body_chunks.insert = counted  # type: ignore[method-assign]
+    copy, small_copy = await store.copy_messages(user, INBOX, [original, small], "Archive")
+    assert len(writes) == 1  # the small one's only
+    await store.copy_messages(user, INBOX, [unnumbered], "Drafts")  # never numbered: copied byte for byte
+    assert len(writes) == 6
+    first = await body_of(store, user, INBOX, original)
+    assert first.shared and (await body_of(store, user, "Archive", copy)).body_id == first.body_id
+    assert await store.read_message(user, "Archive", copy) == body
+    assert await store.read_message(user, "Archive", small_copy) == b"Subject: small\r\n\r\nx\r\n"
+    [summary] = (await store.get_summaries(user, "Archive", [copy])).values()
+    assert summary.flags == {"\\Flagged", "$Work"} and summary.internal_date == when and summary.size == len(body)
+    await store.assign_uids(user, "Archive", [copy])  # (as the IMAP session's COPY does)
+    [again] = await store.copy_messages(user, "Archive", [copy], "Trash")  # a copy of a copy
+    assert len(writes) == 6 and (await store.tables.bodies.refs(first.body_id)).refs == {
+        f"{(await store._resolve(user, m)).mailbox_id}/{i}" for m, i in ((INBOX, original), ("Archive", copy), ("Trash", again))}
+
+    await store.delete_messages(user, INBOX, [original])  # MOVE's second half
+    assert await chunks_there(store, first.body_id, 5) == 5
+    await store.delete_messages(user, "Archive", [copy])
+    assert await store.read_message(user, "Trash", again) == body
+    await store.delete_messages(user, "Trash", [again])
+    assert await chunks_there(store, first.body_id, 5) == 0
+    assert await store.tables.bodies.refs(first.body_id) is None
+
+
+async def test_a_copy_racing_the_deletion_of_its_source_fails_cleanly_or_keeps_the_body(make_store, monkeypatch) -> None:
+    """The source is expunged while a copy of it is being made: before the copy marks it shared
+    (the copy fails with NoSuchMessage, nothing is left behind: no copy, no chunk, no body row),
+    or after (the copy is made and keeps the body). Two copies of one message at once share it."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    body = b"Subject: big\r\n\r\n" + b"z" * 300_000
+
+    [first] = await store.deliver(body, [Target(user)])
+    await store.assign_uids(user, INBOX, [first])
+    row = await body_of(store, user, INBOX, first)
+    refer = store.tables.bodies.refer
+
+    async def expunged_meanwhile(*args: object) -> None:
+        await refer(*args)
+        await other.delete_messages(user, INBOX, [first])
+
+    monkeypatch.setattr(store.tables.bodies, "refer", expunged_meanwhile)
+    with pytest.raises(NoSuchMessage):
+        await store.copy_messages(user, INBOX, [first], "Archive")
+    monkeypatch.undo()
+    assert [s async for s in store.list_messages(user, "Archive")] == []
+    assert await chunks_there(store, row.body_id, 5) == 0 and await store.tables.bodies.refs(row.body_id) is None
+
+    [second] = await store.deliver(body, [Target(user)])
+    await store.assign_uids(user, INBOX, [second])
+    row = await body_of(store, user, INBOX, second)
+    mark = store._mark_shared
+
+    async def expunged_after(*args: object) -> bool:
+        done = await mark(*args)
+        await other.delete_messages(user, INBOX, [second])
+        return done
+
+    monkeypatch.setattr(store, "_mark_shared", expunged_after)
+    [kept] = await store.copy_messages(user, INBOX, [second], "Archive")
+    monkeypatch.undo()
+    assert await store.read_message(user, "Archive", kept) == body
+    await store.delete_messages(user, "Archive", [kept])
+    assert await chunks_there(store, row.body_id, 5) == 0
+
+    [third] = await store.deliver(body, [Target(user)])
+    await store.assign_uids(user, INBOX, [third])
+    row = await body_of(store, user, INBOX, third)
+    copies = await asyncio.gather(store.copy_messages(user, INBOX, [third], "Archive"),
+                                  other.copy_messages(user, INBOX, [third], "Archive"))
+    made = [c for [c] in copies]
+    assert [await store.read_message(user, "Archive", c) for c in made] == [body, body]
+    for mailbox, ids in ((INBOX, [third]), ("Archive", made[:1])):
+        await store.delete_messages(user, mailbox, ids)
+        assert await chunks_there(store, row.body_id, 5) == 5
+    await store.delete_messages(user, "Archive", made[1:])
+    assert await chunks_there(store, row.body_id, 5) == 0
+
+    # A shared source whose last other copy goes first: the copy fails, nothing is left behind.
+    [fourth] = await store.deliver(body, [Target(user)])
+    await store.assign_uids(user, INBOX, [fourth])
+    [copy] = await store.copy_messages(user, INBOX, [fourth], "Archive")
+    await store.assign_uids(user, "Archive", [copy])
+    row = await body_of(store, user, "Archive", copy)
+
+    async def both_gone() -> None:
+        await other.delete_messages(user, INBOX, [fourth])
+        await other.delete_messages(user, "Archive", [copy])
+
+    monkeypatch.setattr(store, "_quota_check", _then(store._quota_check, both_gone))
+    with pytest.raises(NoSuchMessage):
+        await store.copy_messages(user, "Archive", [copy], "Trash")
+    monkeypatch.undo()
+    assert [s async for s in store.list_messages(user, "Trash")] == []
+    assert await chunks_there(store, row.body_id, 5) == 0 and await store.tables.bodies.refs(row.body_id) is None
+
+
+def _then(call, after):
+    """`call`, then `after()` awaited once, the first time `call` is made."""
+    pending = [after]
+
+    async def wrapped(*args, **kwargs):
+        result = await call(*args, **kwargs)
+        if pending:
+            await pending.pop()()
+        return result
+
+    return wrapped
 
 
 async def test_deleting_the_last_copy_frees_the_body_chunks(make_store) -> None:

@@ -83,6 +83,7 @@ from cassmail.store.base import (
 )
 
 from cassmail.store.cassandra_ahead import NumberAhead
+from cassmail.store.cassandra_copy import CassandraCopies, body_ref
 from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, reads_see_writes, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
@@ -142,7 +143,8 @@ def _now_100ns() -> int:
     return _ticks(time.time())
 
 
-class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts, CassandraSnapshots):
+class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQuota, CassandraCounts, CassandraSnapshots,
+                     CassandraCopies):
     def __init__(self, settings: CassandraSettings, max_message_size: int = 0, loop_io: bool = False) -> None:
         #: The one executor of every statement; the tables hold the statements.
         self.cql = Cql(settings)
@@ -646,7 +648,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         ids = {k: new_message_id() for k in unique}
         shared = len(unique) > 1
         if shared:
-            refs = {_ref(mailbox_ids[k], ids[k]) for k in unique}
+            refs = {body_ref(mailbox_ids[k], ids[k]) for k in unique}
             await self.tables.bodies.insert(body_id, size, chunk, refs)
         inserts = [
             (mailbox_ids[k], ids[k], size, set(t.flags) or None, when, body_id, chunk, shared, ids[k])
@@ -1002,25 +1004,34 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks
-        garbage, never mail. The chunks of all of them go in unlogged batches of CHUNKS_PER_DELETE
-        (each chunk is a partition of its own: one request per batch, not per chunk)."""
-        chunks, shared = [], []
+        garbage, never mail."""
+        chunks = []
         for r in rows:
-            if r.shared:
-                await self.tables.bodies.release(r.body_id, {_ref(mailbox_id, r.id)})
-                body = await self.tables.bodies.refs(r.body_id)
-                # A missing row (not yet visible at this consistency) is never taken as "no references".
-                if body is None or body.size is None or body.refs:
-                    continue
-                shared.append(r.body_id)
+            if r.shared and not await self._release_shared(r.body_id, r.size, {body_ref(mailbox_id, r.id)}):
+                continue
             chunks += [(r.body_id, i) for i in range(math.ceil(r.size / r.chunk_size))]
+        await self._delete_chunks(chunks)
+
+    async def _release_shared(self, body_id: uuid.UUID, size: int, refs: set[str]) -> bool:
+        """Drop references to a shared body; True when they were the last, and the caller is to
+        delete its chunks. The last one's release deletes the body's row in a Paxos round, so a
+        copy that adds its reference in the same instant (`CassandraCopies`) either comes first
+        (the body stays) or finds the row gone (and copies nothing from it). A missing row, or
+        one not yet visible at this consistency, is never taken as "no references"."""
+        await self.tables.bodies.release(body_id, refs)
+        body = await self.tables.bodies.refs(body_id)
+        if body is None or body.size is None or body.refs:
+            return False
+        return await self.tables.bodies.delete_unreferenced(body_id, size)
+
+    async def _delete_chunks(self, chunks: list[tuple[uuid.UUID, int]]) -> None:
+        """(body, index) pairs, in unlogged batches of CHUNKS_PER_DELETE (each chunk is a
+        partition of its own: one request per batch, not per chunk)."""
         delete = self.tables.body_chunks.delete_statement
         await self._gather_limited(
             self.cql.run(self.cql.batch(BatchType.UNLOGGED, statements=[delete(b, i) for b, i in group]))
             for group in _groups(chunks, CHUNKS_PER_DELETE)
         )
-        for body_id in shared:
-            await self.tables.bodies.delete(body_id)
 
     async def _advance_low_water(self, key: str, name: str, mailbox: Any, deleted: uuid.UUID | None) -> None:
         """Move the low-water mark up to just below the oldest live message, but never past the grace
@@ -1458,10 +1469,6 @@ def _live(rows: Sequence[Any]) -> list[MessageSummary]:
 def _cursor(rows: Sequence[Any], limit: int) -> uuid.UUID | None:
     """Where the page after a page of `limit` rows starts; None when it was the last."""
     return rows[-1].id if len(rows) == limit else None
-
-
-def _ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
-    return f"{mailbox_id}/{message_id}"
 
 
 @dataclass

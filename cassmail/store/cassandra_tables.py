@@ -354,6 +354,8 @@ class Messages(Table):
         "first_live": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16"),
         "body_info": (READ, "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?"),
         "body_infos": (READ, f"SELECT {_BODY_COUNTERS} FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "copies": (READ, f"SELECT {_BODY}, flags, internal_date, uid FROM messages WHERE mailbox_id = ? AND id IN ?"),
+        "share": (CONDITIONAL, "UPDATE messages SET shared = true WHERE mailbox_id = ? AND id = ?"),
         "delete": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "changed": (WRITE, "UPDATE messages SET changed = ? WHERE mailbox_id = ?"),
         "flags_set": (WRITE, "UPDATE messages SET flags = ?, changed = ? WHERE mailbox_id = ? AND id = ?"),
@@ -604,6 +606,13 @@ class Messages(Table):
         statement.consistency_level = ConsistencyLevel.ALL
         return await self.cql.run(statement)
 
+    async def copies(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
+        """Body rows of these ids with their flags and internal dates: what a copy is made from."""
+        return await self._run("copies", mailbox_id, ids)
+
+    def share_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> BoundStatement:
+        return self.bind("share", mailbox_id, message_id)
+
     def raise_recent_statement(self, mailbox_id: uuid.UUID, new: int, expected: int | None) -> BoundStatement:
         if expected is None:
             return self.bind("raise_recent_first", new, mailbox_id)
@@ -611,17 +620,29 @@ class Messages(Table):
 
 
 class Bodies(Table):
-    """`bodies`: the copies still referring to a body delivered to several mailboxes."""
+    """`bodies`: the copies still referring to a body delivered to several mailboxes, or
+    copied (IMAP COPY, MOVE) to another."""
 
     STATEMENTS = {
         "insert": (WRITE, "INSERT INTO bodies (body_id, size, chunk_size, refs) VALUES (?, ?, ?, ?)"),
+        # (added to, never overwritten: two copies of one body made at once each keep theirs)
+        "refer": (WRITE, "UPDATE bodies SET size = ?, chunk_size = ?, refs = refs + ? WHERE body_id = ?"),
+        "refer_if_there": (CONDITIONAL, "UPDATE bodies SET refs = refs + ? WHERE body_id = ? IF size = ?"),
         "release": (WRITE, "UPDATE bodies SET refs = refs - ? WHERE body_id = ?"),
         "refs": (READ, "SELECT size, refs FROM bodies WHERE body_id = ?"),
-        "delete": (WRITE, "DELETE FROM bodies WHERE body_id = ?"),
+        "delete_unreferenced": (CONDITIONAL, "DELETE FROM bodies WHERE body_id = ? IF size = ? AND refs = null"),
     }
 
     async def insert(self, body_id: uuid.UUID, size: int, chunk_size: int, refs: set[str]) -> None:
         await self._run("insert", body_id, size, chunk_size, refs)
+
+    async def refer(self, body_id: uuid.UUID, size: int, chunk_size: int, refs: set[str]) -> None:
+        await self._run("refer", size, chunk_size, refs, body_id)
+
+    async def refer_if_there(self, body_id: uuid.UUID, size: int, refs: set[str]) -> bool:
+        """Add references to a body whose row is there (a Paxos round); False when it is not."""
+        applied, _ = await self._conditional("refer_if_there", refs, body_id, size)
+        return applied
 
     async def release(self, body_id: uuid.UUID, refs: set[str]) -> None:
         await self._run("release", refs, body_id)
@@ -630,8 +651,11 @@ class Bodies(Table):
         """The row (size, refs); None when there is none (or it is not visible yet)."""
         return _first(await self._run("refs", body_id))
 
-    async def delete(self, body_id: uuid.UUID) -> None:
-        await self._run("delete", body_id)
+    async def delete_unreferenced(self, body_id: uuid.UUID, size: int) -> bool:
+        """Delete the row if it is there and refers to nothing (a Paxos round): True when this
+        call did, and so owns the deletion of the chunks."""
+        applied, _ = await self._conditional("delete_unreferenced", body_id, size)
+        return applied
 
 
 class BodyChunks(Table):

@@ -1,0 +1,143 @@
+"""IMAP COPY and MOVE on the Cassandra backend: a copy of a large message refers to the body
+already stored instead of writing it again, mixed into CassandraStore.
+
+A body of more than SHARE_CHUNKS chunks is shared the way a delivery to several mailboxes
+shares one (`bodies.refs`, schema/001): the copy's message row names the same body, and the
+body's row lists every message row that refers to it; the chunks go with the last one
+(`CassandraStore._release_shared`). Copying a 25 MB message is then a few small writes, not
+25 MB read and 25 MB written, and a MOVE leaves the bytes where they are. A smaller body is read
+and delivered again, as `Store.copy_messages` does: its one or two chunks cost less to rewrite
+than the Paxos round that sharing takes.
+
+How a copy and a deletion of the same body stay apart:
+
+- A body not shared yet (one delivery, one mailbox): the body's row is written with a reference
+  for the source message and one for the copy, then the source row is marked shared in a
+  conditional batch on its mailbox's counters (`_change`). A deletion of the source decided on
+  the row before that mark moved the counters does not apply and is decided again, and then
+  releases its reference instead of deleting the chunks; a deletion that came first leaves the
+  batch nothing to mark, and the copy fails as the message is gone (NoSuchMessage).
+- A shared body: the copy's reference is added in a Paxos round on the body's row, if the row is
+  there. The last reference's release deletes that row in a Paxos round too, so either the copy
+  comes first (the body stays) or the row is gone, and the copy reads the bytes instead (which
+  fails as above when the message went).
+- Then the copy's message row is written. A copy whose row write fails (a timed-out write may
+  still have landed), or that stops in between (the worker dies), leaves its reference, which
+  keeps the body for ever: garbage, never a message without its body.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from datetime import timezone
+from typing import Any
+
+from cassmail.model import address_key, new_message_id
+from cassmail.store.base import NoSuchMessage, QuotaExceeded, Store, Target
+from cassmail.store.cassandra_cql import Cql
+from cassmail.store.cassandra_tables import Tables
+
+#: Bodies of more chunks than this are shared by their copies; smaller ones are copied.
+SHARE_CHUNKS = 2
+
+
+class CassandraCopies(Store):
+    """Mixed into CassandraStore: its executor, tables, mailbox lookup, changes and quota
+    counting are used here."""
+
+    cql: Cql
+    tables: Tables
+    _resolve: Any
+    _change: Any
+    _notify: Any
+    _ahead: Any
+    _quota_check: Any
+    _quota_count: Any
+    _release_shared: Any
+    _delete_chunks: Any
+
+    async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
+        key = address_key(user)
+        source_id = (await self._resolve(key, source, cached=True)).mailbox_id
+        rows = {r.id: r for r in await self.tables.messages.copies(source_id, list(dict.fromkeys(ids)))
+                if r.size is not None}
+        for message_id in ids:
+            if message_id not in rows:
+                raise NoSuchMessage(source, message_id)
+        if await self.quota_allows(user, sum(rows[i].size for i in ids)) is False:
+            raise QuotaExceeded([user])
+        new_ids: list[uuid.UUID] = []
+        try:
+            for message_id in ids:
+                row = rows[message_id]
+                new_id = None
+                # (Only a numbered message's: its deletions are decided in Paxos rounds, which the
+                # mark below takes part in; a mailbox never numbered is deleted from without one.)
+                if row.uid and math.ceil(row.size / row.chunk_size) > SHARE_CHUNKS:
+                    new_id = await self._copy_shared(key, source, source_id, row, dest)
+                if new_id is None:
+                    body = await self.read_message(user, source, message_id)
+                    [new_id] = await self.deliver(body, [Target(user, dest, frozenset(row.flags or ()))],
+                                                  _utc(row.internal_date))
+                new_ids.append(new_id)
+        except (QuotaExceeded, NoSuchMessage):
+            # Another delivery took the room meanwhile, or a message went: the copies made so far
+            # go again, so the call changes nothing (IMAP's NO [OVERQUOTA] and [EXPUNGEISSUED]).
+            if new_ids:
+                await self.delete_messages(user, dest, new_ids)
+            raise
+        return new_ids
+
+    async def _copy_shared(self, key: str, source: str, source_id: uuid.UUID, row: Any, dest: str) -> uuid.UUID | None:
+        """One copy referring to the body of `row` (see the module's docstring); None when the
+        body's row cannot be found (its last copy went, or at a weak consistency level it is not
+        visible yet): the bytes are then copied, if the message is still there."""
+        target = await self._resolve(key, dest)  # (uncached, as a delivery's)
+        counted = await self._quota_check([(key, dest)], [target], row.size)
+        body_id, size = row.body_id, row.size
+        new_id = new_message_id()
+        refs = {body_ref(target.mailbox_id, new_id)}
+        if row.shared:
+            if not await self.tables.bodies.refer_if_there(body_id, size, refs):
+                return None
+        else:
+            refs.add(body_ref(source_id, row.id))
+            await self.tables.bodies.refer(body_id, size, row.chunk_size, refs)
+            if not await self._mark_shared(source_id, row.id, body_id):
+                # The source went first, its chunks with it (unless a copy made at the same time
+                # shared it: then that copy's reference keeps them).
+                if await self._release_shared(body_id, size, refs):
+                    await self._delete_chunks([(body_id, i) for i in range(math.ceil(size / row.chunk_size))])
+                raise NoSuchMessage(source, row.id)
+        await self.tables.messages.insert(target.mailbox_id, new_id, size, set(row.flags or ()) or None,
+                                          _utc(row.internal_date), body_id, row.chunk_size, True, new_id)
+        self._notify([target.mailbox_id])
+        self._ahead.delivered(target.mailbox_id, new_id)
+        await self._quota_count(counted)
+        return new_id
+
+    async def _mark_shared(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, body_id: uuid.UUID) -> bool:
+        """Mark the source row shared, in a conditional batch on its mailbox's counters; False
+        when the message is gone (or holds another body)."""
+        there: list[bool] = []
+
+        def plan(rows: list[Any], modseq: int, tally: Any) -> list[Any]:
+            there[:] = [any(r.size is not None and r.body_id == body_id for r in rows)]
+            if not there[0] or any(r.shared for r in rows):
+                return []  # gone, or shared already (by another copy at the same time)
+            return [self.tables.messages.share_statement(mailbox_id, message_id)]
+
+        await self._change(mailbox_id, [message_id], plan)
+        return bool(there and there[0])
+
+
+def body_ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
+    """A message row's reference in its body's row (`bodies.refs`)."""
+    return f"{mailbox_id}/{message_id}"
+
+
+def _utc(when: Any) -> Any:
+    """An internal date as Cassandra gives it (without a zone: UTC) with its zone."""
+    return when.replace(tzinfo=timezone.utc) if when is not None and when.tzinfo is None else when
