@@ -1094,7 +1094,7 @@ async def test_a_deletion_whose_tidying_up_fails_is_still_done_and_says_so(make_
 async def body_of(store: CassandraStore, user: str, mailbox: str, message_id: uuid.UUID) -> Any:
     """The message row's (body_id, chunk_size, size, shared)."""
     mailbox_id = (await store._resolve(user, mailbox)).mailbox_id
-    [row] = await store.tables.messages.copies(mailbox_id, [message_id])
+    [row] = await store.tables.messages.body_infos(mailbox_id, [message_id])
     return row
 
 

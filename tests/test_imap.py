@@ -902,6 +902,29 @@ async def test_append_copy_and_move_answer_with_uids(plain_node: Node, store: St
     assert client.copy("1", "Nowhere")[1][0].startswith(b"[TRYCREATE]")
 
 
+async def test_a_large_message_moved_and_copied_back_comes_back_byte_exact(plain_node: Node, store: Store,
+                                                                           users) -> None:
+    """MOVE, COPY and EXPUNGE of a message of many chunks (on Cassandra the copies share its body)."""
+    user = users["carol"]
+    body = message(77, b"".join(b"line %06d of a large attachment\r\n" % i for i in range(20_000)))
+    await deliver(store, user, [body], "Drafts")
+    client = imap(plain_node)
+    client.login(user, "carol")
+    client.select("Drafts")
+    typ, data = client._simple_command("MOVE", "1", "Archive")
+    assert typ == "OK" and await inbox(store, user, "Drafts") == []
+    client.select("Archive")
+    [uid] = client.uid("SEARCH", "SUBJECT", '"message 77"')[1][0].split()
+    assert client.uid("COPY", uid, "Drafts")[0] == "OK"
+    assert client.uid("FETCH", uid, "BODY.PEEK[]")[1][0][1] == body
+    assert client.uid("STORE", uid, "+FLAGS.SILENT", "(\\Deleted)")[0] == "OK"
+    assert client.expunge()[0] == "OK"
+    client.select("Drafts")
+    assert client.fetch("1", "BODY.PEEK[]")[1][0][1] == body
+    assert await inbox(store, user, "Drafts") == [body]
+    client.logout()
+
+
 def test_mailbox_management_with_special_use_and_utf7_names(plain_node: Node, users) -> None:
     client = imap(plain_node)
     client.login(users["carol"], "carol")

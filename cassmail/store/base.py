@@ -531,8 +531,9 @@ class Store(abc.ABC):
     async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
         """Copy messages to another mailbox of the same user keeping flags and internal date;
         returns the new ids in the order of `ids`. All or nothing for the quota: QuotaExceeded
-        when the copies together would pass the user's limit, with no copy left behind.
-        Backends may do better than read+deliver."""
+        when the copies together would pass the user's limit, with no copy left behind; and
+        NoSuchMessage, with none left behind either, when a message is gone (also one deleted
+        while the copies are made). Backends may do better than read+deliver (`_copy_one`)."""
         summaries = await self.get_summaries(user, source, ids)
         for message_id in ids:
             if message_id not in summaries:
@@ -542,17 +543,20 @@ class Store(abc.ABC):
         new_ids: list[uuid.UUID] = []
         try:
             for message_id in ids:
-                summary = summaries[message_id]
-                body = await self.read_message(user, source, message_id)
-                [new_id] = await self.deliver(body, [Target(user, dest, summary.flags)], summary.internal_date)
-                new_ids.append(new_id)
-        except QuotaExceeded:
-            # Another delivery took the room meanwhile: the copies made so far go again, so the
-            # call changes nothing (IMAP's NO [OVERQUOTA] promises that).
+                new_ids.append(await self._copy_one(user, source, summaries[message_id], dest))
+        except (QuotaExceeded, NoSuchMessage):
+            # Another delivery took the room meanwhile, or a message went: the copies made so far
+            # go again, so the call changes nothing (IMAP's NO [OVERQUOTA] and [EXPUNGEISSUED]).
             if new_ids:
                 await self.delete_messages(user, dest, new_ids)
             raise
         return new_ids
+
+    async def _copy_one(self, user: str, source: str, summary: MessageSummary, dest: str) -> uuid.UUID:
+        """One copy for `copy_messages`: the body read and delivered again (raising what they raise)."""
+        body = await self.read_message(user, source, summary.id)
+        [new_id] = await self.deliver(body, [Target(user, dest, summary.flags)], summary.internal_date)
+        return new_id
 
     # ----------------------------------------------------------------- storage quotas
     # A user may have a storage limit in bytes (None, the default: no limit), set by the

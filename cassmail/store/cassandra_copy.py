@@ -6,7 +6,7 @@ shares one (`bodies.refs`, schema/001): the copy's message row names the same bo
 body's row lists every message row that refers to it; the chunks go with the last one
 (`CassandraStore._release_shared`). Copying a 25 MB message is then a few small writes, not
 25 MB read and 25 MB written, and a MOVE leaves the bytes where they are. A smaller body is read
-and delivered again, as `Store.copy_messages` does: its one or two chunks cost less to rewrite
+and delivered again, as `Store._copy_one` does: its one or two chunks cost less to rewrite
 than the Paxos round that sharing takes.
 
 How a copy and a deletion of the same body stay apart:
@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Sequence
-from datetime import timezone
 from typing import Any
 
-from cassmail.model import address_key, new_message_id
-from cassmail.store.base import NoSuchMessage, QuotaExceeded, Store, Target
+from cassmail.config import CassandraSettings
+from cassmail.model import MessageSummary, address_key, new_message_id
+from cassmail.store.base import NoSuchMessage, Store
 from cassmail.store.cassandra_cql import Cql
 from cassmail.store.cassandra_tables import Tables
 
@@ -47,6 +46,7 @@ class CassandraCopies(Store):
     """Mixed into CassandraStore: its executor, tables, mailbox lookup, changes and quota
     counting are used here."""
 
+    settings: CassandraSettings
     cql: Cql
     tables: Tables
     _resolve: Any
@@ -58,40 +58,27 @@ class CassandraCopies(Store):
     _release_shared: Any
     _delete_chunks: Any
 
-    async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
-        key = address_key(user)
-        source_id = (await self._resolve(key, source, cached=True)).mailbox_id
-        rows = {r.id: r for r in await self.tables.messages.copies(source_id, list(dict.fromkeys(ids)))
-                if r.size is not None}
-        for message_id in ids:
-            if message_id not in rows:
-                raise NoSuchMessage(source, message_id)
-        if await self.quota_allows(user, sum(rows[i].size for i in ids)) is False:
-            raise QuotaExceeded([user])
-        new_ids: list[uuid.UUID] = []
-        try:
-            for message_id in ids:
-                row = rows[message_id]
-                new_id = None
-                # (Only a numbered message's: its deletions are decided in Paxos rounds, which the
-                # mark below takes part in; a mailbox never numbered is deleted from without one.)
-                if row.uid and math.ceil(row.size / row.chunk_size) > SHARE_CHUNKS:
-                    new_id = await self._copy_shared(key, source, source_id, row, dest)
-                if new_id is None:
-                    body = await self.read_message(user, source, message_id)
-                    [new_id] = await self.deliver(body, [Target(user, dest, frozenset(row.flags or ()))],
-                                                  _utc(row.internal_date))
-                new_ids.append(new_id)
-        except (QuotaExceeded, NoSuchMessage):
-            # Another delivery took the room meanwhile, or a message went: the copies made so far
-            # go again, so the call changes nothing (IMAP's NO [OVERQUOTA] and [EXPUNGEISSUED]).
-            if new_ids:
-                await self.delete_messages(user, dest, new_ids)
-            raise
-        return new_ids
+    async def _copy_one(self, user: str, source: str, summary: MessageSummary, dest: str) -> uuid.UUID:
+        """A numbered message's body of more than SHARE_CHUNKS chunks is shared; any other is
+        copied byte for byte (`Store._copy_one`). (Only a numbered message's: its deletions are
+        decided in Paxos rounds, which marking it shared takes part in; a mailbox never numbered
+        is deleted from without one.)"""
+        if summary.uid and summary.size > SHARE_CHUNKS * self.settings.chunk_size:
+            key = address_key(user)
+            source_id = (await self._resolve(key, source, cached=True)).mailbox_id
+            rows = [r for r in await self.tables.messages.body_infos(source_id, [summary.id]) if r.size is not None]
+            if not rows:
+                raise NoSuchMessage(source, summary.id)
+            if math.ceil(rows[0].size / rows[0].chunk_size) > SHARE_CHUNKS:
+                new_id = await self._copy_shared(key, source, source_id, rows[0], summary, dest)
+                if new_id is not None:
+                    return new_id
+        return await super()._copy_one(user, source, summary, dest)
 
-    async def _copy_shared(self, key: str, source: str, source_id: uuid.UUID, row: Any, dest: str) -> uuid.UUID | None:
-        """One copy referring to the body of `row` (see the module's docstring); None when the
+    async def _copy_shared(self, key: str, source: str, source_id: uuid.UUID, row: Any, summary: MessageSummary,
+                           dest: str) -> uuid.UUID | None:
+        """One copy referring to the body of `row`, the message's body row (see the module's
+        docstring), with the flags and internal date of its `summary`; None when the
         body's row cannot be found (its last copy went, or at a weak consistency level it is not
         visible yet): the bytes are then copied, if the message is still there."""
         target = await self._resolve(key, dest)  # (uncached, as a delivery's)
@@ -111,8 +98,8 @@ class CassandraCopies(Store):
                 if await self._release_shared(body_id, size, refs):
                     await self._delete_chunks([(body_id, i) for i in range(math.ceil(size / row.chunk_size))])
                 raise NoSuchMessage(source, row.id)
-        await self.tables.messages.insert(target.mailbox_id, new_id, size, set(row.flags or ()) or None,
-                                          _utc(row.internal_date), body_id, row.chunk_size, True, new_id)
+        await self.tables.messages.insert(target.mailbox_id, new_id, size, set(summary.flags) or None,
+                                          summary.internal_date, body_id, row.chunk_size, True, new_id)
         self._notify([target.mailbox_id])
         self._ahead.delivered(target.mailbox_id, new_id)
         await self._quota_count(counted)
@@ -137,7 +124,3 @@ def body_ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
     """A message row's reference in its body's row (`bodies.refs`)."""
     return f"{mailbox_id}/{message_id}"
 
-
-def _utc(when: Any) -> Any:
-    """An internal date as Cassandra gives it (without a zone: UTC) with its zone."""
-    return when.replace(tzinfo=timezone.utc) if when is not None and when.tzinfo is None else when

@@ -354,7 +354,6 @@ class Messages(Table):
         "first_live": (READ, "SELECT id, size FROM messages WHERE mailbox_id = ? AND id > ? LIMIT 16"),
         "body_info": (READ, "SELECT body_id, size, chunk_size FROM messages WHERE mailbox_id = ? AND id = ?"),
         "body_infos": (READ, f"SELECT {_BODY_COUNTERS} FROM messages WHERE mailbox_id = ? AND id IN ?"),
-        "copies": (READ, f"SELECT {_BODY}, flags, internal_date, uid FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "share": (CONDITIONAL, "UPDATE messages SET shared = true WHERE mailbox_id = ? AND id = ?"),
         "delete": (WRITE, "DELETE FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "changed": (WRITE, "UPDATE messages SET changed = ? WHERE mailbox_id = ?"),
@@ -605,10 +604,6 @@ class Messages(Table):
         statement = self.bind("page", mailbox_id, after, limit)
         statement.consistency_level = ConsistencyLevel.ALL
         return await self.cql.run(statement)
-
-    async def copies(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
-        """Body rows of these ids with their flags and internal dates: what a copy is made from."""
-        return await self._run("copies", mailbox_id, ids)
 
     def share_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> BoundStatement:
         return self.bind("share", mailbox_id, message_id)
