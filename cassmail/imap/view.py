@@ -601,21 +601,20 @@ class MailboxView:
         vanished: set[int] = set()
         changed: list[MessageSummary] = []
         own = self._own_only(highest) if highest > self.highest else None
-        if highest > self.highest and own is None:
+        if own is not None and any(change.numbered for change in own.values()):
+            if arrived is None:
+                arrived = await store.arrivals(user, name, self.mark)
+            arrivals = {s.id for s in arrived[0]}
+            if not all(i in arrivals for change in own.values() for i in change.numbered):
+                own = None  # (a message numbered here that the arrivals missed: read the changes)
+        if own is not None:
+            self._take_own(own)
+        elif highest > self.highest:
             changed, gone = await store.changes_since(user, name, self.highest)
             if gone is None:
                 return None
             vanished = set(gone)
         found, mark = arrived if arrived is not None else await store.arrivals(user, name, self.mark)
-        if own is not None:
-            arrivals = {s.id for s in found}
-            if all(i in arrivals for change in own.values() for i in change.numbered):
-                self._take_own(own)
-            else:  # (a message numbered here that the arrivals missed: read the changes after all)
-                changed, gone = await store.changes_since(user, name, self.highest)
-                if gone is None:
-                    return None
-                vanished = set(gone)
         latest: dict[uuid.UUID, MessageSummary] = {}
         for s in [*changed, *found]:
             known = latest.get(s.id)

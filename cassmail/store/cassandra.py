@@ -1005,12 +1005,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def _release_bodies(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         """Drop the chunks of bodies no copy refers to any more; best effort: a failure leaks
         garbage, never mail."""
-        chunks = []
-        for r in rows:
-            if r.shared and not await self._release_shared(r.body_id, r.size, {body_ref(mailbox_id, r.id)}):
-                continue
-            chunks += [(r.body_id, i) for i in range(math.ceil(r.size / r.chunk_size))]
-        await self._delete_chunks(chunks)
+        await self._delete_chunks([
+            r for r in rows
+            if not r.shared or await self._release_shared(r.body_id, r.size, {body_ref(mailbox_id, r.id)})
+        ])
 
     async def _release_shared(self, body_id: uuid.UUID, size: int, refs: set[str]) -> bool:
         """Drop references to a shared body; True when they were the last, and the caller is to
@@ -1024,9 +1022,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             return False
         return await self.tables.bodies.delete_unreferenced(body_id, size)
 
-    async def _delete_chunks(self, chunks: list[tuple[uuid.UUID, int]]) -> None:
-        """(body, index) pairs, in unlogged batches of CHUNKS_PER_DELETE (each chunk is a
-        partition of its own: one request per batch, not per chunk)."""
+    async def _delete_chunks(self, bodies: Sequence[Any]) -> None:
+        """Every chunk of the bodies (rows with body_id, size and chunk_size), in unlogged batches
+        of CHUNKS_PER_DELETE (each chunk is a partition of its own: one request per batch, not
+        per chunk)."""
+        chunks = [(b.body_id, i) for b in bodies for i in range(math.ceil(b.size / b.chunk_size))]
         delete = self.tables.body_chunks.delete_statement
         await self._gather_limited(
             self.cql.run(self.cql.batch(BatchType.UNLOGGED, statements=[delete(b, i) for b, i in group]))

@@ -96,7 +96,7 @@ class CassandraCopies(Store):
                 # The source went first, its chunks with it (unless a copy made at the same time
                 # shared it: then that copy's reference keeps them).
                 if await self._release_shared(body_id, size, refs):
-                    await self._delete_chunks([(body_id, i) for i in range(math.ceil(size / row.chunk_size))])
+                    await self._delete_chunks([row])
                 raise NoSuchMessage(source, row.id)
         await self.tables.messages.insert(target.mailbox_id, new_id, size, set(summary.flags) or None,
                                           summary.internal_date, body_id, row.chunk_size, True, new_id)
