@@ -21,7 +21,7 @@ from cassmail.model import INBOX, address_key, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_events, cassandra_schema
 from cassmail.store.base import (
-    DomainInUse, NoSuchMailbox, NoSuchMessage, Store, StoreError, StoreUnavailable, Target,
+    DomainInUse, NoSuchMailbox, NoSuchMessage, RecentClaim, Store, StoreError, StoreUnavailable, Target,
 )
 from cassmail.store.cassandra import CassandraStore
 from tests.conftest import FAST_HASH, hash_password
@@ -940,6 +940,49 @@ async def test_a_claim_of_recent_from_a_known_mark_reads_nothing_and_a_stale_one
     assert await other.recent_mark(user, INBOX) == 70
 
 
+async def test_an_append_claims_recent_in_its_numbering_round_when_the_mark_it_knows_is_the_uid(
+    make_store
+) -> None:
+    """APPEND to the session's selected mailbox: when the mark the session knows is the UID the
+    message gets (every UID below is claimed), the numbering's one Paxos round claims it too. A
+    stale mark loses only the claim: the message is numbered by the next try, and is claimed as
+    any other message by the session that lists it first. (The mark never passes UIDNEXT, and
+    only grows: a known mark equal to the UIDNEXT read is the mark, so the claim's condition
+    never fails the round.)"""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    [first] = await store.deliver(b"Subject: 1\r\n\r\nx\r\n", [Target(user)])
+    await store.assign_uids(user, INBOX, [first])
+    assert await store.claim_recent(user, INBOX, 2) == 1
+    rounds: list[object] = []
+    real = store.cql.conditional
+
+    async def conditional(statement: Any, contention_not_applied: bool = False) -> tuple[bool, Any]:
+        rounds.append(statement)
+        return await real(statement, contention_not_applied)
+
+    store.cql.conditional = conditional  # type: ignore[method-assign]
+    claim = RecentClaim(2)
+    _, uid = await store.append(b"Subject: 2\r\n\r\nx\r\n", Target(user), recent=claim)
+    assert uid == 2 and claim.won and len(rounds) == 1  # one round: the UID and the claim
+    assert await other.recent_mark(user, INBOX) == 3
+    assert await store.claim_recent(user, INBOX, 3, known=3) == 3 and len(rounds) == 1  # covered: nothing
+    # another node numbers and claims a message meanwhile: the known mark (3) is stale
+    [third] = await other.deliver(b"Subject: 3\r\n\r\nx\r\n", [Target(user)])
+    assert await other.assign_uids(user, INBOX, [third]) == {third: 3}
+    assert await other.claim_recent(user, INBOX, 4, known=3) == 3
+    rounds.clear()
+    stale = RecentClaim(3)
+    fourth, uid = await store.append(b"Subject: 4\r\n\r\nx\r\n", Target(user), recent=stale)
+    assert uid == 4 and not stale.won and len(rounds) == 1  # 3 is not the UID read: no claim is tried
+    assert (await other.get_summaries(user, INBOX, [fourth]))[fourth].uid == 4
+    assert await other.recent_mark(user, INBOX) == 4  # unclaimed: the first session to list it has it
+    assert await other.claim_recent(user, INBOX, 5, known=4) == 4
+    unknown = RecentClaim(1)  # (the mark may be unset: a claim cannot name it)
+    _, uid = await store.append(b"Subject: 5\r\n\r\nx\r\n", Target(user), recent=unknown)
+    assert uid == 5 and not unknown.won and await other.recent_mark(user, INBOX) == 5
+
+
 async def test_a_change_decides_on_a_plain_read_and_one_overtaken_meanwhile_is_retried_after_a_serial_read(
     make_store
 ) -> None:
@@ -1795,6 +1838,44 @@ async def test_status_counts_are_kept_through_changes_and_read_without_the_listi
     assert 1200 <= rows < 1300  # the tail, and again at ALL to fold it
     folded, rows = await status()
     assert folded.messages == 2595 and rows <= 3
+
+
+async def test_a_status_that_folds_the_counts_between_a_changes_read_and_its_batch_makes_it_decide_again(
+    make_store, monkeypatch
+) -> None:
+    """A STATUS moves the bound of the counts (and the counts) without a MODSEQ. A flag change
+    that read the counts before such a fold and wrote them after it would leave counts made on
+    the old bound under the new one (the mail between the two bounds counted by neither): its
+    batch is conditional on the bound too, so it does not apply and is decided again."""
+    from cassmail.store import cassandra_counts
+
+    store, other = await make_store(request_timeout=1.0), await make_store(request_timeout=1.0)
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 3)
+    await store.assign_uids(user, INBOX, ids)
+    await asyncio.sleep(3.2)
+    assert (await other.mailbox_status(user, INBOX)).messages == 3  # counted, and kept
+    later = await deliver_many(store, user, 3)
+    await asyncio.sleep(3.2)
+    monkeypatch.setattr(cassandra_counts, "FOLD_ROWS", 2)  # the next STATUS folds the three
+    reads: list[bool] = []
+    real = store.tables.messages.state
+
+    async def state(mailbox_id: uuid.UUID, wanted: list[uuid.UUID], serial: bool = True) -> list[object]:
+        reads.append(serial)
+        rows = await real(mailbox_id, wanted, serial)
+        if len(reads) == 1:  # another node's STATUS folds the counts between this read and the batch
+            with other.tracing() as cost:
+                await other.mailbox_status(user, INBOX)
+            assert cost.live_rows >= 6  # the tail, and again at ALL to fold it
+        return rows
+
+    store.tables.messages.state = state  # type: ignore[method-assign]
+    await store.store_flags(user, INBOX, [ids[0], later[0]], ["\\Seen"], "add")
+    assert reads == [False, True]  # decided again
+    got = await other.mailbox_status(user, INBOX)
+    assert got == await Store.mailbox_status(other, user, INBOX)  # the listing's count
+    assert (got.messages, got.unseen) == (6, 4)
 
 
 async def test_body_chunks_are_kept_uncompressed_and_compacted_in_tiers_of_eight(cassandra_settings) -> None:

@@ -59,6 +59,38 @@ async def test_recent_belongs_to_one_session_and_copies_are_recent(plain_node, s
     assert _number(other.cmd("EXAMINE Drafts"), b"RECENT") == 0
 
 
+async def test_an_append_to_the_selected_mailbox_is_recent_in_the_appending_session(
+    plain_node, store: Store, users
+) -> None:
+    """The appending session has the mailbox selected: the message is \\Recent there (on
+    Cassandra claimed by the numbering's own round: no claim of its own), and in no other."""
+    user = users["carol"]
+    await deliver(store, user, [message(1)], "Trash")
+    appender = _session(plain_node, user, "carol", "Trash")
+    watcher = _session(plain_node, user, "carol", "Trash")
+    assert _search(appender, "RECENT") == [1] and _search(watcher, "RECENT") == []
+    from tests.test_metrics import scrape, value
+
+    def claims() -> float:
+        return value(scrape(plain_node), "cassmail_store_seconds_count", op="claim_recent") or 0
+
+    before = claims()
+    for n in (2, 3):
+        lines = appender.cmd(b"APPEND Trash {%d+}\r\n%s" % (len(message(n)), message(n)))
+        assert _number(lines, b"EXISTS") == n and _number(lines, b"RECENT") == n, lines
+        assert b"APPENDUID" in lines[-1]
+    assert _search(appender, "RECENT") == [1, 2, 3] and _search(appender, "NEW") == [1, 2, 3]
+    assert b"\\Recent" in b"".join(appender.cmd("FETCH 3 FLAGS"))
+    if type(store).__name__ == "CassandraStore":
+        assert claims() == before  # each claimed in its numbering's round
+    else:
+        assert claims() >= before + 2
+    lines = watcher.cmd("NOOP")
+    assert _number(lines, b"EXISTS") == 3 and _search(watcher, "RECENT") == []
+    later = _session(plain_node, user, "carol")
+    assert _number(later.cmd("SELECT Trash"), b"RECENT") == 0
+
+
 async def test_a_new_keyword_is_announced_in_flags_before_it_is_shown(plain_node, store: Store, users) -> None:
     user = users["bob"]
     await deliver(store, user, [message(1)], "Junk")

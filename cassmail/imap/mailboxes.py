@@ -306,8 +306,10 @@ async def append(session: Session, args: c.Append) -> str:
     store = session.store
     wanted = flag_set(f for f in args.flags if f.lower() != "\\recent")
     modseqs: dict[uuid.UUID, int] = {}
+    view = session.view if session.view is not None and session.view.name == name else None
+    recent = view.recent_claim() if view is not None else None
     try:
-        _, uid = await store.append(args.message, Target(user, name, wanted), args.date, modseqs)
+        _, uid = await store.append(args.message, Target(user, name, wanted), args.date, modseqs, recent)
     except NoSuchMailbox:
         raise No("No such mailbox", "TRYCREATE") from None
     except MessageTooLarge:
@@ -319,8 +321,9 @@ async def append(session: Session, args: c.Append) -> str:
         if uid:
             info = await store.mailbox_info(user, name)
             code = f"[APPENDUID {info.uidvalidity} {uid}] "
-        if session.view is not None and session.view.name == name:
-            session.view.took(modseqs, numbered=True)
+        if view is not None and session.view is view:
+            view.took(modseqs, numbered=True)
+            view.appended(uid, recent)
             await session.refresh(expunge=False)
     except StoreUnavailable as exc:
         log.warning(kv("imap-append", user=user, mailbox=name, error=exc))

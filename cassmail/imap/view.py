@@ -45,7 +45,7 @@ from cassmail.imap import wire
 from cassmail.imap.cache import Lru
 from cassmail.logs import kv
 from cassmail.model import MessageSummary
-from cassmail.store.base import Store, StoreUnavailable
+from cassmail.store.base import RecentClaim, Store, StoreUnavailable
 
 log = logging.getLogger("cassmail.imap")
 
@@ -292,6 +292,8 @@ class MailboxView:
         self.recent: set[int] = set()
         #: The store's recent mark as this session knows it: UIDs below it are nobody's news.
         self.recent_mark: int | None = None
+        #: UIDs this session's APPEND claimed before the view lists them (`appended`).
+        self.recent_ahead: set[int] = set()
         #: Keywords the client was told of in FLAGS (a new one is announced before it is shown).
         self.keywords: set[str] = set()
         #: The store's changes token read before the last listing (Store.changes_token), and when.
@@ -449,6 +451,33 @@ class MailboxView:
             elif numbered:
                 change.numbered.add(message_id)
 
+    def recent_claim(self) -> RecentClaim | None:
+        """What an APPEND to this mailbox asks the store to claim \\Recent on (Store.append):
+        the mark this session knows; None for a read-only session, which claims nothing."""
+        if self.readonly or self.recent_mark is None:
+            return None
+        return RecentClaim(max(self.recent_mark, self._worker_mark() or 0))
+
+    def appended(self, uid: int | None, recent: RecentClaim | None) -> None:
+        """An APPEND of this session numbered a message `uid` and, if `recent` won, claimed it:
+        \\Recent here once the view lists it, and the mark is past it."""
+        if uid is None or recent is None or not recent.won:
+            return
+        self.recent_ahead.add(uid)
+        self._raise_mark(uid + 1)
+
+    def _worker_mark(self) -> int | None:
+        """The highest mark any session of this worker learnt of this mailbox."""
+        if self.recent_marks is None:
+            return None
+        return self.recent_marks.get((self.user, self.name, self.uidvalidity))
+
+    def _raise_mark(self, mark: int) -> None:
+        self.recent_mark = max(self.recent_mark or 1, mark)
+        if self.recent_marks is not None:
+            key = (self.user, self.name, self.uidvalidity)
+            self.recent_marks.put(key, max(self.recent_mark, self.recent_marks.get(key) or 0))
+
     def _own_only(self, highest: int) -> dict[int, OwnChange] | None:
         """The own changes that are every MODSEQ from the view's HIGHESTMODSEQ up to `highest`,
         or None when some change between is another's (or one this view forgot)."""
@@ -557,8 +586,12 @@ class MailboxView:
         for uid in fresh:
             self.uids.append(uid)
             self.messages[uid] = current[uid]
+        if self.recent_ahead:
+            self.recent.update(self.recent_ahead.intersection(fresh))
         if self.uids:
             self.shown = max(self.shown, self.uids[-1])
+        if self.recent_ahead:  # (one expunged before this view listed it is nobody's)
+            self.recent_ahead = {u for u in self.recent_ahead if u > self.shown}
         await self._claim_recent()
         if current:
             self.uid_next = max(self.uid_next, max(current) + 1)
@@ -642,8 +675,7 @@ class MailboxView:
             if self.readonly:
                 self.recent.update(self.uids[bisect.bisect_left(self.uids, self.recent_mark):])
                 return
-            key = (self.user, self.name, self.uidvalidity)
-            known = self.recent_marks.get(key) if self.recent_marks is not None else None
+            known = self._worker_mark()
             if known is not None and known > self.recent_mark:
                 self.recent_mark = known  # (the store's mark only grows)
             if top <= self.recent_mark:
@@ -653,9 +685,7 @@ class MailboxView:
             log.warning(kv("imap-recent", user=self.user, mailbox=self.name, error=exc))
             return
         self.recent.update(self.uids[bisect.bisect_left(self.uids, before):])  # (all below `top`)
-        self.recent_mark = max(top, before)
-        if self.recent_marks is not None:
-            self.recent_marks.put(key, max(self.recent_mark, self.recent_marks.get(key) or 0))
+        self._raise_mark(max(top, before))
 
     async def _renumber_late(self, current: dict[int, MessageSummary]) -> None:
         """Give a new UID to every listed message whose UID this session may no longer show (at

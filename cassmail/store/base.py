@@ -185,6 +185,17 @@ class Target:
     flags: frozenset[str] = frozenset()
 
 
+@dataclass(slots=True)
+class RecentClaim:
+    """IMAP \\Recent for a message an APPEND numbers (Store.append): `known` is the recent mark
+    the appending session knows (Store.claim_recent's). A store that can claim the new UID in
+    the numbering's own write, when the mark is just below it, sets `won`: the message is then
+    \\Recent to that session, and the mark is the UID + 1."""
+
+    known: int
+    won: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class MailboxStatus:
     """What IMAP STATUS tells of a mailbox (Store.mailbox_status): its messages, those without
@@ -453,20 +464,25 @@ class Store(abc.ABC):
 
     async def append(
         self, body: Body, target: Target, internal_date: datetime | None = None,
-        modseqs: dict[uuid.UUID, int] | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None, recent: RecentClaim | None = None,
     ) -> tuple[uuid.UUID, int | None]:
         """IMAP APPEND: `deliver` to one mailbox (raising what it raises), then the message's UID,
         None when it cannot be had now (StoreUnavailable while numbering, logged: the message is
         stored either way, and the next listing numbers it). A store that can give the UID in the
         delivery's own write does (mbox: one index append and one sync fewer). `modseqs` as in
-        `assign_uids`."""
+        `assign_uids`; `recent`, see RecentClaim (a store may leave it unclaimed)."""
         [message_id] = await self.deliver(body, [target], internal_date)
         try:
-            uids = await self.assign_uids(target.user, target.mailbox, [message_id], modseqs=modseqs)
+            uids = await self._number_appended(target, message_id, modseqs, recent)
         except StoreUnavailable as exc:
             log.warning(kv("imap-uids", user=target.user, mailbox=target.mailbox, waiting=1, error=exc))
             return message_id, None
         return message_id, uids.get(message_id)
+
+    async def _number_appended(self, target: Target, message_id: uuid.UUID, modseqs: dict[uuid.UUID, int] | None,
+                               recent: RecentClaim | None) -> dict[uuid.UUID, int]:
+        """`append`'s numbering of the message it delivered: `assign_uids`, claiming nothing."""
+        return await self.assign_uids(target.user, target.mailbox, [message_id], modseqs=modseqs)
 
     @abc.abstractmethod
     async def list_page(

@@ -66,6 +66,7 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
+    RecentClaim,
     StoreUnavailable,
     Target,
     UserExists,
@@ -976,7 +977,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if uids is not None:
                 uidnext = (uidnext or 1) + uids(rows)
             batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, (read.uidnext, read.highest_modseq)))
+            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, (read.uidnext, read.highest_modseq, read.counted_through)))
             for statement in statements:
                 batch.add(statement)
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
@@ -1144,6 +1145,14 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         return await self._assign(mailbox_id, uid_work(ids, renumber), renumber, modseqs, listed_at)
 
+    async def _number_appended(self, target: Target, message_id: uuid.UUID, modseqs: dict[uuid.UUID, int] | None,
+                               recent: RecentClaim | None) -> dict[uuid.UUID, int]:
+        """The numbering's batch also claims the UID for the appending session's \\Recent when the
+        mark it knows is the UID (every UID below claimed): one Paxos round for both."""
+        mailbox_id = (await self._resolve(address_key(target.user), target.mailbox, cached=True)).mailbox_id
+        found, _ = await self._assign_group(mailbox_id, [message_id], None, modseqs, recent=recent)
+        return found
+
     async def _assign(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None = None,
         modseqs: dict[uuid.UUID, int] | None = None, listed_at: int | None = None,
@@ -1198,7 +1207,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         first, modseq = left.uidnext, left.highest + 1
         ahead = _Numbered(first + len(ids), modseq, left.tally.copy(), left.listed)
         batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, (first, left.highest)))
+        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, (first, left.highest, left.tally.bound)))
         messages.add_first_uids(batch, mailbox_id, ids, first, modseq, checked=not left.listed)
         if ahead.tally.valid:
             for uid, message_id in enumerate(ids, first):
@@ -1209,17 +1218,20 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def _assign_group(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None,
-        modseqs: dict[uuid.UUID, int] | None, listed_at: int | None = None,
+        modseqs: dict[uuid.UUID, int] | None, listed_at: int | None = None, recent: RecentClaim | None = None,
     ) -> tuple[dict[uuid.UUID, int], _Numbered | None]:
         """Numbering through `_change`: the batch applies only if the counters are unchanged, i.e.
         nobody numbered or changed anything since the SERIAL read. Every renumbering moves the
         counters too, so a renumber raced by another one fails there, and its retry reads the
         message's new UID, no longer the one it was asked to replace. With what the batch left
-        (counters, counts) when it applied, for the next batch to go on from."""
+        (counters, counts) when it applied, for the next batch to go on from. `recent`: the
+        first try of a batch numbering one message at the UID the known mark names raises the
+        mark past it too, on that condition (a try after it, the mark having moved, claims nothing)."""
         messages = self.tables.messages
         result: dict[uuid.UUID, int] = {}
         given: dict[uuid.UUID, int] = {}
         left: list[_Numbered] = []
+        claim = [recent is not None and recent.known > 1]  # (1: the mark may be unset, which it cannot name)
 
         def missing(rows: list[Any]) -> list[Any]:
             alive = {r.id: r for r in rows if r.size is not None}
@@ -1240,6 +1252,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                     statements += messages.record_statements(mailbox_id, r.uid, modseq, None)
                 result[r.id] = first + offset
                 given[r.id] = modseq
+            if recent is not None:
+                recent.won = claim[0] and len(todo) == 1 and recent.known == first
+                if recent.won:
+                    statements.append(messages.raise_recent_statement(mailbox_id, first + 1, recent.known))
+                claim[0] = False
             listed = (renumber is None and listed_at is not None and modseqs is not None and listed_at < modseq
                       and set(range(listed_at + 1, modseq)) <= set(modseqs.values()) and self._reads_see_writes())
             left[:] = [_Numbered(first + len(todo), modseq, tally, listed)]
@@ -1248,6 +1265,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         applied = await self._change(mailbox_id, ids, plan, uids=lambda rows: len(missing(rows)))
         if applied and modseqs is not None:
             modseqs.update(given)
+        if recent is not None and not applied:
+            recent.won = False
         return {i: result[i] for i in ids if i in result}, left[0] if applied else None
 
     async def highest_modseq(self, user: str, mailbox: str) -> int:

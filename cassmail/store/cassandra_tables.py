@@ -370,7 +370,8 @@ class Messages(Table):
         ),
         "advance": (
             CONDITIONAL,
-            "UPDATE messages SET uidnext = ?, highest_modseq = ? WHERE mailbox_id = ? IF uidnext = ? AND highest_modseq = ?",
+            "UPDATE messages SET uidnext = ?, highest_modseq = ? WHERE mailbox_id = ? "
+            "IF uidnext = ? AND highest_modseq = ? AND counted_through = ?",
         ),
         "set_uid": (CONDITIONAL, "UPDATE messages SET uid = ?, modseq = ? WHERE mailbox_id = ? AND id = ?"),
         # (a message that is there has a size, and no size is negative)
@@ -513,9 +514,12 @@ class Messages(Table):
         return statement
 
     def advance_statement(
-        self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None, was: tuple[int | None, int | None]
+        self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None,
+        was: tuple[int | None, int | None, uuid.UUID | None],
     ) -> BoundStatement:
-        """Set both counters, if both are still `was` (uidnext, highest_modseq; None: not set)."""
+        """Set both counters, if both are still `was` (uidnext, highest_modseq; None: not set) and
+        so is the bound of the STATUS counts (counted_through): the batch writes counts made on
+        that bound, and a STATUS may move it without a MODSEQ (CassandraCounts._keep_counts)."""
         return self.bind("advance", uidnext, modseq, mailbox_id, *was)
 
     def set_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int, modseq: int) -> BoundStatement:

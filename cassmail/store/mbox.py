@@ -84,6 +84,7 @@ from cassmail.store.base import (
     NoSuchMailbox,
     NoSuchMessage,
     NoSuchUser,
+    RecentClaim,
     StoreUnavailable,
     Target,
     UserExists,
@@ -704,9 +705,10 @@ class MboxStore(MboxQuota, FileQueueStore):
 
     async def append(
         self, body: Body, target: Target, internal_date: datetime | None = None,
-        modseqs: dict[uuid.UUID, int] | None = None,
+        modseqs: dict[uuid.UUID, int] | None = None, recent: RecentClaim | None = None,
     ) -> tuple[uuid.UUID, int | None]:
-        """The UID comes in the delivery's own index append (MailboxFile.deliver with `number`)."""
+        """The UID comes in the delivery's own index append (MailboxFile.deliver with `number`);
+        \\Recent is claimed as for any other message (`recent` is left unclaimed)."""
         view, _, unique = prepare_delivery(body, [target], self.max_message_size)
         [key] = unique
         ids, uids = {key: new_message_id()}, {}
