@@ -17,7 +17,7 @@ from cassandra import ConsistencyLevel
 from cassandra.query import BatchStatement, SimpleStatement
 
 from cassmail.config import CassandraSettings
-from cassmail.model import INBOX, address_key, new_message_id
+from cassmail.model import INBOX, MessageSummary, address_key, new_message_id
 from cassmail.store import cassandra as cassandra_module
 from cassmail.store import cassandra_events, cassandra_schema
 from cassmail.store.base import (
@@ -974,13 +974,70 @@ async def test_an_append_claims_recent_in_its_numbering_round_when_the_mark_it_k
     rounds.clear()
     stale = RecentClaim(3)
     fourth, uid = await store.append(b"Subject: 4\r\n\r\nx\r\n", Target(user), recent=stale)
-    assert uid == 4 and not stale.won and len(rounds) == 1  # 3 is not the UID read: no claim is tried
+    # two rounds: the first decided on what this store's own last change left, which the other
+    # node's numbering made stale, did not apply; the second, on a read, found 4, not 3: no claim
+    assert uid == 4 and not stale.won and len(rounds) == 2
     assert (await other.get_summaries(user, INBOX, [fourth]))[fourth].uid == 4
     assert await other.recent_mark(user, INBOX) == 4  # unclaimed: the first session to list it has it
     assert await other.claim_recent(user, INBOX, 5, known=4) == 4
     unknown = RecentClaim(1)  # (the mark may be unset: a claim cannot name it)
     _, uid = await store.append(b"Subject: 5\r\n\r\nx\r\n", Target(user), recent=unknown)
     assert uid == 5 and not unknown.won and await other.recent_mark(user, INBOX) == 5
+
+
+async def test_a_change_after_this_stores_own_is_decided_on_what_it_left_and_on_what_the_caller_knows(
+    make_store
+) -> None:
+    """A flag change whose caller knows the messages as of the MODSEQ this store's own last change
+    of the mailbox left (an IMAP view after its session's change) is one Paxos round, without a
+    read. Knowledge at another MODSEQ is read as before; a change by another node meanwhile makes
+    the round not apply, and the change is decided again on a read: nothing is lost, and the
+    STATUS counts stay those of the listing."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    ids = [(await store.deliver(b"Subject: %d\r\n\r\nx\r\n" % n, [Target(user)]))[0] for n in range(3)]
+    await store.assign_uids(user, INBOX, ids)
+    reads: list[bool] = []
+    rounds: list[object] = []
+    real_state, real_conditional = store.tables.messages.state, store.cql.conditional
+
+    async def state(mailbox_id: uuid.UUID, wanted: list[uuid.UUID], serial: bool = True) -> list[object]:
+        reads.append(serial)
+        return await real_state(mailbox_id, wanted, serial)
+
+    async def conditional(statement: Any, contention_not_applied: bool = False) -> tuple[bool, Any]:
+        rounds.append(statement)
+        return await real_conditional(statement, contention_not_applied)
+
+    store.tables.messages.state = state  # type: ignore[method-assign]
+    store.cql.conditional = conditional  # type: ignore[method-assign]
+    known = await store.get_summaries(user, INBOX, ids)
+    highest = await store.highest_modseq(user, INBOX)
+    modseqs: dict[uuid.UUID, int] = {}
+    await store.store_flags(user, INBOX, [ids[0]], ["\\Seen"], "add", modseqs=modseqs, known=(known, highest))
+    assert reads == [] and len(rounds) == 1 and modseqs == {ids[0]: highest + 1}
+    await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add", known=(known, highest))  # not the last
+    assert reads == [False] and len(rounds) == 2
+    known, highest = await store.get_summaries(user, INBOX, ids), await store.highest_modseq(user, INBOX)
+    await other.store_flags(user, INBOX, [ids[2]], ["\\Flagged"], "add")  # the store does not know of it
+    reads.clear()
+    rounds.clear()
+    await store.store_flags(user, INBOX, [ids[2]], ["\\Seen"], "add", known=(known, highest))
+    assert reads == [False] and len(rounds) == 2  # the round on what it knew did not apply
+    flags = {s.id: s.flags async for s in other.list_messages(user, INBOX)}
+    assert flags == {ids[0]: {"\\Seen"}, ids[1]: {"\\Seen"}, ids[2]: {"\\Seen", "\\Flagged"}}
+    assert await store.mailbox_status(user, INBOX) == await Store.mailbox_status(store, user, INBOX)
+    # An APPEND's numbering decides on the row its delivery wrote, and the batch checks that the
+    # message is there without a UID: one numbered meanwhile (here by this same store) keeps its UID.
+    body = b"Subject: 4\r\n\r\nx\r\n"
+    _, uid = await store.append(body, Target(user))
+    assert uid == 4 and await other.uid_next(user, INBOX) == 5
+    [late] = await store.deliver(body, [Target(user)])
+    assert await store.assign_uids(user, INBOX, [late]) == {late: 5}
+    reads.clear()
+    delivered = MessageSummary(late, len(body), frozenset(), datetime.now(timezone.utc))
+    assert await store._number_appended(Target(user), delivered, None, None) == {late: 5}
+    assert reads == [False] and await other.uid_next(user, INBOX) == 6  # the guess failed; read; no new UID
 
 
 async def test_a_change_decides_on_a_plain_read_and_one_overtaken_meanwhile_is_retried_after_a_serial_read(

@@ -91,7 +91,7 @@ async def fetch(session: Session, args: c.Fetch) -> str:
         if unseen:
             modseqs: dict[uuid.UUID, int] = {}
             await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in unseen], ["\\Seen"],
-                                            "add", modseqs=modseqs)
+                                            "add", modseqs=modseqs, known=view.known(unseen))
             for u in unseen:
                 view.set_flags(u, view.messages[u].flags | {"\\Seen"})
             view.took(modseqs, flagged={view.messages[u].id: u for u in unseen})

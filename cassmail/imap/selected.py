@@ -85,7 +85,8 @@ async def store(session: Session, args: c.Store) -> str:
     modseqs: dict[uuid.UUID, int] = {}
     if uids:
         modified = await session.store.store_flags(view.user, view.name, [view.messages[u].id for u in uids], flags,
-                                                   args.mode, unchanged_since=args.unchangedsince, modseqs=modseqs)
+                                                   args.mode, unchanged_since=args.unchangedsince, modseqs=modseqs,
+                                                   known=view.known(uids))
     # RFC 7162 3.1.3: what failed UNCHANGEDSINCE is left as it was and named in [MODIFIED ...]
     failed = [u for u in uids if view.messages[u].id in modified]
     uids = [u for u in uids if view.messages[u].id not in modified]

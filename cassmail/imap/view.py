@@ -451,6 +451,27 @@ class MailboxView:
             elif numbered:
                 change.numbered.add(message_id)
 
+    def known(self, uids: Iterable[int]) -> tuple[dict[uuid.UUID, MessageSummary], int] | None:
+        """These messages as the store holds them at the MODSEQ given, for Store.store_flags's
+        `known`: the view's HIGHESTMODSEQ, or above it as far as every MODSEQ up from it was a
+        change of this session's own (`took`), whose flags and MODSEQs the view has. None
+        before the view has a HIGHESTMODSEQ."""
+        through = self.highest
+        if not through:
+            return None
+        flagged: dict[int, int] = {}
+        while through + 1 in self.own:
+            through += 1
+            flagged.update(dict.fromkeys(self.own[through].flagged, through))
+        out: dict[uuid.UUID, MessageSummary] = {}
+        for uid in uids:
+            summary = self.messages[uid]
+            modseq = flagged.get(uid)
+            if modseq is not None and (summary.modseq or 0) < modseq:
+                summary = dataclasses.replace(summary, modseq=modseq)
+            out[summary.id] = summary
+        return out, through
+
     def recent_claim(self) -> RecentClaim | None:
         """What an APPEND to this mailbox asks the store to claim \\Recent on (Store.append):
         the mark this session knows; None for a read-only session, which claims nothing."""

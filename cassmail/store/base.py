@@ -472,17 +472,20 @@ class Store(abc.ABC):
         delivery's own write does (mbox: one index append and one sync fewer). `modseqs` as in
         `assign_uids`; `recent`, see RecentClaim (a store may leave it unclaimed)."""
         [message_id] = await self.deliver(body, [target], internal_date)
+        delivered = MessageSummary(message_id, body_view(body).nbytes, target.flags,
+                                   internal_date or datetime.now(timezone.utc))  # (its date: to the moment)
         try:
-            uids = await self._number_appended(target, message_id, modseqs, recent)
+            uids = await self._number_appended(target, delivered, modseqs, recent)
         except StoreUnavailable as exc:
             log.warning(kv("imap-uids", user=target.user, mailbox=target.mailbox, waiting=1, error=exc))
             return message_id, None
         return message_id, uids.get(message_id)
 
-    async def _number_appended(self, target: Target, message_id: uuid.UUID, modseqs: dict[uuid.UUID, int] | None,
+    async def _number_appended(self, target: Target, message: MessageSummary, modseqs: dict[uuid.UUID, int] | None,
                                recent: RecentClaim | None) -> dict[uuid.UUID, int]:
-        """`append`'s numbering of the message it delivered: `assign_uids`, claiming nothing."""
-        return await self.assign_uids(target.user, target.mailbox, [message_id], modseqs=modseqs)
+        """`append`'s numbering of the message it delivered (`message`: as delivered, without a
+        UID): `assign_uids`, claiming nothing."""
+        return await self.assign_uids(target.user, target.mailbox, [message.id], modseqs=modseqs)
 
     @abc.abstractmethod
     async def list_page(
@@ -525,6 +528,7 @@ class Store(abc.ABC):
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
         unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
+        known: tuple[Mapping[uuid.UUID, MessageSummary], int] | None = None,
     ) -> set[uuid.UUID]:
         """Set, add or remove flags on messages; concurrent adds/removes of different flags both hold.
 
@@ -534,7 +538,10 @@ class Store(abc.ABC):
         the change against concurrent callers on any node; the ids left alone are returned (the
         MODIFIED set; always empty without `unchanged_since`). Ids that do not exist are ignored.
         `modseqs`, when given, gets the MODSEQ of each message this call changed, as in
-        `assign_uids`."""
+        `assign_uids`. `known`: the caller's summaries of (some of) these messages by id, and the
+        HIGHESTMODSEQ at which they are the store's (an IMAP view's, with its session's own
+        changes), which a store may decide the change on instead of reading them, if it can
+        make the change conditional on its HIGHESTMODSEQ being still that one (Cassandra)."""
 
     @abc.abstractmethod
     async def delete_messages(

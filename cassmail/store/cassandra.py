@@ -89,6 +89,7 @@ from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tal
 from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, reads_see_writes, row_factory
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_io import ThreadConnection, loop_connection, refuse_blocking
+from cassmail.store.cassandra_left import Known, Left
 from cassmail.store.cassandra_queue import CassandraQueue
 from cassmail.store.cassandra_quota import CassandraQuota
 from cassmail.store.cassandra_sieve import CassandraSieve
@@ -163,6 +164,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         #: row): for `_recent`.
         self._rows: dict[tuple[str, str | None], tuple[float, Any]] = {}
         self._bodies = _BodyNotes(BODY_NOTES)
+        #: The statics each mailbox's last change by this process left (cassandra_left).
+        self._left = Left()
         self._queue_init()
         self._ahead = NumberAhead(settings.number_ahead, self._assign)
 
@@ -795,9 +798,12 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
         unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
+        known: tuple[Mapping[uuid.UUID, MessageSummary], int] | None = None,
     ) -> set[uuid.UUID]:
         """Flags are written whole, in a conditional batch decided on the flags and MODSEQs read at
-        SERIAL (`_change`), so no change is lost to another. When no Paxos round can be had (too
+        SERIAL (`_change`), so no change is lost to another; or decided on `known` without a read
+        when this process's last change of the mailbox left the MODSEQ they are known at
+        (cassandra_left). When no Paxos round can be had (too
         few replicas of the mailbox up), a change without `unchanged_since` is still made, merged
         by Cassandra at the write level, without a MODSEQ: marking mail read keeps working in an
         outage, and a CONDSTORE client learns of that change with the message's next one."""
@@ -831,8 +837,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
         for n, group in enumerate(_groups(wanted, UID_BATCH)):
+            guess = None
+            if known is not None and all(i in known[0] for i in group):
+                guess = self._left.rows(mailbox_id, [known[0][i] for i in group], known[1])
             try:
-                if await self._change(mailbox_id, group, plan) and modseqs is not None:
+                if await self._change(mailbox_id, group, plan, guess=guess) and modseqs is not None:
                     modseqs.update(given)
             except StoreUnavailable as exc:
                 if unchanged_since is not None:
@@ -939,6 +948,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         plan: Callable[[list[Any], int, Tally], list[Any]],
         uids: Callable[[list[Any]], int] | None = None,
         read: list[Any] | None = None,
+        guess: list[Any] | None = None,
     ) -> bool:
         """Apply a change to messages of one mailbox in one conditional batch: `plan` gets the
         rows of `ids` as read (with the counters, static columns on every row) and the
@@ -948,18 +958,28 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         MODSEQ: it still must not apply over a concurrent change decided on the same read), so
         no change is lost to another and no MODSEQ or UID is handed out twice. Retried on
         contention. False when there was nothing to do. `read`: the rows of `ids` as the caller
-        read them (`_state` at the read level, where reads see writes), for the first try."""
+        read them (`_state` at the read level, where reads see writes), for the first try.
+        `guess`: the rows as they are known without a read (`Left.rows`), for a first try at any
+        level; if the mailbox changed since, its batch does not apply, and the change goes on
+        as without it."""
         messages = self.tables.messages
         # Where reads see every acknowledged write, the first try decides on a read at the read
         # level, without a Paxos round of its own: a change that overtook it, or one still in a
         # Paxos round (which the batch's own round finishes first), moved a counter, so the batch
         # does not apply and the next try reads at SERIAL.
         serial = not self._reads_see_writes()
-        for attempt in range(LWT_ATTEMPTS):
-            if attempt:
+        given = read
+        tries = range(-1 if guess else 0, LWT_ATTEMPTS)  # (-1: the guess; a try that fails it is no contention)
+        for attempt in tries:
+            if attempt > 0:
                 await _backoff(attempt)
                 serial = True
-            rows = read if read and not attempt and not serial else await self._state(mailbox_id, ids, serial)
+            if attempt < 0:
+                rows = guess or []
+            elif given and not attempt and not serial:
+                rows = given
+            else:
+                rows = await self._state(mailbox_id, ids, serial)
             if not rows and not serial:  # none there: as SERIAL says, a Paxos round finished first
                 serial = True
                 rows = await self._state(mailbox_id, ids, serial)
@@ -977,14 +997,16 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if uids is not None:
                 uidnext = (uidnext or 1) + uids(rows)
             batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, (read.uidnext, read.highest_modseq, read.counted_through)))
+            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, (read.uidnext, read.highest_modseq, read.counted_through, read.plain_at)))
             for statement in statements:
                 batch.add(statement)
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
             applied, _ = await self.cql.conditional(batch, contention_not_applied=True)
             if applied:
                 self._notify([mailbox_id])
+                self._left.applied(mailbox_id, uidnext, highest + 1, tally)
                 return True
+            self._left.forget(mailbox_id)
         raise StoreUnavailable("could not change messages: too much contention")
 
     async def _state(self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], serial: bool = True) -> list[Any]:
@@ -1145,12 +1167,16 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
         return await self._assign(mailbox_id, uid_work(ids, renumber), renumber, modseqs, listed_at)
 
-    async def _number_appended(self, target: Target, message_id: uuid.UUID, modseqs: dict[uuid.UUID, int] | None,
+    async def _number_appended(self, target: Target, message: MessageSummary, modseqs: dict[uuid.UUID, int] | None,
                                recent: RecentClaim | None) -> dict[uuid.UUID, int]:
-        """The numbering's batch also claims the UID for the appending session's \\Recent when the
-        mark it knows is the UID (every UID below claimed): one Paxos round for both."""
+        """Decided without a read when this process changed the mailbox last (cassandra_left:
+        the message's row is what the delivery wrote, which the batch checks is there without a
+        UID); the batch also claims the UID for the
+        appending session's \\Recent when the mark it knows is the UID (every UID below
+        claimed): one Paxos round for both."""
         mailbox_id = (await self._resolve(address_key(target.user), target.mailbox, cached=True)).mailbox_id
-        found, _ = await self._assign_group(mailbox_id, [message_id], None, modseqs, recent=recent)
+        guess = self._left.rows(mailbox_id, [message], None)
+        found, _ = await self._assign_group(mailbox_id, [message.id], None, modseqs, recent=recent, guess=guess)
         return found
 
     async def _assign(
@@ -1187,6 +1213,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 applied, _ = await sent
                 if applied:
                     self._notify([mailbox_id])
+                    self._left.applied(mailbox_id, ahead.uidnext, ahead.highest, ahead.tally)
                     uids.update(zip(group, range(ahead.uidnext - len(group), ahead.uidnext)))
                     if modseqs is not None:
                         modseqs.update(dict.fromkeys(group, ahead.highest))
@@ -1207,7 +1234,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         first, modseq = left.uidnext, left.highest + 1
         ahead = _Numbered(first + len(ids), modseq, left.tally.copy(), left.listed)
         batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, (first, left.highest, left.tally.bound)))
+        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, (first, left.highest, left.tally.bound, left.tally.read.plain_at)))
         messages.add_first_uids(batch, mailbox_id, ids, first, modseq, checked=not left.listed)
         if ahead.tally.valid:
             for uid, message_id in enumerate(ids, first):
@@ -1219,19 +1246,21 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def _assign_group(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID], renumber: Mapping[uuid.UUID, int] | None,
         modseqs: dict[uuid.UUID, int] | None, listed_at: int | None = None, recent: RecentClaim | None = None,
+        guess: list[Any] | None = None,
     ) -> tuple[dict[uuid.UUID, int], _Numbered | None]:
         """Numbering through `_change`: the batch applies only if the counters are unchanged, i.e.
         nobody numbered or changed anything since the SERIAL read. Every renumbering moves the
         counters too, so a renumber raced by another one fails there, and its retry reads the
         message's new UID, no longer the one it was asked to replace. With what the batch left
-        (counters, counts) when it applied, for the next batch to go on from. `recent`: the
-        first try of a batch numbering one message at the UID the known mark names raises the
-        mark past it too, on that condition (a try after it, the mark having moved, claims nothing)."""
+        (counters, counts) when it applied, for the next batch to go on from. `guess`: as in
+        `_change`. `recent`: a batch
+        numbering one message at the UID the known mark names raises the mark past it too, on
+        that condition (which holds whenever the counter does: the mark only grows, and never
+        passes UIDNEXT)."""
         messages = self.tables.messages
         result: dict[uuid.UUID, int] = {}
         given: dict[uuid.UUID, int] = {}
         left: list[_Numbered] = []
-        claim = [recent is not None and recent.known > 1]  # (1: the mark may be unset, which it cannot name)
 
         def missing(rows: list[Any]) -> list[Any]:
             alive = {r.id: r for r in rows if r.size is not None}
@@ -1246,23 +1275,25 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             statements = []
             for offset, r in enumerate(todo):
                 tally.numbered(r, first + offset)
-                statements.append(messages.set_uid_statement(mailbox_id, r.id, first + offset, modseq))
+                if isinstance(r, Known):  # not read: the batch checks it is there, without a UID
+                    statements.append(messages.set_first_uid_statement(mailbox_id, r.id, first + offset, modseq))
+                else:
+                    statements.append(messages.set_uid_statement(mailbox_id, r.id, first + offset, modseq))
                 statements += messages.record_statements(mailbox_id, first + offset, modseq, r.id, r.uid, r.modseq)
                 if r.uid:  # renumbered: the UID it gives up is gone for clients that saw it
                     statements += messages.record_statements(mailbox_id, r.uid, modseq, None)
                 result[r.id] = first + offset
                 given[r.id] = modseq
-            if recent is not None:
-                recent.won = claim[0] and len(todo) == 1 and recent.known == first
+            if recent is not None:  # (a known mark of 1 may be the unset one, which it cannot name)
+                recent.won = recent.known > 1 and len(todo) == 1 and recent.known == first
                 if recent.won:
                     statements.append(messages.raise_recent_statement(mailbox_id, first + 1, recent.known))
-                claim[0] = False
             listed = (renumber is None and listed_at is not None and modseqs is not None and listed_at < modseq
                       and set(range(listed_at + 1, modseq)) <= set(modseqs.values()) and self._reads_see_writes())
             left[:] = [_Numbered(first + len(todo), modseq, tally, listed)]
             return statements
 
-        applied = await self._change(mailbox_id, ids, plan, uids=lambda rows: len(missing(rows)))
+        applied = await self._change(mailbox_id, ids, plan, uids=lambda rows: len(missing(rows)), guess=guess)
         if applied and modseqs is not None:
             modseqs.update(given)
         if recent is not None and not applied:

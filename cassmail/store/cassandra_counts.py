@@ -110,6 +110,8 @@ class Tally:
     and are left as they are."""
 
     def __init__(self, read: Any) -> None:
+        #: The statics it started from.
+        self.read = read
         self.valid = counts_true(read)
         self.counts = Counts.of(read)
         self.bound = read.counted_through

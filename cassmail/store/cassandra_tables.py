@@ -371,7 +371,7 @@ class Messages(Table):
         "advance": (
             CONDITIONAL,
             "UPDATE messages SET uidnext = ?, highest_modseq = ? WHERE mailbox_id = ? "
-            "IF uidnext = ? AND highest_modseq = ? AND counted_through = ?",
+            "IF uidnext = ? AND highest_modseq = ? AND counted_through = ? AND plain_at = ?",
         ),
         "set_uid": (CONDITIONAL, "UPDATE messages SET uid = ?, modseq = ? WHERE mailbox_id = ? AND id = ?"),
         # (a message that is there has a size, and no size is negative)
@@ -515,15 +515,22 @@ class Messages(Table):
 
     def advance_statement(
         self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None,
-        was: tuple[int | None, int | None, uuid.UUID | None],
+        was: tuple[int | None, int | None, uuid.UUID | None, uuid.UUID | None],
     ) -> BoundStatement:
         """Set both counters, if both are still `was` (uidnext, highest_modseq; None: not set) and
-        so is the bound of the STATUS counts (counted_through): the batch writes counts made on
-        that bound, and a STATUS may move it without a MODSEQ (CassandraCounts._keep_counts)."""
+        so are the bound of the STATUS counts (counted_through) and `plain_at`: the batch writes
+        counts made on that bound, and a STATUS may move it without a MODSEQ
+        (CassandraCounts._keep_counts); a plain change (`plain_at`) changed rows the batch was
+        decided on without a MODSEQ."""
         return self.bind("advance", uidnext, modseq, mailbox_id, *was)
 
     def set_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int, modseq: int) -> BoundStatement:
         return self.bind("set_uid", uid, modseq, mailbox_id, message_id)
+
+    def set_first_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int, modseq: int
+                                ) -> BoundStatement:
+        """`set_uid` on the condition that the message is there and has no UID yet."""
+        return self.bind("set_first_uid", uid, modseq, mailbox_id, message_id)
 
     def add_first_uids(
         self, batch: BatchStatement, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID], first: int, modseq: int,

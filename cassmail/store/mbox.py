@@ -789,6 +789,7 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
         unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
+        known: tuple[Mapping[uuid.UUID, MessageSummary], int] | None = None,
     ) -> set[uuid.UUID]:
         mode = check_flag_mode(mode)
         values = flag_set(flags)

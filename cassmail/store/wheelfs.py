@@ -987,6 +987,7 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
     async def store_flags(
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], flags: Iterable[str], mode: FlagMode = "set",
         unchanged_since: int | None = None, modseqs: dict[uuid.UUID, int] | None = None,
+        known: tuple[Mapping[uuid.UUID, MessageSummary], int] | None = None,
     ) -> set[uuid.UUID]:
         """One MODSEQ claim holds the change: taken empty, then decided against every claim below
         it (all read by then, and no later claim can change them), then written with the messages
