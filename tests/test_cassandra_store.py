@@ -993,6 +993,10 @@ async def test_a_change_after_this_stores_own_is_decided_on_what_it_left_and_on_
     read. Knowledge at another MODSEQ is read as before; a change by another node meanwhile makes
     the round not apply, and the change is decided again on a read: nothing is lost, and the
     STATUS counts stay those of the listing."""
+    from cassmail.store.cassandra_left import Known
+    from cassmail.store.cassandra_tables import Messages
+
+    assert set(Known._fields) == set(Messages._STATE.split(", "))  # a known row has what a read row has
     store, other = await make_store(), await make_store()
     user = await new_user(store)
     ids = [(await store.deliver(b"Subject: %d\r\n\r\nx\r\n" % n, [Target(user)]))[0] for n in range(3)]

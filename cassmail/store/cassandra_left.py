@@ -15,7 +15,7 @@ change) makes it not apply, and it is decided again on a read as before.
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,34 +44,11 @@ class Statics(NamedTuple):
     counts_plain: uuid.UUID | None
 
 
-class Known(NamedTuple):
-    """A row of `Messages.state` made from what is known of a message and the statics, for the
-    plans of a flag change or a numbering (not an expunge: the body's columns are not known)."""
-
-    id: uuid.UUID
-    uid: int | None
-    size: int
-    flags: set[str] | None
-    modseq: int | None
-    body_id: None
-    chunk_size: None
-    shared: None
-    uidnext: int | None
-    highest_modseq: int
-    vanished_floor: None
-    vanished_mark: None
-    vanished_mark_at: None
-    count_messages: int
-    count_unseen: int
-    count_size: int
-    count_deleted: int
-    count_deleted_size: int
-    count_unnumbered: int
-    count_uid_max: int
-    counted_through: uuid.UUID | None
-    counts_modseq: int | None
-    plain_at: uuid.UUID | None
-    counts_plain: uuid.UUID | None
+#: A row of `Messages.state` made from what is known of a message and the statics, for the plans
+#: of a flag change or a numbering (not of an expunge: the body's columns and the expunge
+#: records' trim state are not known, and are None).
+Known = namedtuple("Known", ("id", "uid", "size", "flags", "modseq", "body_id", "chunk_size", "shared",
+                             "vanished_floor", "vanished_mark", "vanished_mark_at", *Statics._fields))
 
 
 class Left:
@@ -105,5 +82,5 @@ class Left:
         statics = self._left.get(mailbox_id)
         if statics is None or (at is not None and statics.highest_modseq != at):
             return None
-        return [Known(m.id, m.uid, m.size, set(m.flags) or None, m.modseq, None, None, None,
-                      statics.uidnext, statics.highest_modseq, None, None, None, *statics[2:]) for m in messages]
+        return [Known(m.id, m.uid, m.size, set(m.flags) or None, m.modseq, None, None, None, None, None, None,
+                      *statics) for m in messages]
