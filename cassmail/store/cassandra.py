@@ -166,6 +166,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self._bodies = _BodyNotes(BODY_NOTES)
         #: The statics each mailbox's last change by this process left (cassandra_left).
         self._left = Left()
+        self._count_bounds: dict[uuid.UUID, uuid.UUID] = {}  # (cassandra_counts)
         self._queue_init()
         self._ahead = NumberAhead(settings.number_ahead, self._assign)
 
@@ -803,10 +804,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         """Flags are written whole, in a conditional batch decided on the flags and MODSEQs read at
         SERIAL (`_change`), so no change is lost to another; or decided on `known` without a read
         when this process's last change of the mailbox left the MODSEQ they are known at
-        (cassandra_left). When no Paxos round can be had (too
-        few replicas of the mailbox up), a change without `unchanged_since` is still made, merged
-        by Cassandra at the write level, without a MODSEQ: marking mail read keeps working in an
-        outage, and a CONDSTORE client learns of that change with the message's next one."""
+        (cassandra_left). When no Paxos round can be had (too few replicas of the mailbox up), a
+        change without `unchanged_since` is still made, merged by Cassandra at the write level,
+        without a MODSEQ: marking mail read keeps working in an outage, and a CONDSTORE client
+        learns of that change with the message's next one."""
         mode = check_flag_mode(mode)
         values = flag_set(flags)
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
@@ -997,7 +998,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if uids is not None:
                 uidnext = (uidnext or 1) + uids(rows)
             batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, (read.uidnext, read.highest_modseq, read.counted_through, read.plain_at)))
+            was = (read.uidnext, read.highest_modseq, read.counted_through, read.plain_at)
+            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, was))
             for statement in statements:
                 batch.add(statement)
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
@@ -1171,9 +1173,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                                recent: RecentClaim | None) -> dict[uuid.UUID, int]:
         """Decided without a read when this process changed the mailbox last (cassandra_left:
         the message's row is what the delivery wrote, which the batch checks is there without a
-        UID); the batch also claims the UID for the
-        appending session's \\Recent when the mark it knows is the UID (every UID below
-        claimed): one Paxos round for both."""
+        UID); the batch also claims the UID for the appending session's \\Recent when the mark
+        it knows is the UID (every UID below claimed): one Paxos round for both."""
         mailbox_id = (await self._resolve(address_key(target.user), target.mailbox, cached=True)).mailbox_id
         guess = self._left.rows(mailbox_id, [message], None)
         found, _ = await self._assign_group(mailbox_id, [message.id], None, modseqs, recent=recent, guess=guess)
@@ -1234,7 +1235,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         first, modseq = left.uidnext, left.highest + 1
         ahead = _Numbered(first + len(ids), modseq, left.tally.copy(), left.listed)
         batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, (first, left.highest, left.tally.bound, left.tally.read.plain_at)))
+        was = (first, left.highest, left.tally.bound, left.tally.read.plain_at)
+        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, was))
         messages.add_first_uids(batch, mailbox_id, ids, first, modseq, checked=not left.listed)
         if ahead.tally.valid:
             for uid, message_id in enumerate(ids, first):

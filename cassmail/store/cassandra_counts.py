@@ -51,6 +51,8 @@ CHANGES_SETTLE = 2.0
 FOLD_ROWS = 500
 #: Rows per page of those reads.
 PAGE = 1000
+#: Mailboxes whose bound of the counts a process remembers, at most (then it starts afresh).
+BOUNDS_KEPT = 10_000
 
 
 @dataclass
@@ -152,11 +154,12 @@ class CassandraCounts(Store):
     cql: Cql
     tables: Tables
     _resolve: Any
+    #: mailbox id -> the bound of its counts (counted_through) as this process last read it.
+    _count_bounds: dict[uuid.UUID, uuid.UUID]
 
     async def mailbox_status(self, user: str, mailbox: str, recent: bool = False) -> MailboxStatus:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
-        messages = self.tables.messages
-        head = await messages.statics(mailbox_id)
+        head, first = await self._head(mailbox_id)
         if head is None:  # nothing was ever written in it
             return MailboxStatus(0, 0, 0, 0, 0, 1, 0 if recent else None)
         valid = counts_true(head)
@@ -168,7 +171,7 @@ class CassandraCounts(Store):
             return await super().mailbox_status(user, mailbox, recent)
         bound = min_timeuuid(time.time() - self.settings.request_timeout - CHANGES_SETTLE)
         fold = not valid
-        rows = await self._tail(mailbox_id, start, everywhere=fold)
+        rows = await self._tail(mailbox_id, start, everywhere=fold, first=first if valid else None)
         if rows is None:  # ALL could not be read: answer from the read level, keep nothing
             fold, rows = False, await self._tail(mailbox_id, start, everywhere=False)
             assert rows is not None
@@ -189,15 +192,38 @@ class CassandraCounts(Store):
         return MailboxStatus(total.messages, total.unseen, total.size, total.deleted, total.deleted_size,
                              (head.uidnext or 1) + total.unnumbered, recents if recent else None)
 
-    async def _tail(self, mailbox_id: uuid.UUID, start: uuid.UUID, everywhere: bool) -> list[Any] | None:
-        """Every message row above `start`; `everywhere`: read at ALL (None when it cannot be)."""
+    async def _head(self, mailbox_id: uuid.UUID) -> tuple[Any, list[Any] | None]:
+        """The statics (None when the partition holds nothing) and, when this process knows the
+        bound of the counts and it has not moved, the first page of the rows above it, read with
+        them in one request (else None: `_tail` reads them)."""
+        messages = self.tables.messages
+        known = self._count_bounds.get(mailbox_id)
+        head, first = None, None
+        if known is not None:
+            rows = await messages.statics_after(mailbox_id, known, PAGE)
+            if rows:  # (none: not even the anchor row, which every change writes)
+                head = rows[0]
+                first = rows if head.counted_through == known else None
+        if head is None:
+            head = await messages.statics(mailbox_id)
+        if head is not None and head.counted_through is not None:
+            self._remember_bound(mailbox_id, head.counted_through)
+        return head, first
+
+    async def _tail(self, mailbox_id: uuid.UUID, start: uuid.UUID, everywhere: bool,
+                    first: list[Any] | None = None) -> list[Any] | None:
+        """Every message row above `start`; `everywhere`: read at ALL (None when it cannot be);
+        `first`: the first page of them (at the read level), already read."""
         messages = self.tables.messages
         rows: list[Any] = []
         after = start
         while True:
             try:
-                page = (await messages.page_everywhere(mailbox_id, after, PAGE) if everywhere
-                        else await messages.page(mailbox_id, after, PAGE))
+                if first is not None and not everywhere:
+                    page, first = first, None
+                else:
+                    page = (await messages.page_everywhere(mailbox_id, after, PAGE) if everywhere
+                            else await messages.page(mailbox_id, after, PAGE))
             except StoreUnavailable:
                 if not everywhere:
                     raise
@@ -210,7 +236,15 @@ class CassandraCounts(Store):
     async def _keep_counts(self, mailbox_id: uuid.UUID, counts: Counts, bound: uuid.UUID, head: Any) -> None:
         """Keep counts made from a read at ALL, if nothing changed since `head` was read."""
         try:
-            await self.cql.conditional(self.tables.messages.store_counts_statement(
+            kept, _ = await self.cql.conditional(self.tables.messages.store_counts_statement(
                 mailbox_id, counts.values(), bound, head), contention_not_applied=True)
         except StoreUnavailable as exc:  # the next STATUS counts again
             log.info("STATUS counts of %s not kept: %s", mailbox_id, exc)
+            return
+        if kept:
+            self._remember_bound(mailbox_id, bound)
+
+    def _remember_bound(self, mailbox_id: uuid.UUID, bound: uuid.UUID) -> None:
+        if len(self._count_bounds) >= BOUNDS_KEPT:
+            self._count_bounds.clear()
+        self._count_bounds[mailbox_id] = bound

@@ -405,6 +405,12 @@ class Messages(Table):
             f"SELECT uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
             "counts_plain FROM messages WHERE mailbox_id = ? LIMIT 1",
         ),
+        # (the statics on every row; the rows, those above a bound, as `page` has them for STATUS)
+        "statics_after": (
+            READ,
+            f"SELECT uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
+            "counts_plain, id, size, flags, uid FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?",
+        ),
         "counts": (
             CONDITIONAL,
             "UPDATE messages SET count_messages = ?, count_unseen = ?, count_size = ?, count_deleted = ?, "
@@ -594,6 +600,12 @@ class Messages(Table):
         """The partition's static columns that STATUS needs (counters, counts, their validity);
         None when the partition holds nothing."""
         return _first(await self._run("statics", mailbox_id))
+
+    async def statics_after(self, mailbox_id: uuid.UUID, after: uuid.UUID, limit: int) -> list[Any]:
+        """`statics` with the rows after `after` (id, size, flags, uid; up to `limit`): STATUS's
+        tail above the bound of the counts in the same request. The anchor row, which every
+        change writes, is always among them (the largest id)."""
+        return await self._run("statics_after", mailbox_id, after, limit)
 
     def counts_statement(self, mailbox_id: uuid.UUID, counts: Sequence[int], modseq: int) -> BoundStatement:
         """The counts (in `_COUNTS` order) true at `modseq`, for a change's conditional batch."""
