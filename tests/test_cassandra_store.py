@@ -394,6 +394,9 @@ async def test_change_events_of_many_deliveries_go_out_together_and_every_mailbo
         seen |= changed
         await asyncio.sleep(0.1)
     assert seen == set(watched)
+    with other.tracing() as poll:
+        await other.changed_mailboxes(watched, cursor)
+    assert poll.statements == 1  # the partitions of the last few seconds, in one request
 
 
 async def test_consistency_levels_come_from_settings(make_store) -> None:

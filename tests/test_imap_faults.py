@@ -85,13 +85,15 @@ class FaultyStore:
                                             listed_at=listed_at)
 
     async def append(self, body: bytes, target: Target, internal_date: Any = None,
-                     modseqs: dict[uuid.UUID, int] | None = None) -> tuple[uuid.UUID, int | None]:
-        """With `assign_error` set, the contract's own APPEND (deliver, then number) over this
-        wrapper, so that the numbering meets the fault after the message is stored; else the
-        store's (the mbox store numbers in the delivery's own write)."""
+                     modseqs: dict[uuid.UUID, int] | None = None, recent: Any = None) -> tuple[uuid.UUID, int | None]:
+        """With `assign_error` set, the contract's own APPEND (deliver, then number with
+        `assign_uids`) over this wrapper, so that the numbering meets the fault after the message
+        is stored; else the store's (the mbox store numbers in the delivery's own write)."""
         if self.assign_error is not None:
-            return await Store.append(self, body, target, internal_date, modseqs)  # type: ignore[arg-type]
-        return await self.inner.append(body, target, internal_date, modseqs)
+            return await Store.append(self, body, target, internal_date, modseqs, recent)  # type: ignore[arg-type]
+        return await self.inner.append(body, target, internal_date, modseqs, recent)
+
+    _number_appended = Store._number_appended  # (the base's: through this wrapper's assign_uids)
 
     async def read_chunks(self, user: str, mailbox: str, message_id: uuid.UUID, start: int = 0,
                           end: int | None = None) -> AsyncIterator[bytes]:

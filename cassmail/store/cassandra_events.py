@@ -98,7 +98,7 @@ class CassandraEvents(Store):
     async def changed_mailboxes(
         self, watched: Collection[tuple[str, str]], since: Any
     ) -> tuple[set[tuple[str, str]], Any]:
-        """From the change events of the last seconds: a few reads however many mailboxes are
+        """From the change events of the last seconds: one read however many mailboxes are
         watched. The value passed on is (time of this read, events already seen), so an event
         read again within EVENT_WINDOW is not reported twice."""
         now = time.time()
@@ -108,9 +108,8 @@ class CassandraEvents(Store):
         last, seen = since
         start = last - EVENT_WINDOW
         after = min_timeuuid(start)
-        read: set[tuple[uuid.UUID, uuid.UUID]] = set()
-        for second in range(int(start), int(now) + 1):
-            read.update((r.at, r.mailbox_id) for r in await self.tables.mailbox_events.since(second, after))
+        rows = await self.tables.mailbox_events.since(range(int(start), int(now) + 1), after)
+        read = {(r.at, r.mailbox_id) for r in rows}
         news = {mailbox_id for (_, mailbox_id) in read - seen}
         changed = {pair for pair, mailbox_id in ids.items() if mailbox_id is None or mailbox_id in news}
         return changed, (now, frozenset(read))

@@ -978,15 +978,16 @@ class MailboxEvents(Table):
 
     STATEMENTS = {
         "insert": (WRITE, "INSERT INTO mailbox_events (second, at, mailbox_id) VALUES (?, ?, ?)"),
-        "since": (READ, "SELECT at, mailbox_id FROM mailbox_events WHERE second = ? AND at > ?"),
+        "since": (READ, "SELECT at, mailbox_id FROM mailbox_events WHERE second IN ? AND at > ?"),
     }
 
     def insert_statement(self, second: int, at: uuid.UUID, mailbox_id: uuid.UUID) -> BoundStatement:
         return self.bind("insert", second, at, mailbox_id)
 
-    async def since(self, second: int, after: uuid.UUID) -> list[Any]:
-        """(at, mailbox_id) of the events of one second after `after`."""
-        return await self._run("since", second, after)
+    async def since(self, seconds: Sequence[int], after: uuid.UUID) -> list[Any]:
+        """(at, mailbox_id) of the events of these seconds after `after`: one request for the few
+        partitions a poll reads."""
+        return await self._run("since", list(seconds), after)
 
 
 class QuotaUsage(Table):
