@@ -607,11 +607,10 @@ class MailboxView:
         for uid in fresh:
             self.uids.append(uid)
             self.messages[uid] = current[uid]
-        if self.recent_ahead:
-            self.recent.update(self.recent_ahead.intersection(fresh))
         if self.uids:
             self.shown = max(self.shown, self.uids[-1])
         if self.recent_ahead:  # (one expunged before this view listed it is nobody's)
+            self.recent.update(self.recent_ahead.intersection(fresh))
             self.recent_ahead = {u for u in self.recent_ahead if u > self.shown}
         await self._claim_recent()
         if current:

@@ -998,8 +998,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             if uids is not None:
                 uidnext = (uidnext or 1) + uids(rows)
             batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-            was = (read.uidnext, read.highest_modseq, read.counted_through, read.plain_at)
-            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, was))
+            batch.add(messages.advance_statement(mailbox_id, uidnext, highest + 1, (read.uidnext, read.highest_modseq),
+                                                 read))
             for statement in statements:
                 batch.add(statement)
             batch.add(messages.touch_anchor_statement(mailbox_id, new_message_id()))
@@ -1235,8 +1235,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         first, modseq = left.uidnext, left.highest + 1
         ahead = _Numbered(first + len(ids), modseq, left.tally.copy(), left.listed)
         batch = self.cql.batch(BatchType.UNLOGGED, conditional=True)
-        was = (first, left.highest, left.tally.bound, left.tally.read.plain_at)
-        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, was))
+        batch.add(messages.advance_statement(mailbox_id, ahead.uidnext, modseq, (first, left.highest), left.tally.read))
         messages.add_first_uids(batch, mailbox_id, ids, first, modseq, checked=not left.listed)
         if ahead.tally.valid:
             for uid, message_id in enumerate(ids, first):

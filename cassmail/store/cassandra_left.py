@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from cassmail.model import MessageSummary as Message
-from cassmail.store.cassandra_counts import Counts, Tally
+from cassmail.store.cassandra_counts import Tally
 
 #: Mailboxes whose last change a process remembers, at most.
 LEFT_KEPT = 10_000
@@ -61,13 +61,10 @@ class Left:
         """A batch decided on the statics `tally` was made from applied, setting the counters to
         `uidnext` and `highest`, and the counts as `tally` has them if they were true (else
         leaving them)."""
-        read = tally.read
-        if tally.valid:
-            counts, counts_modseq = tally.counts, highest
-        else:
-            counts, counts_modseq = Counts.of(read), read.counts_modseq
-        self._left[mailbox_id] = Statics(uidnext, highest, *counts.values(), read.counted_through, counts_modseq,
-                                         read.plain_at, read.counts_plain)
+        read = tally.read  # (counts not true are left as read: the tally does not move them)
+        self._left[mailbox_id] = Statics(uidnext, highest, *tally.counts.values(), read.counted_through,
+                                         highest if tally.valid else read.counts_modseq, read.plain_at,
+                                         read.counts_plain)
         self._left.move_to_end(mailbox_id)
         if len(self._left) > LEFT_KEPT:
             self._left.popitem(last=False)

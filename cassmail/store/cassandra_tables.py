@@ -334,6 +334,9 @@ class Messages(Table):
     _STATE = ("id, uid, size, flags, modseq, body_id, chunk_size, shared, "
               "uidnext, highest_modseq, vanished_floor, vanished_mark, vanished_mark_at, "
               f"{_COUNTS}, counted_through, counts_modseq, plain_at, counts_plain")
+    #: What STATUS reads of the statics (the counters, the counts and their validity).
+    _STATICS = (f"uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
+                "counts_plain")
     _BODY = "id, body_id, size, chunk_size, shared"
     _BODY_COUNTERS = f"{_BODY}, uidnext, highest_modseq"
     STATEMENTS = {
@@ -402,14 +405,12 @@ class Messages(Table):
         # STATUS counts (schema 011)
         "statics": (
             READ,
-            f"SELECT uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
-            "counts_plain FROM messages WHERE mailbox_id = ? LIMIT 1",
+            f"SELECT {_STATICS} FROM messages WHERE mailbox_id = ? LIMIT 1",
         ),
         # (the statics on every row; the rows, those above a bound, as `page` has them for STATUS)
         "statics_after": (
             READ,
-            f"SELECT uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
-            "counts_plain, id, size, flags, uid FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?",
+            f"SELECT {_STATICS}, id, size, flags, uid FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?",
         ),
         "counts": (
             CONDITIONAL,
@@ -521,14 +522,14 @@ class Messages(Table):
 
     def advance_statement(
         self, mailbox_id: uuid.UUID, uidnext: int | None, modseq: int | None,
-        was: tuple[int | None, int | None, uuid.UUID | None, uuid.UUID | None],
+        was: tuple[int | None, int | None], read: Any,
     ) -> BoundStatement:
         """Set both counters, if both are still `was` (uidnext, highest_modseq; None: not set) and
-        so are the bound of the STATUS counts (counted_through) and `plain_at`: the batch writes
-        counts made on that bound, and a STATUS may move it without a MODSEQ
-        (CassandraCounts._keep_counts); a plain change (`plain_at`) changed rows the batch was
-        decided on without a MODSEQ."""
-        return self.bind("advance", uidnext, modseq, mailbox_id, *was)
+        the bound of the STATUS counts (counted_through) and `plain_at` are still those of the
+        statics `read`: the batch writes counts made on that bound, and a STATUS may move it
+        without a MODSEQ (CassandraCounts._keep_counts); a plain change (`plain_at`) changed rows
+        the batch was decided on without a MODSEQ."""
+        return self.bind("advance", uidnext, modseq, mailbox_id, *was, read.counted_through, read.plain_at)
 
     def set_uid_statement(self, mailbox_id: uuid.UUID, message_id: uuid.UUID, uid: int, modseq: int) -> BoundStatement:
         return self.bind("set_uid", uid, modseq, mailbox_id, message_id)
