@@ -443,6 +443,31 @@ async def test_the_drivers_connections_write_each_request_whole_and_read_in_larg
     assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
 
 
+async def test_the_driver_makes_uuids_and_timeuuids_with_the_stores_quick_constructor(make_store) -> None:
+    """The driver decodes uuid and timeuuid values where cassandra_cql.decode_uuids_fast expects
+    (its hooks are the driver's internals: this fails loudly if they move), and what comes back
+    is a UUID like any other: equal, hashed, ordered by time and printed as uuid.UUID's."""
+    from cassandra import cqltypes, deserializers
+
+    from cassmail.store.cassandra_cql import _deserialize_uuid, _uuid_from_bytes, decode_uuids_fast
+
+    store = await make_store()
+    assert decode_uuids_fast(), "the driver's uuid decoding moved: see cassandra_cql.decode_uuids_fast"
+    assert cqltypes.TimeUUIDType.deserialize is _deserialize_uuid and cqltypes.UUIDType.deserialize is _deserialize_uuid
+    assert deserializers.UUID is _uuid_from_bytes
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 3)
+    listed = [s.id async for s in store.list_messages(user, INBOX)]
+    assert listed == ids and all(type(i) is uuid.UUID for i in listed)
+    assert [(str(a), hash(a), a.time, a.version) for a in listed] == [(str(b), hash(b), b.time, b.version) for b in ids]
+    from cassandra.query import SimpleStatement
+
+    [row] = await store.cql.run(SimpleStatement("SELECT uuid() AS u, now() AS t FROM system.local"))
+    assert type(row.u) is uuid.UUID and row.u.version == 4 and type(row.t) is uuid.UUID and row.t.version == 1
+    with pytest.raises(ValueError):
+        _uuid_from_bytes(bytes=b"short")
+
+
 async def test_a_serving_stores_connections_are_served_by_its_event_loop(cassandra_settings) -> None:
     """A worker's store (`loop_io`) has its connections read and written by the loop that opened
     it (cassandra_io): the driver calls back on the loop's thread. The driver's blocking calls

@@ -86,7 +86,15 @@ from cassmail.store.base import (
 from cassmail.store.cassandra_ahead import NumberAhead
 from cassmail.store.cassandra_copy import CassandraCopies, body_ref
 from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
-from cassmail.store.cassandra_cql import DRIVER_FAILURES, Cql, brief, contention_pause, reads_see_writes, row_factory
+from cassmail.store.cassandra_cql import (
+    DRIVER_FAILURES,
+    Cql,
+    brief,
+    contention_pause,
+    decode_uuids_fast,
+    reads_see_writes,
+    row_factory,
+)
 from cassmail.store.cassandra_events import CassandraEvents
 from cassmail.store.cassandra_io import ThreadConnection, loop_connection, refuse_blocking
 from cassmail.store.cassandra_left import Known, Left
@@ -186,6 +194,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         alone; with `loop` (the running one), one whose connections that loop serves
         (cassandra_io), else the driver's thread."""
         s = self.settings
+        decode_uuids_fast()
         lb: LoadBalancingPolicy = TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=s.local_dc or None))
         if only is not None:
             lb = WhiteListRoundRobinPolicy([only])
@@ -1152,8 +1161,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         if anchor is None:
             return None, 1
         highest = anchor.highest_modseq or 1
-        changed = anchor.changed
-        if changed is None or time.time() - timeuuid_seconds(changed) < self.settings.request_timeout + CHANGES_SETTLE:
+        changed = anchor.changed_key  # (the timeuuid's bytes)
+        if changed is None or time.time() - timeuuid_seconds(uuid.UUID(bytes=changed)) < \
+                self.settings.request_timeout + CHANGES_SETTLE:
             return None, highest
         return (mailbox_id, changed), highest
 
@@ -1444,13 +1454,15 @@ def _info(name: str, row: Any) -> MailboxInfo:
 
 
 def _summary(row: Any) -> MessageSummary:
-    when = row.internal_date
-    if when is not None and when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+    # The internal date is read in milliseconds (`toUnixTimestamp`): one call makes the datetime
+    # in UTC, where the driver's naive one then took a `replace` of twice its cost.
+    when = None if row.internal_ms is None else _from_timestamp(row.internal_ms / 1000, timezone.utc)
     # A message numbered before MODSEQs (schema 008) has none: MODSEQ 1 (see Store.highest_modseq).
     modseq = (row.modseq or 1) if row.uid else None
     return MessageSummary(row.id, row.size, _flag_set(row.flags), when, row.uid or None, modseq)
 
+
+_from_timestamp = datetime.fromtimestamp
 
 #: Flag sets listed so far, shared by the summaries that have them: a mailbox has few distinct
 #: ones, and a summary kept in a view or a snapshot (cassmail.imap.view) then costs no set of its own.

@@ -327,7 +327,7 @@ class Messages(Table):
     the UID counter, the \\Recent mark and the changes token are static columns, read and
     written through the anchor row (ANCHOR)."""
 
-    _SUMMARY = "id, size, flags, internal_date, uid, modseq"
+    _SUMMARY = "id, size, flags, toUnixTimestamp(internal_date) AS internal_ms, uid, modseq"
     #: What a change decides on (read at SERIAL): the rows and the counters and trim state.
     _COUNTS = ("count_messages, count_unseen, count_size, count_deleted, count_deleted_size, count_unnumbered, "
                "count_uid_max")
@@ -347,8 +347,10 @@ class Messages(Table):
         ),
         "page": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size FROM messages "
                           "WHERE mailbox_id = ? AND id > ? LIMIT ?"),
-        # (the changes token and HIGHESTMODSEQ are static: on every row, the anchor's too)
-        "arrivals": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size, changed, highest_modseq "
+        # (the changes token and HIGHESTMODSEQ are static: on every row, the anchor's too; the
+        # token as its bytes, which the driver does not make a UUID of on every row)
+        "arrivals": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size, "
+                           "uuidAsBlob(changed) AS changed_key, highest_modseq "
                               "FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
         "anchor": (
             SERIAL_READ,
@@ -366,7 +368,8 @@ class Messages(Table):
         "walk": (READ, f"SELECT {_BODY} FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
         "summaries": (READ, f"SELECT {_SUMMARY} FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "purge": (WRITE, "DELETE FROM messages WHERE mailbox_id = ?"),
-        "changes_token": (READ, "SELECT changed, uid, highest_modseq FROM messages WHERE mailbox_id = ? AND id = ?"),
+        "changes_token": (READ, "SELECT uuidAsBlob(changed) AS changed_key, uid, highest_modseq FROM messages "
+                                "WHERE mailbox_id = ? AND id = ?"),
         "state": (SERIAL_READ, f"SELECT {_STATE} FROM messages WHERE mailbox_id = ? AND id IN ?"),
         "state_slice": (
             SERIAL_READ, f"SELECT {_STATE} FROM messages WHERE mailbox_id = ? AND id >= ? AND id < ? LIMIT ?",
@@ -497,8 +500,8 @@ class Messages(Table):
         await self._run("purge", mailbox_id)
 
     async def changes_token(self, mailbox_id: uuid.UUID) -> Any:
-        """The anchor row's (changed, uid, highest_modseq) at the read level; None before it was
-        first written."""
+        """The anchor row's (changed_key: the token's 16 bytes, uid, highest_modseq) at the read
+        level; None before it was first written."""
         return _first(await self._run("changes_token", mailbox_id, ANCHOR))
 
     async def state(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID], serial: bool = True) -> list[Any]:
