@@ -1494,6 +1494,48 @@ async def test_idle_sessions_cost_no_listing_until_their_mailbox_changes(plain_n
         assert raw.until(b"t%d" % raw.n)[-1].endswith(b"OK IDLE terminated\r\n")
 
 
+async def test_sessions_that_idle_again_and_again_do_not_hurry_the_poller(plain_node: Node, store: Store,
+                                                                         users) -> None:
+    """A client that leaves IDLE and enters it again after each command starts a new watcher each
+    time; the worker's poller asks the store which mailboxes changed at its own pace (every
+    idle_poll, 0.3 s here) however often that happens, and a delivery made right after an IDLE
+    began is still pushed to it (the new watcher's first look comes after the poll's baseline)."""
+    from tests.test_metrics import scrape, value
+
+    user = users["anne"]
+    steady = Raw(plain_node.port("imap"))  # keeps the poller running
+    steady.login(user, "anne")
+    steady.cmd("SELECT Drafts")
+    steady.n += 1
+    steady.send(b"t%d IDLE\r\n" % steady.n)
+    assert steady.file.readline().startswith(b"+ ")
+    restless = Raw(plain_node.port("imap"))
+    restless.login(user, "anne")
+    restless.cmd("SELECT Sent")
+    time.sleep(1.0)
+
+    def polls() -> float:
+        return value(scrape(plain_node), "cassmail_store_seconds_count", op="changed_mailboxes") or 0
+
+    before, started = polls(), time.monotonic()
+    for _ in range(30):
+        restless.n += 1
+        restless.send(b"t%d IDLE\r\n" % restless.n)
+        assert restless.file.readline().startswith(b"+ ")
+        restless.send(b"DONE\r\n")
+        assert restless.until(b"t%d" % restless.n)[-1].endswith(b"OK IDLE terminated\r\n")
+    elapsed = time.monotonic() - started
+    assert polls() - before <= elapsed / 0.3 + 2, "each new watcher hurried a poll"
+    restless.n += 1
+    restless.send(b"t%d IDLE\r\n" % restless.n)
+    assert restless.file.readline().startswith(b"+ ")
+    await deliver(store, user, [message(1)], "Sent")
+    assert restless.file.readline().endswith(b" EXISTS\r\n")
+    for raw in (steady, restless):
+        raw.send(b"DONE\r\n")
+        assert raw.until(b"t%d" % raw.n)[-1].endswith(b"OK IDLE terminated\r\n")
+
+
 async def test_one_claim_of_recent_per_worker_however_many_sessions_are_told(plain_node: Node, store: Store,
                                                                             users) -> None:
     """\\Recent is claimed from the store by the first session of a worker told of a new message;

@@ -8,11 +8,12 @@ changed is looked at, once, by its `Watcher`, which tells every IDLE session on 
 store lists new arrivals cheaply (Cassandra, mbox) each session then reads what changed since
 its own view (`MailboxView.refresh`: a request or two, whatever the mailbox's size); elsewhere
 (WheelFS) the watcher reads the listing once and hands it to them all.
-A newly watched mailbox is looked at at the first poll, unless its changes token is still the
-one its first session's view was last brought up to date with (an IDLE that starts a watcher
-first brings its view up to date, so usually it is). Every `idle_refresh` seconds each watched
-one is looked at again, in case a change's event was lost: its `changes_token` first, and the
-sessions are told only when that differs from the token read before the last look.
+A newly watched mailbox is looked at at the next poll (see `Poller.watch`), unless its changes
+token is still the one its first session's view was last brought up to date with (an IDLE that
+starts a watcher first brings its view up to date, so usually it is). Every `idle_refresh`
+seconds each watched one is looked at again, in case a change's event was lost: its
+`changes_token` first, and the sessions are told only when that differs from the token read
+before the last look.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def watch(listener: Listener, view: MailboxView) -> Watcher:
             # The token the view was last brought up to date with: while the store's is still
             # that one, the first look reads no listing (the session has it all).
             found.token = view.token
-        poller(listener).wake()
+        poller(listener).watch()
     found.users += 1
     return found
 
@@ -131,11 +132,15 @@ class Poller:
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
         self._cursor: Any = None
-        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def wake(self) -> None:
-        self._wake.set()
+    def watch(self) -> None:
+        """A mailbox newly watched is looked at by the next round, after that round took its
+        state as the baseline of later ones (a look before the baseline would miss a change
+        made between the two). A running poller is not hurried for it: on Cassandra a round
+        reads every mailbox's change events of the last seconds, hundreds of rows, and clients
+        that IDLE again after each command start many watchers; the session brought its view
+        up to date just before, and the round comes within `idle_poll` seconds."""
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 
@@ -154,9 +159,7 @@ class Poller:
                     watcher.list()
                 elif watcher.listed_at is None or now - watcher.listed_at >= settings.idle_refresh:
                     watcher.list(unless_unchanged=True)  # (a new one too: see `watch`)
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), settings.idle_poll)
+            await asyncio.sleep(settings.idle_poll)
         self._cursor = None  # nothing watched: the next start begins from then
 
     def stop(self) -> None:

@@ -1506,18 +1506,20 @@ class _BodyNotes:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._notes: OrderedDict[tuple[uuid.UUID, uuid.UUID], tuple[bytes, int, int]] = OrderedDict()
+        #: keyed by the two ids' integers (a UUID's own hash is a Python call: two per row listed)
+        self._notes: OrderedDict[tuple[int, int], tuple[bytes, int, int]] = OrderedDict()
 
     def note(self, mailbox_id: uuid.UUID, rows: Sequence[Any]) -> None:
         notes = self._notes
+        mailbox = mailbox_id.int
         for r in rows:
             if r.body_key is not None and r.size is not None:
-                notes[(mailbox_id, r.id)] = (r.body_key, r.size, r.chunk_size)
+                notes[(mailbox, r.id.int)] = (r.body_key, r.size, r.chunk_size)
         for _ in range(len(notes) - self.limit):
             notes.popitem(last=False)
 
     def get(self, mailbox_id: uuid.UUID, message_id: uuid.UUID) -> _Body | None:
-        found = self._notes.get((mailbox_id, message_id))
+        found = self._notes.get((mailbox_id.int, message_id.int))
         if found is None:
             return None
         key, size, chunk_size = found
