@@ -250,27 +250,22 @@ def row_factory(colnames: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[
     return [cls(*row) for row in rows]
 
 
-def _uuid_from_bytes(*, bytes: bytes) -> uuid.UUID:  # noqa: A002 - uuid.UUID's own keyword
-    """`uuid.UUID(bytes=...)` without its checks of arguments the driver never passes, in under
-    half the time: its two slots set directly. The driver makes one of every uuid and timeuuid
-    value it decodes (the id of each row of a listing): a twentieth of a worker's CPU under an
-    IMAP load."""
-    if len(bytes) != 16:
-        return uuid.UUID(bytes=bytes)  # (its ValueError)
-    value = _new_object(_UUID)
-    _set_int(value, _from_bytes(bytes))
-    _set_is_safe(value, _UNKNOWN_SAFETY)
-    return value
-
-
 def _deserialize_uuid(byts: bytes, protocol_version: int) -> uuid.UUID:
-    """`_uuid_from_bytes` as a CQL type's `deserialize` (a call less: it runs for every row)."""
+    """`uuid.UUID(bytes=byts)` without its checks of arguments the driver never passes, in under
+    half the time: its two slots set directly. As the CQL types' `deserialize`, it makes every
+    uuid and timeuuid value the driver decodes (the id of each row of a listing), which with
+    uuid.UUID's own took a twentieth of a worker's CPU under an IMAP load."""
     if len(byts) != 16:
-        return uuid.UUID(bytes=byts)
+        return uuid.UUID(bytes=byts)  # (its ValueError)
     value = _new_object(_UUID)
     _set_int(value, _from_bytes(byts))
     _set_is_safe(value, _UNKNOWN_SAFETY)
     return value
+
+
+def _uuid_from_bytes(*, bytes: bytes) -> uuid.UUID:  # noqa: A002 - uuid.UUID's own keyword
+    """`_deserialize_uuid` called as `uuid.UUID(bytes=...)` (the driver's compiled decoder of uuid)."""
+    return _deserialize_uuid(bytes, 0)
 
 
 _UUID = uuid.UUID
@@ -285,7 +280,7 @@ if _SLOTS_KNOWN:
 
 
 def decode_uuids_fast() -> bool:
-    """Have the driver decode uuid and timeuuid values with `_uuid_from_bytes`. It decodes them
+    """Have the driver decode uuid and timeuuid values with `_deserialize_uuid`. It decodes them
     in two places: the types' `deserialize` in cassandra.cqltypes (every timeuuid, since its
     compiled decoder is never picked: cassandra.deserializers names it TimeUUIDType where
     `find_deserializer` looks for DesTimeUUIDType), and for uuid the compiled DesUUIDType, which

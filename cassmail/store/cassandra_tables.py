@@ -351,7 +351,7 @@ class Messages(Table):
         # token as its bytes, which the driver does not make a UUID of on every row)
         "arrivals": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size, "
                            "uuidAsBlob(changed) AS changed_key, highest_modseq "
-                              "FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
+                           "FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
         "anchor": (
             SERIAL_READ,
             "SELECT uidnext, recent_mark, uid, highest_modseq, vanished_floor FROM messages WHERE mailbox_id = ? AND id = ?",
