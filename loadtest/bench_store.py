@@ -28,6 +28,9 @@ domain whose users are deleted at the end (--keep leaves both). With
 --keyspace (or `--set store.cassandra.keyspace=...`) an existing keyspace is
 used as it is: no schema change, never dropped.
 
+The store is opened as a worker opens it (`serving=True`): on Cassandra the
+benchmark's event loop reads and writes the driver's connections.
+
 CPU: the benchmark's own process (getrusage, includes the driver's threads)
 and, when Cassandra is on this host, the CassandraDaemon JVM (utime+stime
 from /proc), per phase and for the run, so one can see who spent the CPU.
@@ -395,7 +398,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
               f"({settings.store.max_message_size})", file=sys.stderr)
         return 2
     try:
-        store = make_store(settings)
+        store = make_store(settings, serving=True)  # (as a worker opens it: this loop does its I/O)
     except ConfigError as exc:
         print(f"bench_store: {exc}", file=sys.stderr)
         return 2

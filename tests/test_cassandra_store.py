@@ -443,6 +443,41 @@ async def test_the_drivers_connections_write_each_request_whole_and_read_in_larg
     assert b"".join([c async for c in store.read_chunks(user, INBOX, message_id)]) == body
 
 
+@pytest.mark.parametrize("version, read_size", [(4, 7), (4, 4096), (4, None), (5, None)])
+async def test_a_serving_stores_connections_frame_answers_however_the_bytes_are_cut(cassandra_settings, monkeypatch,
+                                                                                     version, read_size) -> None:
+    """A worker's connections cut Cassandra's answers into frames themselves (cassandra_io,
+    protocol v4; v5's checksummed segments stay the driver's): many reads at once, small answers
+    and large ones, come back whole whether a recv() holds several frames, part of a header
+    (7 bytes a read) or part of a body. (The driver's frame header and `process_msg` are its
+    internals: this fails loudly if they change.)"""
+    from cassandra.connection import Connection, _Frame, frame_header_v3
+
+    from cassmail.store import cassandra_io
+
+    assert frame_header_v3.format == ">BhBi" and callable(getattr(Connection, "process_msg", None))
+    assert _Frame(4, 0, 1, 8, 9, 19).end_pos == 19 and Connection._is_checksumming_enabled is False
+    if read_size:
+        monkeypatch.setattr(cassandra_io.LoopConnection, "in_buffer_size", read_size)
+    settings = dataclasses.replace(cassandra_settings, protocol_version=version, chunk_size=65536)
+    async with CassandraStore(settings, loop_io=True) as store:
+        user = await new_user(store)
+        bodies = [b"Subject: %d\r\n\r\n" % n + os.urandom(n).hex().encode() for n in (10, 40_000, 300_000, 1_100_000)]
+        ids = [(await store.deliver(body, [Target(user)]))[0] for body in bodies]
+
+        async def read(message_id: uuid.UUID) -> bytes:
+            return b"".join([c async for c in store.read_chunks(user, INBOX, message_id)])
+
+        for _ in range(3):
+            got = await asyncio.gather(*(read(i) for i in ids), *(store.uid_next(user, INBOX) for _ in range(20)))
+            assert got[:4] == bodies and got[4:] == [1] * 20
+        connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
+        assert connections and all(isinstance(c, cassandra_io.LoopConnection) for c in connections)
+        # v4's frames never reach the driver's buffer; v5's all do, once its segments start
+        assert all(c._is_checksumming_enabled == (version == 5) and not c._driver_frames for c in connections)
+        assert all(not c._body_missing and not c._head for c in connections)
+
+
 async def test_the_driver_makes_uuids_and_timeuuids_with_the_stores_quick_constructor(make_store) -> None:
     """The driver decodes uuid and timeuuid values where cassandra_cql.decode_uuids_fast expects
     (its hooks are the driver's internals: this fails loudly if they move), and what comes back

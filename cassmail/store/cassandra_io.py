@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cassandra.cluster import DefaultConnection
-from cassandra.connection import Connection, ConnectionShutdown
+from cassandra.connection import PROTOCOL_VERSION_MASK, Connection, ConnectionShutdown, _Frame, frame_header_v3
 
 #: What the driver's connections read a recv(), where the driver reads 4 KiB: 64 calls and
 #: appends for a chunk of a body. One process reading 200-450 KB bodies, 8 at a time: 1.45-1.82 ms
@@ -50,6 +50,9 @@ IN_BUFFER_SIZE = 64 * 1024
 OUT_BUFFER_SIZE = 1 << 20
 
 _AGAIN = (BlockingIOError, InterruptedError)
+#: A frame's header (protocol v3 and later) after its version byte, and the whole header's size.
+_HEADER = frame_header_v3
+_HEADER_SIZE = 1 + frame_header_v3.size
 
 
 class ThreadConnection(DefaultConnection):  # type: ignore[misc,valid-type]
@@ -147,6 +150,13 @@ class LoopConnection(Connection):  # type: ignore[misc]
         self._connect_socket()  # (blocking: the driver makes connections on its own threads)
         self._socket.setblocking(False)
         self._fd = self._socket.fileno()
+        #: Frames are read here (see `_readable`): the head of a frame not yet whole, and the
+        #: large frame being read (its header, its body's parts so far, how much is missing).
+        self._head = b""
+        self._frame: _Frame | None = None
+        self._body_parts: list[bytes] = []
+        self._body_missing = 0
+        self._driver_frames = False  # what comes is the driver's to frame (never v4's own)
         self._on_loop(self.loop.add_reader, self._fd, self._readable)
         self._send_options_message()
 
@@ -215,6 +225,82 @@ class LoopConnection(Connection):  # type: ignore[misc]
     # ------------------------------------------------------------------ reading
 
     def _readable(self) -> None:
+        """Read what the socket has and answer every whole frame in it. A frame's body is cut
+        from what recv() gave (one copy); the rest of a large one is read with one recv() of
+        just its size and joined once. (The driver's `process_io_buffer` copies each read into
+        its buffer, reads the body out of that, and copies what follows it, other frames
+        included, into a new buffer per frame: for a 256 KiB chunk, three to ten copies.)"""
+        size = self.in_buffer_size
+        try:
+            while not (self.is_closed or self.is_defunct):
+                if self._is_checksumming_enabled or self._driver_frames:
+                    self._read_for_driver()
+                    return
+                if self._body_missing:
+                    data = self._socket.recv(self._body_missing)
+                    if not data:
+                        break
+                    self._body_parts.append(data)
+                    self._body_missing -= len(data)
+                    if self._body_missing:
+                        return  # (the loop calls again when more is there)
+                    self._frame_done()
+                    continue
+                data = self._socket.recv(size)
+                if not data:
+                    break
+                self._frames(data)
+                if len(data) < size:
+                    return
+            else:
+                return
+        except _AGAIN:
+            return
+        except OSError as exc:
+            self.defunct(exc)
+            return
+        self.close()  # (Cassandra closed it: recv() gave b"")
+
+    def _frames(self, data: bytes) -> None:
+        """Answer every whole frame in what was read (after what was left of the last read), and
+        start the large one that is not whole yet."""
+        buf = self._head + data if self._head else data
+        size, pos = len(buf), 0
+        while size - pos >= _HEADER_SIZE:
+            if buf[pos] & PROTOCOL_VERSION_MASK < 3:  # (not a frame of v3 or later: the driver's)
+                break
+            flags, stream, opcode, length = _HEADER.unpack_from(buf, pos + 1)
+            if length < 0:
+                break
+            body = pos + _HEADER_SIZE
+            frame = _Frame(buf[pos] & PROTOCOL_VERSION_MASK, flags, stream, opcode, _HEADER_SIZE, _HEADER_SIZE + length)
+            if body + length > size:
+                self._frame, self._body_parts = frame, [buf[body:]]
+                self._body_missing = body + length - size
+                pos = size
+                break
+            pos = body + length
+            self.process_msg(frame, buf[body:pos])
+            if self._is_checksumming_enabled or self.is_defunct:  # (v5's framing starts after READY)
+                break
+        else:
+            self._head = buf[pos:]
+            return
+        rest = buf[pos:]
+        self._head = b""
+        if rest:  # the driver's framing from here on (v5's segments, an old or broken frame)
+            self._driver_frames = not self._is_checksumming_enabled
+            self._iobuf.write(rest)
+
+    def _frame_done(self) -> None:
+        frame, parts = self._frame, self._body_parts
+        self._frame, self._body_parts = None, []
+        assert frame is not None
+        self.process_msg(frame, parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _read_for_driver(self) -> None:
+        """The driver's own reading: its buffer and `process_io_buffer` (v5's checksummed
+        segments)."""
         size = self.in_buffer_size
         data: bytes | None = None
         try:
