@@ -484,11 +484,12 @@ async def test_the_driver_makes_uuids_and_timeuuids_with_the_stores_quick_constr
     is a UUID like any other: equal, hashed, ordered by time and printed as uuid.UUID's."""
     from cassandra import cqltypes, deserializers
 
-    from cassmail.store.cassandra_cql import _deserialize_uuid, _uuid_from_bytes, decode_uuids_fast
+    from cassmail.model import uuid_from_bytes
+    from cassmail.store.cassandra_cql import _uuid_from_bytes, decode_uuids_fast
 
     store = await make_store()
     assert decode_uuids_fast(), "the driver's uuid decoding moved: see cassandra_cql.decode_uuids_fast"
-    assert cqltypes.TimeUUIDType.deserialize is _deserialize_uuid and cqltypes.UUIDType.deserialize is _deserialize_uuid
+    assert cqltypes.TimeUUIDType.deserialize is uuid_from_bytes and cqltypes.UUIDType.deserialize is uuid_from_bytes
     assert deserializers.UUID is _uuid_from_bytes
     user = await new_user(store)
     ids = await deliver_many(store, user, 3)

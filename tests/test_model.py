@@ -22,6 +22,7 @@ from cassmail.model import (
     parse_sortable_id,
     sortable_id,
     uidl,
+    uuid_from_bytes,
 )
 
 
@@ -108,6 +109,27 @@ def test_sortable_ids_sort_by_time_and_convert_back(at: float) -> None:
 def test_a_sortable_id_must_be_version_6() -> None:
     with pytest.raises(InvalidInput):
         parse_sortable_id(str(uuid.uuid4()))
+
+
+@given(st.binary(min_size=16, max_size=16))
+def test_the_quick_uuid_constructor_makes_what_uuid_makes(data: bytes) -> None:
+    """uuid_from_bytes sets uuid.UUID's slots itself (QUICK_UUIDS: this fails loudly when a
+    Python keeps them otherwise); what it makes is equal, hashed, ordered, printed and pickled
+    as uuid.UUID(bytes=...)'s, from bytes, a bytearray or a memoryview."""
+    import pickle
+
+    from cassmail.model import QUICK_UUIDS
+
+    assert QUICK_UUIDS, "uuid.UUID no longer keeps its value in the slots int and is_safe"
+    made, reference = uuid_from_bytes(data), uuid.UUID(bytes=data)
+    assert type(made) is uuid.UUID and made == reference and hash(made) == hash(reference)
+    assert (str(made), repr(made), made.bytes, made.version, made.is_safe) == \
+        (str(reference), repr(reference), reference.bytes, reference.version, reference.is_safe)
+    assert pickle.loads(pickle.dumps(made)) == reference
+    assert not made < reference and not made > reference
+    assert uuid_from_bytes(bytearray(data)) == uuid_from_bytes(memoryview(data)) == reference
+    with pytest.raises(ValueError):
+        uuid_from_bytes(data[:15])
 
 
 def test_uidl_is_printable_short_and_stable() -> None:

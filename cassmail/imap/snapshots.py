@@ -22,7 +22,6 @@ import json
 import logging
 import struct
 import time
-import uuid
 from collections.abc import Hashable
 from datetime import datetime, timedelta, timezone
 
@@ -30,7 +29,7 @@ from cassmail.config import ImapSettings
 from cassmail.imap.cache import Lru
 from cassmail.imap.view import Snapshot
 from cassmail.logs import kv
-from cassmail.model import MessageSummary
+from cassmail.model import MessageSummary, uuid_from_bytes
 from cassmail.store.base import Store, StoreError
 
 log = logging.getLogger("cassmail.imap")
@@ -174,12 +173,12 @@ async def _decode(data: bytes) -> Snapshot | None:
         flag_sets = [frozenset(f) for f in header["flags"]]
         uids: list[int] = []
         messages: dict[int, MessageSummary] = {}
-        utc, from_timestamp, make_id = timezone.utc, datetime.fromtimestamp, uuid.UUID
+        utc, from_timestamp, make_id = timezone.utc, datetime.fromtimestamp, uuid_from_bytes
         step = SLICE * RECORD.size
         for start in range(0, len(body), step):
             for raw_id, when, length, uid, modseq, flags in RECORD.iter_unpack(body[start : start + step]):
                 date = None if when == NO_DATE else from_timestamp(when / 1e6, utc)
-                messages[uid] = MessageSummary(make_id(bytes=raw_id), length, flag_sets[flags], date,  # type: ignore[arg-type]
+                messages[uid] = MessageSummary(make_id(raw_id), length, flag_sets[flags], date,
                                                uid, modseq or None)
                 uids.append(uid)
             await asyncio.sleep(0)

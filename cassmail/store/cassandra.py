@@ -52,6 +52,7 @@ from cassmail.model import (
     new_message_id,
     normalize_domain,
     timeuuid_seconds,
+    uuid_from_bytes,
 )
 from cassmail.store.base import (
     Alias,
@@ -1162,7 +1163,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             return None, 1
         highest = anchor.highest_modseq or 1
         changed = anchor.changed_key  # (the timeuuid's bytes)
-        if changed is None or time.time() - timeuuid_seconds(uuid.UUID(bytes=changed)) < \
+        if changed is None or time.time() - timeuuid_seconds(uuid_from_bytes(changed)) < \
                 self.settings.request_timeout + CHANGES_SETTLE:
             return None, highest
         return (mailbox_id, changed), highest
@@ -1523,7 +1524,7 @@ class _BodyNotes:
         if found is None:
             return None
         key, size, chunk_size = found
-        return _Body(uuid.UUID(bytes=key), size, chunk_size)
+        return _Body(uuid_from_bytes(key), size, chunk_size)
 
 
 def _live(rows: Sequence[Any]) -> list[MessageSummary]:

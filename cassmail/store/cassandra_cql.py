@@ -31,6 +31,7 @@ from cassandra.pool import NoConnectionsAvailable
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
 
 from cassmail.config import CassandraSettings
+from cassmail.model import QUICK_UUIDS, uuid_from_bytes
 from cassmail.store.base import StoreUnavailable
 from cassmail.threads import inbox, settle
 
@@ -250,46 +251,23 @@ def row_factory(colnames: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[
     return [cls(*row) for row in rows]
 
 
-def _deserialize_uuid(byts: bytes, protocol_version: int) -> uuid.UUID:
-    """`uuid.UUID(bytes=byts)` without its checks of arguments the driver never passes, in under
-    half the time: its two slots set directly. As the CQL types' `deserialize`, it makes every
-    uuid and timeuuid value the driver decodes (the id of each row of a listing), which with
-    uuid.UUID's own took a twentieth of a worker's CPU under an IMAP load."""
-    if len(byts) != 16:
-        return uuid.UUID(bytes=byts)  # (its ValueError)
-    value = _new_object(_UUID)
-    _set_int(value, _from_bytes(byts))
-    _set_is_safe(value, _UNKNOWN_SAFETY)
-    return value
-
-
 def _uuid_from_bytes(*, bytes: bytes) -> uuid.UUID:  # noqa: A002 - uuid.UUID's own keyword
-    """`_deserialize_uuid` called as `uuid.UUID(bytes=...)` (the driver's compiled decoder of uuid)."""
-    return _deserialize_uuid(bytes, 0)
-
-
-_UUID = uuid.UUID
-_UNKNOWN_SAFETY = uuid.SafeUUID.unknown
-_new_object = object.__new__
-_from_bytes = int.from_bytes
-#: uuid.UUID's slots (its __setattr__ refuses every change).
-_SLOTS_KNOWN = all(type(uuid.UUID.__dict__.get(n)).__name__ == "member_descriptor" for n in ("int", "is_safe"))
-if _SLOTS_KNOWN:
-    _set_int = uuid.UUID.__dict__["int"].__set__
-    _set_is_safe = uuid.UUID.__dict__["is_safe"].__set__
+    """`model.uuid_from_bytes` called as `uuid.UUID(bytes=...)` (the driver's compiled decoder of uuid)."""
+    return uuid_from_bytes(bytes)
 
 
 def decode_uuids_fast() -> bool:
-    """Have the driver decode uuid and timeuuid values with `_deserialize_uuid`. It decodes them
-    in two places: the types' `deserialize` in cassandra.cqltypes (every timeuuid, since its
-    compiled decoder is never picked: cassandra.deserializers names it TimeUUIDType where
-    `find_deserializer` looks for DesTimeUUIDType), and for uuid the compiled DesUUIDType, which
-    calls its module's `UUID(bytes=...)`. False when either is not where this expects it
+    """Have the driver decode uuid and timeuuid values with `model.uuid_from_bytes` (with
+    uuid.UUID's own, a twentieth of a worker's CPU under an IMAP load went to the id of each row
+    of a listing). It decodes them in two places: the types' `deserialize` in cassandra.cqltypes
+    (every timeuuid, since its compiled decoder is never picked: cassandra.deserializers names it
+    TimeUUIDType where `find_deserializer` looks for DesTimeUUIDType), and for uuid the compiled
+    DesUUIDType, which calls its module's `UUID(bytes=...)`. False when either is not where this expects it
     (tests/test_cassandra_store.py fails then); the driver's own decoding is kept there."""
     from cassandra import cqltypes
 
     types = (cqltypes.UUIDType, cqltypes.TimeUUIDType)
-    if not _SLOTS_KNOWN or not all(isinstance(t.__dict__.get("deserialize"), staticmethod) for t in types):
+    if not QUICK_UUIDS or not all(isinstance(t.__dict__.get("deserialize"), staticmethod) for t in types):
         return False
     try:
         from cassandra import deserializers
@@ -298,7 +276,7 @@ def decode_uuids_fast() -> bool:
     if deserializers is not None and getattr(deserializers, "UUID", None) not in (uuid.UUID, _uuid_from_bytes):
         return False
     for t in types:
-        t.deserialize = staticmethod(_deserialize_uuid)
+        t.deserialize = staticmethod(uuid_from_bytes)
     if deserializers is not None:
         deserializers.UUID = _uuid_from_bytes
     return True

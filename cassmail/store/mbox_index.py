@@ -119,7 +119,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from cassmail.config import MboxSettings
-from cassmail.model import MessageSummary
+from cassmail.model import MessageSummary, uuid_from_bytes
 from cassmail.store import mbox_fs
 from cassmail.store.base import MailboxStatus, count_status, needs_uid, uid_work
 from cassmail.store.mbox_format import (
@@ -244,7 +244,7 @@ class Segment:
         modseq = _MODSEQ.unpack_from(payload, end)[0] if len(payload) > end else 0
         raw_id, *rest = fields
         return cls(
-            rest[0], rest[1], uuid.UUID(bytes=raw_id) if raw_id != ZERO_ID else None, *rest[2:9],
+            rest[0], rest[1], uuid_from_bytes(raw_id) if raw_id != ZERO_ID else None, *rest[2:9],
             frozenset(flags.split()) if flags else frozenset(), rest[9], bool(rest[10]), modseq,
         )
 
@@ -313,7 +313,7 @@ class Plan:
         for _ in range(n):
             kind, a, start, removed, next_id, head_len = item.unpack_from(payload, pos)
             pos += item.size
-            runs.append(Run(kind, a, start, removed, uuid.UUID(bytes=next_id) if next_id != ZERO_ID else None,
+            runs.append(Run(kind, a, start, removed, uuid_from_bytes(next_id) if next_id != ZERO_ID else None,
                             payload[pos : pos + head_len]))
             pos += head_len
         (side_len,) = struct.unpack_from(">H", payload, pos)
@@ -629,7 +629,7 @@ class MailboxFile:
                     seg.flags = flags
         elif kind == DELETE:
             for i in range(0, len(body), 16):
-                seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
+                seg = self.by_id.get(uuid_from_bytes(body[i : i + 16]))
                 if seg is not None and not seg.deleted:
                     self._uncount(seg)
                     seg.deleted = True
@@ -637,7 +637,7 @@ class MailboxFile:
         elif kind == UIDS:
             (self.uidnext,) = struct.unpack_from(">I", body)
             for i in range(4, len(body), 20):
-                seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
+                seg = self.by_id.get(uuid_from_bytes(body[i : i + 16]))
                 if seg is not None:
                     (seg.uid,) = struct.unpack_from(">I", body, i + 16)
             self._changes = None  # (numbered without a MODSEQ: built again when asked for)
@@ -654,7 +654,7 @@ class MailboxFile:
             modseq = self._apply_change(body)
             gone = []
             for i in range(_CHANGE.size, len(body), 16):
-                seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
+                seg = self.by_id.get(uuid_from_bytes(body[i : i + 16]))
                 if seg is not None and not seg.deleted:
                     self._uncount(seg)
                     seg.deleted = True
@@ -667,7 +667,7 @@ class MailboxFile:
             (self.uidnext,) = struct.unpack_from(">I", body, _CHANGE.size)
             given_up = []
             for i in range(_CHANGE.size + 4, len(body), 20):
-                seg = self.by_id.get(uuid.UUID(bytes=body[i : i + 16]))
+                seg = self.by_id.get(uuid_from_bytes(body[i : i + 16]))
                 if seg is not None:
                     (uid,) = struct.unpack_from(">I", body, i + 16)
                     if seg.uid and seg.uid != uid:
@@ -1658,7 +1658,7 @@ def _encode_id_flags(items: Sequence[tuple[Segment, frozenset[str]]]) -> bytes:
 def _decode_id_flags(body: bytes) -> Iterator[tuple[uuid.UUID, frozenset[str]]]:
     pos = 0
     while pos < len(body):
-        message_id = uuid.UUID(bytes=body[pos : pos + 16])
+        message_id = uuid_from_bytes(body[pos : pos + 16])
         (n,) = struct.unpack_from(">H", body, pos + 16)
         text = body[pos + 18 : pos + 18 + n].decode()
         yield message_id, frozenset(text.split()) if text else frozenset()
