@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|")
     for size, count in SHAPES:
         rounds = max(10, args.rounds * 300 // max(size, 300) if size > 40_000 else args.rounds)
-        best = {how: min(measure(how, size, count, rounds) for _ in range(args.repeat)) for how in ("driver", "cassmail")}
+        best = {how: min(measure(how, size, count, rounds) for _ in range(args.repeat))
+                for how in ("driver", "cassmail")}
         print(f"| {size:,} | {count} | {best['driver']:.1f} | {best['cassmail']:.1f} | "
               f"{best['driver'] / best['cassmail']:.1f}x |", flush=True)
     return 0

@@ -262,8 +262,9 @@ def decode_uuids_fast() -> bool:
     of a listing). It decodes them in two places: the types' `deserialize` in cassandra.cqltypes
     (every timeuuid, since its compiled decoder is never picked: cassandra.deserializers names it
     TimeUUIDType where `find_deserializer` looks for DesTimeUUIDType), and for uuid the compiled
-    DesUUIDType, which calls its module's `UUID(bytes=...)`. False when either is not where this expects it
-    (tests/test_cassandra_store.py fails then); the driver's own decoding is kept there."""
+    DesUUIDType, which calls its module's `UUID(bytes=...)`. False when either is not where this
+    expects it (tests/test_cassandra_store.py fails then); the driver's own decoding is kept
+    there."""
     from cassandra import cqltypes
 
     types = (cqltypes.UUIDType, cqltypes.TimeUUIDType)
