@@ -473,9 +473,34 @@ async def test_a_serving_stores_connections_frame_answers_however_the_bytes_are_
             assert got[:4] == bodies and got[4:] == [1] * 20
         connections = [c for pool in store.session.get_pools() for c in pool.get_connections()]
         assert connections and all(isinstance(c, cassandra_io.LoopConnection) for c in connections)
-        # v4's frames never reach the driver's buffer; v5's all do, once its segments start
-        assert all(c._is_checksumming_enabled == (version == 5) and not c._driver_frames for c in connections)
+        # v5 hands its segments to the driver once READY is answered; v4 never does
+        assert all(c._is_checksumming_enabled == (version == 5) for c in connections)
         assert all(not c._body_missing and not c._head for c in connections)
+
+
+@pytest.mark.parametrize("header", [b"\x02\x00\x00\x01\x08\x00\x00\x00\x00",  # a v2 header
+                                    b"\x84\x00\x00\x01\x08\xff\xff\xff\xff"])  # a negative length
+def test_a_worker_connection_that_reads_what_is_not_a_frame_is_defunct(header: bytes) -> None:
+    """Bytes from Cassandra that are not a CQL v3+ frame end the connection (the driver then fails
+    what was in flight on it and reconnects): no traceback on the loop, no frame made up. The
+    connection is one end of a socket pair: the fault cannot be had from a real node."""
+    import socket
+
+    from cassmail.store.cassandra_io import LoopConnection
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        connection = object.__new__(LoopConnection)
+        connection._socket, connection._is_checksumming_enabled = ours, False
+        connection._head, connection._frame, connection._body_parts, connection._body_missing = b"", None, [], 0
+        connection.is_closed = connection.is_defunct = False
+        failures: list[Exception] = []
+        connection.defunct = lambda exc: (failures.append(exc), setattr(connection, "is_defunct", True))
+        connection.process_msg = lambda frame, body: pytest.fail(f"a frame was made of {header!r}")
+        theirs.sendall(header + b"x" * 40)
+        connection._readable()
+        assert len(failures) == 1 and "not a CQL frame" in str(failures[0]) and connection.is_defunct
 
 
 async def test_the_driver_makes_uuids_and_timeuuids_with_the_stores_quick_constructor(make_store) -> None:

@@ -39,7 +39,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cassandra.cluster import DefaultConnection
-from cassandra.connection import PROTOCOL_VERSION_MASK, Connection, ConnectionShutdown, _Frame, frame_header_v3
+from cassandra.connection import (
+    PROTOCOL_VERSION_MASK, Connection, ConnectionShutdown, ProtocolError, _Frame, frame_header_v3,
+)
 
 #: What the driver's connections read a recv(), where the driver reads 4 KiB: 64 calls and
 #: appends for a chunk of a body. One process reading 200-450 KB bodies, 8 at a time: 1.45-1.82 ms
@@ -161,7 +163,6 @@ class LoopConnection(Connection):  # type: ignore[misc]
         self._frame: _Frame | None = None
         self._body_parts: list[bytes] = []
         self._body_missing = 0
-        self._driver_frames = False  # what comes is the driver's to frame (never v4's own)
         self._on_loop(self.loop.add_reader, self._fd, self._readable)
         self._send_options_message()
 
@@ -238,7 +239,7 @@ class LoopConnection(Connection):  # type: ignore[misc]
         size = self.in_buffer_size
         try:
             while not (self.is_closed or self.is_defunct):
-                if self._is_checksumming_enabled or self._driver_frames:
+                if self._is_checksumming_enabled:
                     self._read_for_driver()
                     return
                 if self._body_missing:
@@ -268,34 +269,33 @@ class LoopConnection(Connection):  # type: ignore[misc]
 
     def _frames(self, data: bytes) -> None:
         """Answer every whole frame in what was read (after what was left of the last read), and
-        start the large one that is not whole yet."""
+        start the large one that is not whole yet. What follows READY on v5 is the driver's to
+        frame (its checksummed segments); a header that is not a v3+ frame's ends the connection."""
         buf = self._head + data if self._head else data
         size, pos = len(buf), 0
+        self._head = b""
         while size - pos >= _HEADER_SIZE:
-            if buf[pos] & PROTOCOL_VERSION_MASK < 3:  # (not a frame of v3 or later: the driver's)
-                break
+            version = buf[pos] & PROTOCOL_VERSION_MASK
             flags, stream, opcode, length = _HEADER.unpack_from(buf, pos + 1)
-            if length < 0:
-                break
+            if version < 3 or length < 0:
+                self.defunct(ProtocolError(f"not a CQL frame of v3 or later: version {version}, length {length}"))
+                return
             body = pos + _HEADER_SIZE
-            frame = _Frame(buf[pos] & PROTOCOL_VERSION_MASK, flags, stream, opcode, _HEADER_SIZE, _HEADER_SIZE + length)
+            frame = _Frame(version, flags, stream, opcode, _HEADER_SIZE, _HEADER_SIZE + length)
             if body + length > size:
                 self._frame, self._body_parts = frame, [buf[body:]]
                 self._body_missing = body + length - size
-                pos = size
-                break
+                return
             pos = body + length
             self.process_msg(frame, buf[body:pos])
-            if self._is_checksumming_enabled or self.is_defunct:  # (v5's framing starts after READY)
-                break
-        else:
-            self._head = buf[pos:]
-            return
-        rest = buf[pos:]
-        self._head = b""
-        if rest:  # the driver's framing from here on (v5's segments, an old or broken frame)
-            self._driver_frames = not self._is_checksumming_enabled
-            self._iobuf.write(rest)
+            if self.is_defunct:
+                return
+            if self._is_checksumming_enabled:  # (v5: READY was answered, segments follow)
+                if pos < size:
+                    self._iobuf.write(buf[pos:])
+                    self.process_io_buffer()
+                return
+        self._head = buf[pos:]
 
     def _frame_done(self) -> None:
         frame, parts = self._frame, self._body_parts
