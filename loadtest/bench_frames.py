@@ -36,7 +36,7 @@ class _Reader(LoopConnection):
         self._io_buffer = _ConnectionIOBuffer(self)
         self._current_frame = None
         self._is_checksumming_enabled = False
-        self._head, self._frame, self._body_parts, self._body_missing = b"", None, [], 0
+        self._start_framing()
         self.is_closed = self.is_defunct = False
         self.frames = 0
 

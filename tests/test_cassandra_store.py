@@ -493,7 +493,7 @@ def test_a_worker_connection_that_reads_what_is_not_a_frame_is_defunct(header: b
         ours.setblocking(False)
         connection = object.__new__(LoopConnection)
         connection._socket, connection._is_checksumming_enabled = ours, False
-        connection._head, connection._frame, connection._body_parts, connection._body_missing = b"", None, [], 0
+        connection._start_framing()
         connection.is_closed = connection.is_defunct = False
         failures: list[Exception] = []
         connection.defunct = lambda exc: (failures.append(exc), setattr(connection, "is_defunct", True))

@@ -157,12 +157,7 @@ class LoopConnection(Connection):  # type: ignore[misc]
         self._connect_socket()  # (blocking: the driver makes connections on its own threads)
         self._socket.setblocking(False)
         self._fd = self._socket.fileno()
-        #: Frames are read here (see `_readable`): the head of a frame not yet whole, and the
-        #: large frame being read (its header, its body's parts so far, how much is missing).
-        self._head = b""
-        self._frame: _Frame | None = None
-        self._body_parts: list[bytes] = []
-        self._body_missing = 0
+        self._start_framing()
         self._on_loop(self.loop.add_reader, self._fd, self._readable)
         self._send_options_message()
 
@@ -267,6 +262,16 @@ class LoopConnection(Connection):  # type: ignore[misc]
             return
         self.close()  # (Cassandra closed it: recv() gave b"")
 
+    def _start_framing(self) -> None:
+        """Nothing read yet. Frames are read here (see `_readable`): the head of a frame not yet
+        whole, and the large frame being read (its header, its body's parts so far, how much is
+        missing). The one place these are set up, for the connection and for whatever reads
+        frames as it does (loadtest/bench_frames.py, the tests)."""
+        self._head = b""
+        self._frame: _Frame | None = None
+        self._body_parts: list[bytes] = []
+        self._body_missing = 0
+
     def _frames(self, data: bytes) -> None:
         """Answer every whole frame in what was read (after what was left of the last read), and
         start the large one that is not whole yet. What follows READY on v5 is the driver's to
@@ -299,7 +304,7 @@ class LoopConnection(Connection):  # type: ignore[misc]
 
     def _frame_done(self) -> None:
         frame, parts = self._frame, self._body_parts
-        self._frame, self._body_parts = None, []
+        self._start_framing()  # (the head is empty: a large frame's rest is read to its size)
         assert frame is not None
         self.process_msg(frame, parts[0] if len(parts) == 1 else b"".join(parts))
 
