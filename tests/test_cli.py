@@ -73,6 +73,21 @@ def fails(result: subprocess.CompletedProcess[str], text: str) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_cassmail_process_imports_the_driver_without_twisteds_default_reactor() -> None:
+    """The driver's Twisted connection class (and with it Twisted's default reactor, a third of
+    a command's time) is not imported by a process that imports cassmail; the driver then has
+    no `TwistedConnection`, as it allows. Fails when a driver release renames the module."""
+    script = ("import sys, cassmail.store.cassandra, cassandra.cluster; "
+              "print(cassandra.cluster.TwistedConnection, 'twisted.internet.reactor' in sys.modules, "
+              "cassandra.cluster.DefaultConnection.__name__)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["None", "False", "LibevConnection"], out.stdout + out.stderr
+    without = subprocess.run([sys.executable, "-c", "import sys, cassandra.cluster; "
+                              "print('twisted.internet.reactor' in sys.modules)"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    assert without.stdout.strip() == "True", "the driver no longer imports Twisted's reactor: drop the guard"
+
+
 def test_schema_apply_creates_a_keyspace_then_reports_it_up_to_date(run, cassandra_settings) -> None:
     keyspace = f"cmcli_{uuid.uuid4().hex[:8]}"
     try:
