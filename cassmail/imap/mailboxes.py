@@ -254,17 +254,17 @@ async def _status_response(session: Session, name: str, items: tuple[str, ...]) 
     user = session.user
     assert user is not None
     store = session.store
-    token, highest = await store.changes_state(user, name)
-    if highest is None and "HIGHESTMODSEQ" in items:
-        # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ, read before the counts (asked for only when wanted)
-        highest = await store.highest_modseq(user, name)
     known = session.listener.statuses.get((user, name))
-    if (token is not None and known is not None and known[0] == token
-            and ("RECENT" not in items or "RECENT" in known[1])):
+    if known is not None and "RECENT" in items and "RECENT" not in known[1]:
+        known = None  # (counted without \Recent)
+    # RFC 7162 3.1.1 STATUS HIGHESTMODSEQ: read before the counts or with them
+    token, highest, counts = await store.status_state(user, name, "RECENT" in items, "HIGHESTMODSEQ" in items,
+                                                      known[0] if known is not None else None)
+    if counts is None:
+        assert known is not None
         values = known[1]  # nothing changed since it was counted (and \Recent was, if asked)
     else:
         info = await store.mailbox_info(user, name)
-        counts = await store.mailbox_status(user, name, recent="RECENT" in items)
         values = {
             "MESSAGES": counts.messages,
             "SIZE": counts.size,  # STATUS=SIZE (RFC 8438)

@@ -678,6 +678,22 @@ class Store(abc.ABC):
         listed = [(s.flags, s.size, s.uid) async for s in self.list_messages(user, mailbox, STATUS_PAGE)]
         return count_status(listed, await self.uid_next(user, mailbox), mark)
 
+    async def status_state(
+        self, user: str, mailbox: str, recent: bool, modseq: bool, known: Hashable | None
+    ) -> tuple[Hashable | None, int | None, MailboxStatus | None]:
+        """What IMAP STATUS reads: `changes_state` (with `modseq`, HIGHESTMODSEQ even where that
+        read does not give it), then `mailbox_status` unless the token is `known` (not None), in
+        which case nothing changed since the counts that went with it: (token, HIGHESTMODSEQ or
+        None, the counts or None). The token and HIGHESTMODSEQ are read before the counts or with
+        them, never after. One request where the store keeps the token with the counts. Raises
+        NoSuchMailbox."""
+        token, highest = await self.changes_state(user, mailbox)
+        if highest is None and modseq:
+            highest = await self.highest_modseq(user, mailbox)
+        if token is not None and token == known:
+            return token, highest, None
+        return token, highest, await self.mailbox_status(user, mailbox, recent)
+
     async def changes_token(self, user: str, mailbox: str) -> Hashable | None:
         """A value that is different after any change to the mailbox's messages (a delivery, a
         flag change, a deletion, a UID or \\Recent assignment), or None when the store cannot

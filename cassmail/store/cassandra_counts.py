@@ -36,12 +36,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Hashable
 from typing import Any
 
 from cassmail.model import address_key
 from cassmail.store.base import MailboxStatus, Store, StoreUnavailable
 from cassmail.store.cassandra_cql import Cql
-from cassmail.store.cassandra_tables import FIRST_REAL, Tables, min_timeuuid
+from cassmail.store.cassandra_tables import ANCHOR, FIRST_REAL, Tables, min_timeuuid
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +155,36 @@ class CassandraCounts(Store):
     cql: Cql
     tables: Tables
     _resolve: Any
+    _changes_state: Any
     #: mailbox id -> the bound of its counts (counted_through) as this process last read it.
     _count_bounds: dict[uuid.UUID, uuid.UUID]
 
     async def mailbox_status(self, user: str, mailbox: str, recent: bool = False) -> MailboxStatus:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
-        head, first = await self._head(mailbox_id)
+        head, first, _ = await self._head(mailbox_id)
+        return await self._counted(user, mailbox, mailbox_id, recent, head, first)
+
+    async def status_state(
+        self, user: str, mailbox: str, recent: bool, modseq: bool, known: Hashable | None
+    ) -> tuple[Hashable | None, int | None, MailboxStatus | None]:
+        """One request when this process knows the bound of the counts and fewer than a page of
+        rows lie above it: the anchor row (the largest id) is then among the rows read with the
+        statics, and the token is its `changed`. Else the token is None (the counts are read as
+        `mailbox_status` reads them, and a STATUS with no token is not kept)."""
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
+        head, first, rows = await self._head(mailbox_id)
+        if rows is not None and len(rows) < PAGE:
+            token, highest = self._changes_state(mailbox_id, rows[-1] if rows and rows[-1].id == ANCHOR else None)
+        else:
+            token, highest = None, (head.highest_modseq or 1) if head is not None else 1
+        if token is not None and token == known:
+            return token, highest, None
+        return token, highest, await self._counted(user, mailbox, mailbox_id, recent, head, first)
+
+    async def _counted(self, user: str, mailbox: str, mailbox_id: uuid.UUID, recent: bool, head: Any,
+                       first: list[Any] | None) -> MailboxStatus:
+        """The counts from the statics `head` and the rows above their bound (`first`: the first
+        page of them, when read with the statics)."""
         if head is None:  # nothing was ever written in it
             return MailboxStatus(0, 0, 0, 0, 0, 1, 0 if recent else None)
         valid = counts_true(head)
@@ -192,23 +217,26 @@ class CassandraCounts(Store):
         return MailboxStatus(total.messages, total.unseen, total.size, total.deleted, total.deleted_size,
                              (head.uidnext or 1) + total.unnumbered, recents if recent else None)
 
-    async def _head(self, mailbox_id: uuid.UUID) -> tuple[Any, list[Any] | None]:
+    async def _head(self, mailbox_id: uuid.UUID) -> tuple[Any, list[Any] | None, list[Any] | None]:
         """The statics (None when the partition holds nothing) and, when this process knows the
         bound of the counts and it has not moved, the first page of the rows above it, read with
-        them in one request (else None: `_tail` reads them)."""
+        them in one request (else None: `_tail` reads them); and the rows of that request (None
+        when it was not made)."""
         messages = self.tables.messages
         known = self._count_bounds.get(mailbox_id)
-        head, first = None, None
+        head, first, rows = None, None, None
         if known is not None:
             rows = await messages.statics_after(mailbox_id, known, PAGE)
             if rows:  # (none: not even the anchor row, which every change writes)
                 head = rows[0]
                 first = rows if head.counted_through == known else None
+            else:
+                rows = None  # (the partition holds nothing, or a bound of a mailbox made again)
         if head is None:
             head = await messages.statics(mailbox_id)
         if head is not None and head.counted_through is not None:
             self._remember_bound(mailbox_id, head.counted_through)
-        return head, first
+        return head, first, rows
 
     async def _tail(self, mailbox_id: uuid.UUID, start: uuid.UUID, everywhere: bool,
                     first: list[Any] | None = None) -> list[Any] | None:

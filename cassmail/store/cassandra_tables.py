@@ -413,7 +413,8 @@ class Messages(Table):
         # (the statics on every row; the rows, those above a bound, as `page` has them for STATUS)
         "statics_after": (
             READ,
-            f"SELECT {_STATICS}, id, size, flags, uid FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?",
+            f"SELECT {_STATICS}, id, size, flags, uid, uuidAsBlob(changed) AS changed_key FROM messages "
+            "WHERE mailbox_id = ? AND id > ? LIMIT ?",
         ),
         "counts": (
             CONDITIONAL,
@@ -606,9 +607,10 @@ class Messages(Table):
         return _first(await self._run("statics", mailbox_id))
 
     async def statics_after(self, mailbox_id: uuid.UUID, after: uuid.UUID, limit: int) -> list[Any]:
-        """`statics` with the rows after `after` (id, size, flags, uid; up to `limit`): STATUS's
-        tail above the bound of the counts in the same request. The anchor row, which every
-        change writes, is always among them (the largest id)."""
+        """`statics` with the rows after `after` (id, size, flags, uid, changed_key; up to
+        `limit`): STATUS's tail above the bound of the counts in the same request. The anchor row,
+        which every change writes, is among them when they are fewer than `limit` (the largest
+        id), and its `changed` is the changes token."""
         return await self._run("statics_after", mailbox_id, after, limit)
 
     def counts_statement(self, mailbox_id: uuid.UUID, counts: Sequence[int], modseq: int) -> BoundStatement:
