@@ -35,8 +35,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from cassmail.model import address_key
@@ -231,7 +231,7 @@ class CassandraCounts(Store):
                 head = rows[0]
                 first = rows if head.counted_through == known else None
             else:
-                rows = None  # (the partition holds nothing, or a bound of a mailbox made again)
+                rows = None  # (no row above the bound, not even the anchor: the statics alone)
         if head is None:
             head = await messages.statics(mailbox_id)
         if head is not None and head.counted_through is not None:
