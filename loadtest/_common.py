@@ -202,6 +202,15 @@ def pid_cpu(pid: int, reaped_children: bool = False) -> float | None:
     return ticks / CLK_TCK
 
 
+def pid_age(pid: int) -> float | None:
+    """Seconds since the process started; None when it is gone."""
+    f = proc_stat(pid)
+    if f is None:
+        return None
+    with open("/proc/uptime") as fh:
+        return float(fh.read().split()[0]) - int(f[19]) / CLK_TCK
+
+
 def tree_cpu(root: int | None, kids: dict[int, list[int]] | None = None) -> float | None:
     """CPU seconds of a process and all its descendants: for every live one utime+stime, plus
     cutime+cstime (its children that already exited and were reaped: Postfix's and Dovecot's
@@ -281,11 +290,17 @@ def cassandra_pids() -> list[int]:
     return sorted(pids)
 
 
+#: A node started less than this long ago is still compiling its hot code: in the IMAP mix its
+#: compiler took 14 CPU s of the first run's 25 s and 3 of the second's (loadtest/RESULTS.md).
+YOUNG_NODE = 300.0
+
+
 class CassandraCpu:
     """CPU seconds of the local CassandraDaemon JVM(s) serving the benchmarked port.
 
     Other nodes on this host are left out when the one listening on our port can be
-    told apart; otherwise every CassandraDaemon is counted and the label says so.
+    told apart; otherwise every CassandraDaemon is counted and the label says so. The
+    label also says when a node started less than YOUNG_NODE seconds ago.
     """
 
     def __init__(self, contact_points: Sequence[str] | None, port: int = 0) -> None:
@@ -311,6 +326,10 @@ class CassandraCpu:
         else:
             self.pids = every
             self.label = f"all CassandraDaemon pids {','.join(map(str, every))} (owner of :{port} not identified)"
+        ages = [age for pid in self.pids if (age := pid_age(pid)) is not None]
+        if ages and min(ages) < YOUNG_NODE:
+            self.label += (f"; started {min(ages):.0f} s ago, its compiler still at work: the first runs after a "
+                           "start run slow")
 
     @property
     def enabled(self) -> bool:

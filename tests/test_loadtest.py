@@ -27,7 +27,7 @@ from tests.nodes import Node, node_settings
 LOADTEST = REPO / "loadtest"
 sys.path.insert(0, str(LOADTEST))
 
-from _common import parse_ranges  # noqa: E402
+from _common import parse_ranges, pid_age  # noqa: E402
 from postal import LoadRun, Tick, _drained, drop_drained_tail, error_messages, parse_minute  # noqa: E402
 
 PY = sys.executable
@@ -352,3 +352,18 @@ def test_the_idle_benchmark_pushes_every_change_to_every_idle_session(tmp_path: 
     flow = level["flow_latency"]
     assert flow["changes"] >= 3 and flow["informed"] == 2 * flow["changes"] and flow["missed"] == 0, flow
     assert "| mbox: idle" in done.stdout and "sessions informed" in done.stdout
+
+
+def test_a_process_age_is_the_time_since_it_started_and_none_once_it_is_gone() -> None:
+    """What tells the benchmarks that the Cassandra node has only just started (its label)."""
+    import time
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(1.2)
+        age = pid_age(child.pid)
+        assert age is not None and 1.1 <= age < 10
+    finally:
+        child.kill()
+        child.wait()
+    assert pid_age(child.pid) is None
