@@ -1509,7 +1509,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve"), (8, "modseq"), (9, "events"), (10, "quota"), (11, "counts"),
                        (12, "plain_bodies"), (13, "body_compaction"), (14, "view_snapshots"),
-                       (15, "modseq_runs")]
+                       (15, "modseq_runs"), (16, "sieve_mark")]
 
 
 def test_two_schema_files_of_one_version_are_refused(tmp_path) -> None:
@@ -2077,3 +2077,78 @@ async def test_body_chunks_are_kept_uncompressed_and_compacted_in_tiers_of_eight
         assert row.compression.get("enabled") == "false", row.compression
         assert row.compaction["class"].endswith("UnifiedCompactionStrategy"), row.compaction
         assert row.compaction.get("scaling_parameters") == "T8", row.compaction
+
+
+async def _cql(store: CassandraStore, query: str, *values: Any) -> list[Any]:
+    return await store.cql.run((await asyncio.to_thread(store.session.prepare, query)).bind(values))
+
+
+async def test_a_deliverys_sieve_step_reads_nothing_for_a_user_whose_account_says_no_script(make_store) -> None:
+    """The account row RCPT reads carries the Sieve mark (schema 016): for a user without an
+    active script the delivery after it makes no request; a script activated on another node
+    is run from the next RCPT on, and one deactivated there is not."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    assert await store.user_exists(user)  # RCPT
+    with store.tracing() as cost:
+        assert await store.active_sieve_script(user) is None
+    assert cost.statements == 0
+    await other.put_sieve_script(user, "rules", "keep;")
+    await other.set_active_sieve_script(user, "rules")
+    assert await store.user_exists(user)
+    assert await store.active_sieve_script(user) == ("rules", "keep;")
+    await other.set_active_sieve_script(user, None)
+    assert await store.user_exists(user)
+    with store.tracing() as cost:
+        assert await store.active_sieve_script(user) is None
+    assert cost.statements == 0
+
+
+async def test_an_account_made_before_the_sieve_mark_still_has_its_script_run(make_store) -> None:
+    """An account of a keyspace from before schema 016 has no mark (null), and its script was
+    activated by naming it alone: its deliveries read the Sieve row as before."""
+    store = await make_store()
+    user = await new_user(store)
+    await _cql(store, f"UPDATE {store.settings.keyspace}.users SET sieve = null WHERE user = ?", user)
+    await store.put_sieve_script(user, "rules", "keep;")
+    await store.tables.sieve_scripts.set_active(user, "rules")  # what activation wrote then
+    assert await store.user_exists(user)
+    assert await store.active_sieve_script(user) == ("rules", "keep;")
+
+
+async def test_a_deactivation_crossed_by_an_activation_leaves_the_script_marked(make_store, monkeypatch) -> None:
+    """Session A deactivates while session B, on another node, activates: B names the script and
+    marks it between A's clearing of the name and A's clearing of the mark. A reads the name
+    again after its mark and marks the script back, so its deliveries still run it."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    await store.put_sieve_script(user, "rules", "keep;")
+    await store.set_active_sieve_script(user, "rules")
+    unmark = store.tables.users.set_sieve_mark
+
+    async def crossed(key: str, mark: bool) -> bool:
+        if not mark:
+            monkeypatch.setattr(store.tables.users, "set_sieve_mark", unmark)
+            await other.set_active_sieve_script(user, "rules")
+        return await unmark(key, mark)
+
+    monkeypatch.setattr(store.tables.users, "set_sieve_mark", crossed)
+    await store.set_active_sieve_script(user, None)
+    assert store.tables.users.set_sieve_mark == unmark  # (the crossing happened)
+    assert (await store.tables.users.account(user)).sieve is True
+    assert await store.user_exists(user)
+    assert await store.active_sieve_script(user) == ("rules", "keep;")
+    assert [s.active for s in await store.list_sieve_scripts(user)] == [True]
+
+
+async def test_a_sieve_mark_never_makes_a_deleted_user_live_again(make_store) -> None:
+    """A script activated while the user is being deleted: the mark is conditional on the
+    account, so the address can be created again."""
+    store = await make_store()
+    user = await new_user(store)
+    await store.put_sieve_script(user, "rules", "keep;")
+    await store.delete_user(user)
+    assert not await store.tables.users.set_sieve_mark(user, True)
+    assert await store.tables.users.account(user) is None
+    await store.create_user(user, hash_password("pw", FAST_HASH))
+    assert (await store.tables.users.account(user)).sieve is False

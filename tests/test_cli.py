@@ -255,7 +255,7 @@ def test_schema_apply_on_a_keyspace_of_an_older_version_adds_only_what_is_new(ru
         assert out == ("applied schema 003_aliases\napplied schema 004_recent\napplied schema 005_changes\napplied schema 006_outbound\n"
                        "applied schema 007_sieve\napplied schema 008_modseq\napplied schema 009_events\napplied schema 010_quota\n"
                        "applied schema 011_counts\napplied schema 012_plain_bodies\napplied schema 013_body_compaction\n"
-                       "applied schema 014_view_snapshots\napplied schema 015_modseq_runs\n")
+                       "applied schema 014_view_snapshots\napplied schema 015_modseq_runs\napplied schema 016_sieve_mark\n")
         domain = f"old{uuid.uuid4().hex[:6]}.example"
         ok(run("-o", f"store.cassandra.keyspace={keyspace}", "domain", "add", domain))
         ok(run("-o", f"store.cassandra.keyspace={keyspace}", "user", "add", f"a@{domain}", "--password-stdin", stdin="pw\n"))

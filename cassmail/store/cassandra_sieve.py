@@ -4,6 +4,15 @@ Scripts are plain writes at the write consistency level; the one lightweight
 transaction on the delivery path is a vacation record's `IF NOT EXISTS`,
 taken only when a script decides to answer, so two nodes delivering to the
 same user at once send one reply.
+
+The account carries a mark of whether the user may have an active script
+(schema/016_sieve_mark.cql): RCPT reads the account anyway, so the delivery
+after it reads no Sieve row for a user whose mark is false. The mark follows
+the active name, never leads it: an activation names the script, then sets
+the mark; a deactivation clears the name, clears the mark, then reads the name
+again and sets the mark back if another session activated one meanwhile. So
+once every change has returned, a set name has a true mark, whatever their
+order (the marks are conditional writes of one partition: one after another).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from typing import Any
 from cassmail.model import address_key
 from cassmail.store.base import (
     NoSuchSieveScript,
+    NoSuchUser,
     SieveScriptActive,
     SieveScriptExists,
     SieveScriptInfo,
@@ -30,6 +40,8 @@ class CassandraSieve(Store):
     cql: Cql
     tables: Tables
     _account: Any
+    _recent: Any
+    _forget_user: Any
 
     async def _sieve_user(self, user: str) -> str:
         key = address_key(user)
@@ -60,6 +72,14 @@ class CassandraSieve(Store):
             if await self.tables.sieve_scripts.get(key, name) is None:
                 raise NoSuchSieveScript(key, name)
         await self.tables.sieve_scripts.set_active(key, name)
+        await self._mark_sieve(key, name is not None)
+        if name is None and await self._active_name(key) is not None:
+            await self._mark_sieve(key, True)  # another session's activation came between
+
+    async def _mark_sieve(self, key: str, mark: bool) -> None:
+        self._forget_user(key)  # (this process's next delivery reads the account again)
+        if not await self.tables.users.set_sieve_mark(key, mark):
+            raise NoSuchUser(key)
 
     async def delete_sieve_script(self, user: str, name: str) -> None:
         name = check_sieve_name(name)
@@ -91,7 +111,12 @@ class CassandraSieve(Store):
         return await self.tables.sieve_scripts.active(key)
 
     async def active_sieve_script(self, user: str) -> tuple[str, str] | None:
+        """With the account row this process read less than `mailbox_cache` seconds ago (RCPT's,
+        as for the quota) marked false, no read at all."""
         key = address_key(user)
+        account = self._recent(key, None)
+        if account is not None and account.sieve is False:
+            return None
         name = await self._active_name(key)
         if name is None:
             return None

@@ -135,10 +135,15 @@ class Users(Table):
     STATEMENTS = {
         "create": (
             CONDITIONAL,
-            "INSERT INTO users (user, password_hash, created, next_uidvalidity) VALUES (?, ?, ?, ?) IF NOT EXISTS",
+            "INSERT INTO users (user, password_hash, created, next_uidvalidity, sieve) VALUES (?, ?, ?, ?, false) "
+            "IF NOT EXISTS",
         ),
-        "account": (READ, "SELECT password_hash, next_uidvalidity, quota_limit FROM users WHERE user = ? LIMIT 1"),
-        "account_serial": (SERIAL_READ, "SELECT password_hash, next_uidvalidity, quota_limit FROM users WHERE user = ? LIMIT 1"),
+        # With the Sieve mark (schema 016): a delivery's Sieve step reuses the row RCPT read.
+        "account": (READ, "SELECT password_hash, next_uidvalidity, quota_limit, sieve FROM users WHERE user = ? LIMIT 1"),
+        "account_serial": (
+            SERIAL_READ,
+            "SELECT password_hash, next_uidvalidity, quota_limit, sieve FROM users WHERE user = ? LIMIT 1",
+        ),
         "set_password": (CONDITIONAL, "UPDATE users SET password_hash = ? WHERE user = ? IF password_hash != null"),
         "delete": (WRITE, "DELETE FROM users WHERE user = ?"),
         "with_account": (READ, "SELECT user, password_hash FROM users WHERE user IN ? PER PARTITION LIMIT 1"),
@@ -174,18 +179,24 @@ class Users(Table):
             "UPDATE users SET low_water = ?, low_water_due = ? WHERE user = ? AND mailbox = ? IF mailbox_id = ?",
         ),
         "set_quota_limit": (CONDITIONAL, "UPDATE users SET quota_limit = ? WHERE user = ? IF password_hash != null"),
+        "set_sieve_mark": (CONDITIONAL, "UPDATE users SET sieve = ? WHERE user = ? IF password_hash != null"),
     }
 
     def create_statement(self, user: str, password_hash: str, created: datetime, next_uidvalidity: int) -> BoundStatement:
         return self.bind("create", user, password_hash, created, next_uidvalidity)
 
     async def account(self, user: str, serial: bool = False) -> Any:
-        """The account's row (password_hash, next_uidvalidity, quota_limit), None when the
+        """The account's row (password_hash, next_uidvalidity, quota_limit, sieve), None when the
         partition is empty."""
         return _first(await self._run("account_serial" if serial else "account", user))
 
     async def set_password_hash(self, user: str, password_hash: str) -> bool:
         applied, _ = await self._conditional("set_password", password_hash, user)
+        return applied
+
+    async def set_sieve_mark(self, user: str, mark: bool) -> bool:
+        """Whether the user may have an active Sieve script; False when there is no account."""
+        applied, _ = await self._conditional("set_sieve_mark", mark, user)
         return applied
 
     def delete_statement(self, user: str) -> BoundStatement:
