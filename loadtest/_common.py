@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import math
 import os
 import resource
 import secrets
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cassmail import config
-from cassmail.auth import HashParams, hash_password
+from cassmail.auth import HashParams, hash_password, verify_password
 from cassmail.config import Settings, to_toml
 from cassmail.store.base import NoSuchDomain, Store
 
@@ -473,6 +474,17 @@ def bench_settings(config_file: str | None, overrides: Sequence[str], backend: s
         settings.store = dataclasses.replace(settings.store,
                                              mbox=dataclasses.replace(settings.store.mbox, path=str(mbox_path)))
     return settings
+
+
+def scrypt_verify_ms(params: HashParams, repeat: int = 5) -> float:
+    """Fastest of `repeat` checks of a right password: what one cassmail login spends hashing."""
+    stored = hash_password(PASSWORD, params)
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        verify_password(PASSWORD, stored)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000
 
 
 async def make_users(store: Store, domain: str, n: int, concurrency: int = 32, password: str = PASSWORD,

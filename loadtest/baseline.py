@@ -14,6 +14,7 @@ the same pair of loads cassmail gets.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pwd
 import shutil
@@ -22,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _common import alive, descendants, free_port, greets, proc_stat, run_cmd, tree_cpu
+from _common import PASSWORD, alive, descendants, free_port, greets, proc_stat, run_cmd, tree_cpu
 
 #: Seconds the Postfix queue may take to empty after a run before its count is taken anyway.
 QUEUE_DRAIN_MAX = 300.0
@@ -394,3 +395,55 @@ def maildir_count(base: Path) -> tuple[int, int]:
                 except FileNotFoundError:
                     continue
     return n, size
+
+
+# --------------------------------------------------------------------------- Dovecot's password schemes
+
+
+def _doveadm_seconds(stored: str, repeat: int) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run_cmd(["doveadm", "-O", "pw", "-t", stored, "-p", PASSWORD], timeout=60)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def dovecot_verify_ms(stored: str, repeat: int = 5) -> float:
+    """Dovecot's own check of a right password (`doveadm pw -t`), less the same for {PLAIN}:
+    the fastest of `repeat` runs each, so process start-up cancels out."""
+    if stored.startswith("{PLAIN}"):
+        return 0.0
+    return max(0.0, _doveadm_seconds(stored, repeat) - _doveadm_seconds("{PLAIN}" + PASSWORD, repeat)) * 1000
+
+
+def dovecot_hash(scheme: str, cost: int | None) -> str:
+    cmd = ["doveadm", "-O", "pw", "-s", scheme, "-p", PASSWORD] + (["-r", str(cost)] if cost else [])
+    return run_cmd(cmd, timeout=120).strip()
+
+
+def choose_dovecot_hash(spec: str, scrypt_ms: float) -> tuple[str, str, float]:
+    """(stored hash, label, verification ms) of Dovecot's slow scheme. "auto": BLF-CRYPT, the one
+    slow scheme whose cost doveadm sets freely (in powers of two), at the cost nearest scrypt's time;
+    this Dovecot has no scrypt, and doveadm makes ARGON2ID hashes of 64 MiB or more (scrypt's
+    default: 16 MiB)."""
+    if spec == "auto":
+        # Costs around the estimate from cost 8 (each step doubles the time), the nearest one measured.
+        probe = dovecot_verify_ms(dovecot_hash("BLF-CRYPT", 8))
+        guess = 8 + round(math.log2(scrypt_ms / probe)) if probe > 0 and scrypt_ms > 0 else 10
+        timed = {c: dovecot_verify_ms(dovecot_hash("BLF-CRYPT", c)) for c in range(max(4, guess - 1), min(guess + 1, 16) + 1)}
+        scheme = "BLF-CRYPT"
+        cost = min(timed, key=lambda c: abs(math.log(max(timed[c], 1e-3) / max(scrypt_ms, 1e-3))))
+    else:
+        scheme, _, cost_text = spec.partition(":")
+        scheme = scheme.upper()
+        cost = int(cost_text) if cost_text.strip().isdigit() else None
+    stored = dovecot_hash(scheme, cost)
+    parts = stored.split("$")
+    if scheme == "BLF-CRYPT" and len(parts) > 2:
+        label = f"{{BLF-CRYPT}} cost {int(parts[2])}"
+    elif scheme.startswith("ARGON2") and len(parts) > 3:
+        label = f"{{{scheme}}} {parts[3]}"
+    else:
+        label = f"{{{scheme}}} rounds {cost or 'default'}"
+    return stored, label, dovecot_verify_ms(stored)

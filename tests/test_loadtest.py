@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -271,10 +272,15 @@ def test_compare_runs_the_baseline_and_cassmail_and_prints_ratios(tmp_path: Path
     out = tmp_path / "compare"
     cmd = [PY, str(LOADTEST / "compare.py"), "--targets", "baseline,mbox", "--sizes", "2K-10K", "--seconds", "3",
            "--interval", "1", "--average-last", "2", "--users", "10", "--threads", "2", "--processes", "2",
-           "--out", str(out)]
+           "--dovecot-hash", "BLF-CRYPT:5", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     assert "| postal | Postfix+Dovecot" in done.stdout and "| postal | cassmail (mbox)" in done.stdout
+    # Dovecot checks the POP3 logins against a slow hash too, and rabid's sessions log in.
+    assert re.search(r"POP3 logins: cassmail's users hold scrypt hashes \(N=2\^10, one check [\d.]+ ms here\), "
+                     r"Dovecot's \{BLF-CRYPT\} cost 5 \([\d.]+ ms\)", done.stdout), done.stdout[:3000]
+    [rabid] = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| rabid  | Postfix+Dovecot")]
+    assert int(rabid[7].replace(",", "")) > 0 and int(rabid[8]) == 0, rabid
     assert "Postfix+Dovecot msgs/min" in done.stdout  # the ratio table
     text = (out / "report.md").read_text()
     assert "Compared with Postfix+Dovecot" in text and (out / "throughput.png").exists()
