@@ -256,7 +256,7 @@ def dovecot_login_hash(spec: str) -> tuple[str, str, float]:
     are about 40 logins a second beside 220 retrievals. cassmail checks each against a scrypt
     hash; Dovecot's {PLAIN} would leave that cost out of its side of the comparison."""
     if spec.upper() == "PLAIN":
-        return "{PLAIN}" + PASSWORD, "{PLAIN} (no hash)", 0.0
+        return "{PLAIN}" + PASSWORD, "{PLAIN}, no hash", 0.0
     return choose_dovecot_hash(spec, scrypt_verify_ms(BENCH_HASH))
 
 

@@ -12,7 +12,8 @@ the active name, never leads it: an activation names the script, then sets
 the mark; a deactivation clears the name, clears the mark, then reads the name
 again and sets the mark back if another session activated one meanwhile. So
 once every change has returned, a set name has a true mark, whatever their
-order (the marks are conditional writes of one partition: one after another).
+order (the marks are conditional writes of one partition: one after another),
+where reads see acknowledged writes (the levels overlap, or one replica).
 """
 
 from __future__ import annotations
