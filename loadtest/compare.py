@@ -5,7 +5,8 @@
 1. Installs Debian's postal, postfix and dovecot-{core,pop3d,imapd} when missing, so that no
    system instance is configured or started (see loadtest/baseline.py).
 2. Targets, one after the other, each with the same --users users (password "pw") in one
-   fresh domain:
+   fresh domain; cassmail's users hold scrypt hashes (N=2^10), Dovecot's a hash whose check
+   costs about as much (--dovecot-hash):
    - `baseline`: a private Postfix (SMTP, virtual domain into Maildirs) and a private Dovecot
      (POP3/IMAP on the same Maildirs), in a temporary directory, on free 127.0.0.1 ports;
    - `cassandra`: `cassmail serve` (SMTP and POP3) on a fresh keyspace, SimpleStrategy RF=1,
