@@ -87,6 +87,10 @@ async def deliver_many(store: CassandraStore, user: str, count: int, mailbox: st
     return sorted(ids, key=lambda u: (u.time, u.bytes))
 
 
+async def _cql(store: CassandraStore, query: str, *values: Any) -> list[Any]:
+    return await store.cql.run((await asyncio.to_thread(store.session.prepare, query)).bind(values))
+
+
 async def test_listing_after_mass_deletion_does_not_walk_the_tombstones(make_store) -> None:
     # Two mailboxes never numbered, so alike (a numbered one's listing also reads its anchor row).
     store = await make_store(tombstone_grace=0.0, number_ahead=0)
@@ -1504,7 +1508,7 @@ async def test_schema_apply_is_idempotent_and_records_its_version(cassandra_sett
     assert cassandra_schema.apply(cassandra_settings) == []
     async with CassandraStore(cassandra_settings) as store:
         query = f"SELECT version, name FROM {cassandra_settings.keyspace}.schema_migrations"
-        rows = await store.cql.run((await asyncio.to_thread(store.session.prepare, query)).bind(()))
+        rows = await _cql(store, query)
     applied = sorted((r.version, r.name) for r in rows)  # one partition per version: in token order
     assert applied == [(1, "initial"), (2, "low_water_due"), (3, "aliases"), (4, "recent"), (5, "changes"),
                        (6, "outbound"), (7, "sieve"), (8, "modseq"), (9, "events"), (10, "quota"), (11, "counts"),
@@ -1883,10 +1887,10 @@ async def test_a_keyspace_from_before_modseqs_is_upgraded_and_its_numbered_mail_
             # what version 7 left: UIDs and their counter, no MODSEQ anywhere
             mailbox_id = (await store._resolve(user, INBOX)).mailbox_id
             for message_id in ids:
-                await store.cql.run((await asyncio.to_thread(store.session.prepare,
-                    f"UPDATE {settings.keyspace}.messages SET modseq = null WHERE mailbox_id = ? AND id = ?")).bind((mailbox_id, message_id)))
-            await store.cql.run((await asyncio.to_thread(store.session.prepare,
-                f"UPDATE {settings.keyspace}.messages SET highest_modseq = null WHERE mailbox_id = ?")).bind((mailbox_id,)))
+                await _cql(store, f"UPDATE {settings.keyspace}.messages SET modseq = null WHERE mailbox_id = ? AND id = ?",
+                           mailbox_id, message_id)
+            await _cql(store, f"UPDATE {settings.keyspace}.messages SET highest_modseq = null WHERE mailbox_id = ?",
+                       mailbox_id)
             assert [(s.uid, s.modseq) async for s in store.list_messages(user, INBOX)] == [(1, 1), (2, 1), (3, 1)]
             assert await store.highest_modseq(user, INBOX) == 1
             await store.store_flags(user, INBOX, [ids[1]], ["\\Seen"], "add")
@@ -2070,17 +2074,12 @@ async def test_body_chunks_are_kept_uncompressed_and_compacted_in_tiers_of_eight
     Schema 013: it is compacted by the unified strategy in tiers of eight (write-once chunks,
     rewritten less often than by size tiers of four)."""
     async with CassandraStore(cassandra_settings) as store:
-        rows = await store.cql.run((await asyncio.to_thread(store.session.prepare,
-            "SELECT compression, compaction FROM system_schema.tables WHERE keyspace_name = ? AND table_name = 'body_chunks'"
-        )).bind((cassandra_settings.keyspace,)))
+        rows = await _cql(store, "SELECT compression, compaction FROM system_schema.tables "
+                          "WHERE keyspace_name = ? AND table_name = 'body_chunks'", cassandra_settings.keyspace)
         [row] = list(rows)
         assert row.compression.get("enabled") == "false", row.compression
         assert row.compaction["class"].endswith("UnifiedCompactionStrategy"), row.compaction
         assert row.compaction.get("scaling_parameters") == "T8", row.compaction
-
-
-async def _cql(store: CassandraStore, query: str, *values: Any) -> list[Any]:
-    return await store.cql.run((await asyncio.to_thread(store.session.prepare, query)).bind(values))
 
 
 async def test_a_deliverys_sieve_step_reads_nothing_for_a_user_whose_account_says_no_script(make_store) -> None:
