@@ -240,23 +240,6 @@ def test_jvm_command_runs_cassandra_daemon_with_heap_java17_opens_and_this_nodes
     assert "-Dcassandra.skip_wait_for_gossip_to_settle=0" not in args
     single = launcher.LocalCluster(tmp_path / "s", 1).jvm_args(1, lib)
     assert "-Dcassandra.skip_wait_for_gossip_to_settle=0" in single
-    # Schema changes are not flushed at once on the launcher's nodes (they are in the commit log).
-    assert "-Dcassandra.test.flush_local_schema_changes=false" in args
-
-
-def test_a_containers_node_keeps_cassandras_flush_of_schema_changes(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a compose deployment runs keeps Cassandra's default; only the launcher's own nodes
-    leave the flush out."""
-    monkeypatch.syspath_prepend(str(LAUNCHER_PATH.parent))
-    entrypoint = importlib.import_module("entrypoint")
-    lib = tmp_path / "lib"
-    lib.mkdir()
-    (lib / "jamm-0.4.0.jar").write_bytes(b"")
-    node = entrypoint.ContainerNode({"CASSANDRA_LISTEN_ADDRESS": "10.0.0.2"})
-    args = node.jvm_args(1, lib)
-    assert args[-1] == "org.apache.cassandra.service.CassandraDaemon"
-    assert not [a for a in args if "flush_local_schema_changes" in a]
 
 
 def test_contact_points_are_one_loopback_address_per_node(tmp_path: Path) -> None:

@@ -70,8 +70,6 @@ def own_address() -> str:
 class ContainerNode(launcher.LocalCluster):
     """The launcher's node 1, laid out in /var/lib/cassandra and addressed on the container network."""
 
-    flush_schema_changes = True  # (Cassandra's default, for what a deployment runs)
-
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
         self.listen = env.get("CASSANDRA_LISTEN_ADDRESS") or own_address()

@@ -560,13 +560,6 @@ class LocalCluster:
 
     _DEFAULTS = {"cluster_name": "cassmail", "native_port": 9042, "storage_port": 7000,
                  "heap_mb": 1024}
-    #: Whether each schema change is also flushed to sstables at once, Cassandra's default. The
-    #: launcher's own nodes (the suite's, `cassmail cassandra up`, `cassmail cluster`) leave it
-    #: out: the change is in the commit log like every write, and is replayed from it after a
-    #: crash. A keyspace's schema (about thirty changes) took a node 4.6 s and 7.7 s of CPU
-    #: with the flushes, 1.4-2 s and 2.4-3.7 s without; tests make keyspaces by the dozen.
-    #: Containers (deploy/cassandra/entrypoint.py), what a compose deployment runs, keep the default.
-    flush_schema_changes = False
 
     def __init__(
         self,
@@ -814,8 +807,6 @@ class LocalCluster:
             # Nodes on one machine hear a shutdown announcement at once; default 2 s.
             "-Dcassandra.shutdown_announce_in_ms=500",
         ]
-        if not self.flush_schema_changes:
-            args.append("-Dcassandra.test.flush_local_schema_changes=false")
         if self.nodes == 1:
             args.append("-Dcassandra.skip_wait_for_gossip_to_settle=0")
         args += ["-cp", f"{d / 'conf'}:{lib}/*", DAEMON_CLASS]
