@@ -44,6 +44,14 @@ BACKENDS = ["cassandra", "mbox", "wheelfs", "wheelfs-plain"]
 #: contract suite and the WheelFS store's own tests; the protocol suites above the contract run it
 #: too when CASSMAIL_ALL_BACKENDS=1 (they take a quarter longer for it).
 PLAIN_LAYOUT_SUITES = ("tests/contract/", "tests/test_wheelfs")
+#: Where a test marked `store_independent` runs (it checks what no backend changes: timers, TLS,
+#: connection limits), unless CASSMAIL_ALL_BACKENDS=1 runs it on every backend.
+INDEPENDENT_BACKEND = "mbox"
+
+
+def _backend_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("backend_settings") if callspec is not None else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,7 +61,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = Path(str(item.path)).relative_to(REPO).as_posix()
         plain = "[wheelfs-plain" in item.nodeid or "-wheelfs-plain" in item.nodeid
-        (drop if plain and not path.startswith(PLAIN_LAYOUT_SUITES) else keep).append(item)
+        elsewhere = (item.get_closest_marker("store_independent") is not None
+                     and _backend_of(item) not in (None, INDEPENDENT_BACKEND))
+        (drop if elsewhere or (plain and not path.startswith(PLAIN_LAYOUT_SUITES)) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -1229,6 +1229,7 @@ async def test_a_select_on_another_node_starts_from_the_snapshot_the_store_keeps
                 assert "Traceback" not in n.log_text()
 
 
+@pytest.mark.store_independent
 def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> None:
     node = Node(node_settings(backend_settings), tmp_path, imap={**tls_files, "implicit_tls": True}).start()
     try:
@@ -1296,6 +1297,7 @@ def test_bad_input_gets_bad_or_no_and_the_session_goes_on(plain_node: Node, user
     assert raw.file.readline().startswith(b"* BYE")
 
 
+@pytest.mark.store_independent
 async def test_a_short_literal_then_silence_or_a_closed_connection(plain_node: Node, store: Store, users) -> None:
     """A client that announces more literal bytes than it sends: the session waits for them (as
     it must, they may be slow) and, when the client leaves instead, ends quietly; nothing is

@@ -247,6 +247,7 @@ async def test_auth_plain_with_and_without_an_initial_response(node: Node, users
     assert second.cmd("QUIT").startswith(b"+OK")
 
 
+@pytest.mark.store_independent
 def test_failed_logins_are_refused_and_slowed_down(node: Node, users) -> None:
     timings = []
     for attempt in range(4):
@@ -604,6 +605,7 @@ async def test_top_of_a_message_whose_header_section_is_empty(node: Node, store:
 # ----------------------------------------------------------------------------- TLS and connections
 
 
+@pytest.mark.store_independent
 def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> None:
     node = Node(node_settings(backend_settings), tmp_path, pop3={**tls_files, "implicit_tls": True}).start()
     try:
@@ -627,6 +629,7 @@ def test_implicit_tls(backend_settings, tls_files, tmp_path: Path, users) -> Non
     assert "event=session listener=pop3" in node.log_text() and "tls=True" in node.log_text()
 
 
+@pytest.mark.store_independent
 def test_connections_past_max_connections_are_turned_away(backend_settings, tls_files, tmp_path: Path, users) -> None:
     node = Node(node_settings(backend_settings), tmp_path, pop3={**tls_files, "max_connections": 2}).start()
     try:

@@ -326,6 +326,7 @@ def test_a_command_sent_more_than_max_commands_times_closes_with_421(tight: Node
     wait_for_log(tight, rf"event=session listener=smtp peer=127\.0\.0\.1 helo={helo} .*result=limit ")
 
 
+@pytest.mark.store_independent
 def test_an_idle_session_is_closed_with_421_but_a_slow_message_is_not(tight: Node, users) -> None:
     raw = Raw(tight.port("lmtp"))  # this listener's timeout is 2 s
     raw.cmd("LHLO mta.test")
@@ -390,6 +391,7 @@ def test_over_long_lines_and_unknown_commands_count_against_the_command_rate(rat
     assert raw.closed()
 
 
+@pytest.mark.store_independent
 def test_a_peer_over_the_connection_rate_is_turned_away_before_the_greeting(rated: Node) -> None:
     """Ten connections a minute per address (LMTP here): the eleventh from 127.0.0.2 gets 421 4.7.0
     instead of the greeting, another address is still served, and the bucket refills (one
@@ -717,6 +719,7 @@ def test_too_many_failed_logins_close_the_session(node: Node, users) -> None:
     assert raw.closed()
 
 
+@pytest.mark.store_independent
 async def test_implicit_tls_submission(backend_settings, tls_files, tmp_path, store: Store, users) -> None:
     node = Node(node_settings(backend_settings), tmp_path, submission={**tls_files, "implicit_tls": True}).start()
     try:
