@@ -51,6 +51,10 @@ HEAP_MB = 512
 DOMAIN = "cluster.test"
 DOWN = 3  # the node whose Cassandra the outage kills
 LEVELS = ("ONE", "QUORUM", "ALL")
+#: The replication factors of the RF x CL matrix: the cluster's own keyspace (RF=2) and one more
+#: keyspace per other RF. RF=1 adds a keyspace's schema and three front ends to the run, so it is
+#: measured from the command line (CASSMAIL_MATRIX_RFS=1,2,3), not in every run of the suite.
+MATRIX_RFS = tuple(sorted({2, *(int(rf) for rf in os.environ.get("CASSMAIL_MATRIX_RFS", "2,3").split(","))}))
 STRESS_SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "15"))
 OUTBOUND = "outbound.test"  # a remote domain, reached through the front ends' transport map
 LEASE = 6.0
@@ -374,10 +378,11 @@ def experiment(cluster: Cluster, remote_mx: RemoteMx, tmp_path_factory: pytest.T
     run(_prepare(cluster.store_settings(), load_users + all_users + [out_user], 0))
     run(_prepare(cluster.store_settings(), read_users, 2))
     # The matrix: a keyspace per RF (the cluster's own is RF=2), a front end per (RF, CL).
-    keyspaces = {2: cluster.store_settings().keyspace, 1: "matrix_rf1", 3: "matrix_rf3"}
+    keyspaces = {rf: cluster.store_settings().keyspace if rf == 2 else f"matrix_rf{rf}" for rf in MATRIX_RFS}
+    others = [rf for rf in MATRIX_RFS if rf != 2]
     with ThreadPoolExecutor(2) as pool:  # (each apply waits on its node more than it works)
         list(pool.map(lambda rf: cassandra_schema.apply(cluster.store_settings(keyspace=keyspaces[rf],
-                                                                               replication_factor=rf)), (1, 3)))
+                                                                               replication_factor=rf)), others))
     matrix_users = _users("m")
     for rf, keyspace in keyspaces.items():
         run(_prepare(cluster.store_settings(keyspace=keyspace, replication_factor=rf, write_consistency="ALL"),
