@@ -21,11 +21,14 @@ What it does:
    then --selects more, each in a new session (on whichever worker takes it).
    Then SELECT after 10 flag changes by another session, plain and with QRESYNC, once the fill
    is older than the store's arrival window (`arrival_window`).
-4. Sessions/s: --clients concurrent loops of connect, LOGIN, SELECT INBOX of the 10-message
+4. Header listing: per mailbox size, in a new session, `FETCH 1:* (UID FLAGS RFC822.SIZE
+   BODY.PEEK[HEADER.FIELDS (FROM TO SUBJECT DATE)])` (a client's first sync) twice: the first
+   reads every header from the store, the second finds them in the worker's header cache.
+5. Sessions/s: --clients concurrent loops of connect, LOGIN, SELECT INBOX of the 10-message
    user, FETCH 1:* (FLAGS UID), LOGOUT for --seconds.
-5. FETCH: --clients concurrent sessions on the FETCH user, each `UID FETCH n BODY.PEEK[]` for
+6. FETCH: --clients concurrent sessions on the FETCH user, each `UID FETCH n BODY.PEEK[]` for
    random messages for --seconds; every body is checked against its size. MB/s = 10^6 bytes/s.
-6. CPU seconds of cassmail (serve and workers) and of the CassandraDaemon for phases 4 and 5.
+7. CPU seconds of cassmail (serve and workers) and of the CassandraDaemon for phases 4 to 6.
 """
 
 from __future__ import annotations
@@ -308,6 +311,30 @@ async def time_statuses(port: int, store: Store, user: str, expect: int, n: int)
     return times[0], times[1:]
 
 
+HEADER_LISTING = "FETCH 1:* (UID FLAGS RFC822.SIZE BODY.PEEK[HEADER.FIELDS (FROM TO SUBJECT DATE)])"
+
+
+async def time_header_listing(port: int, user: str) -> tuple[int, float, float]:
+    """What a mail client's first sync of a mailbox asks for (HEADER_LISTING) in a new session,
+    twice: (messages, seconds of the first, seconds of the second). The first finds no header
+    in the worker's cache; the second, in the same session and worker, finds them all."""
+    client = await login(port, user)
+    try:
+        lines, _ = await client.cmd("SELECT INBOX")
+        exists = next(int(line.split()[1]) for line in lines if line.endswith(b" EXISTS\r\n"))
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            lines, literals = await client.cmd(HEADER_LISTING)
+            times.append(time.perf_counter() - started)
+            fetched = sum(1 for line in lines if line.startswith(b"* ") and b" FETCH (" in line)
+            if fetched != exists or sum(1 for literal in literals if b"Subject: " in literal) != exists:
+                raise RuntimeError(f"{HEADER_LISTING} of {user} answered {fetched} messages of {exists}")
+    finally:
+        await client.close()
+    return exists, times[0], times[1]
+
+
 async def sessions_phase(port: int, user: str, clients: int, seconds: float) -> tuple[int, int, list[float]]:
     deadline = time.monotonic() + seconds
     done, errors, latencies = 0, 0, []
@@ -438,6 +465,21 @@ async def run(args: argparse.Namespace, settings: Settings, store: Store, workdi
         out += ["STATUS INBOX (MESSAGES UNSEEN UIDNEXT) from another session, milliseconds: the first, then each "
                 "after one more delivery:", ""]
         out += markdown(["messages", "first STATUS", "STATUS (median)", "STATUS (max)"], rows, set())
+        out.append("")
+
+        rows = []
+        for size, user in box_users.items():
+            cpu0, cass0 = node.cpu(), cass.seconds()
+            exists, first, again = await time_header_listing(port, user)
+            cpu1, cass1 = node.cpu(), cass.seconds()
+            rows.append([f"{exists:,}", f"{first:.3f}", f"{exists / first:,.0f}", fmt(delta(cpu0, cpu1)),
+                         fmt(delta(cass0, cass1)), f"{again:.3f}"])
+            print(f"header listing {exists}: first {first:.3f} s, again {again:.3f} s", flush=True)
+        out += [f"`{HEADER_LISTING}` in a new session (a client's first sync), seconds from command to tagged OK: "
+                "the first (the worker keeps no header of the mailbox yet), its CPU seconds, and a second in the "
+                "same session:", ""]
+        out += markdown(["messages", "first listing s", "messages/s", "cassmail CPU", "Cassandra CPU", "again s"],
+                        rows, set())
         out.append("")
 
         cpu0, cass0, t0 = node.cpu(), cass.seconds(), time.perf_counter()

@@ -2005,6 +2005,28 @@ async def test_status_counts_are_kept_through_changes_and_read_without_the_listi
     assert folded.messages == 2595 and rows <= 3
 
 
+async def test_the_heads_of_many_messages_take_a_request_per_sixteen(make_store) -> None:
+    """read_heads reads the first chunks of up to HEADS_PER_READ bodies in one request (an IMAP
+    client listing the headers of a mailbox, a SEARCH on a header field), and a body's first
+    chunk is one request however large the message. A process that has not listed the mailbox
+    reads where the bodies are first, a hundred messages a request."""
+    from cassmail.store.cassandra import HEADS_PER_READ
+
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    ids = [(await store.deliver(b"Subject: %d\r\n\r\nbody\r\n" % n, [Target(user)]))[0] for n in range(40)]
+    [large] = await store.deliver(b"Subject: large\r\n\r\n" + os.urandom(500_000), [Target(user)])
+    with other.tracing() as cost:
+        heads = await other.read_heads(user, INBOX, [*ids, large])
+    assert heads == {**{m: b"Subject: %d\r\n\r\n" % n for n, m in enumerate(ids)}, large: b"Subject: large\r\n\r\n"}
+    reads = -(-41 // HEADS_PER_READ)
+    assert cost.statements == 2 + reads  # the mailbox's row, where the 41 bodies are, their first chunks
+    [_ async for _ in store.list_messages(user, INBOX)]
+    with store.tracing() as cost:
+        assert await store.read_heads(user, INBOX, [*ids, large]) == heads
+    assert cost.statements == reads
+
+
 async def test_status_reads_the_changes_token_with_the_counts_in_one_request(make_store) -> None:
     """IMAP STATUS on Cassandra: once this process knows the bound of the counts, the changes
     token, HIGHESTMODSEQ and the counts come from one request; the token is the one a refresh

@@ -38,10 +38,10 @@ from cassmail.store.base import NoSuchMessage, StoreError, StoreUnavailable
 if TYPE_CHECKING:
     from cassmail.imap.session import Session
 
-#: Header-only items (ENVELOPE, BODY[HEADER.FIELDS ...]) read this much of a message at a time,
-#: and at most HEADER_LIMIT in all, looking for the blank line that ends the header.
-HEADER_WINDOW = 16 * 1024
-HEADER_LIMIT = 1024 * 1024
+#: A command that reads the headers of many messages (FETCH of ENVELOPE or header fields, SEARCH
+#: on them, SORT, THREAD) reads those the worker does not keep this many at a time, in one store
+#: call (Store.read_heads).
+HEADS_AHEAD = 64
 #: A streamed literal whose store read fails while the message is still there is resumed where
 #: it stopped, this many times (after RESUME_PAUSE, doubling), before the connection is cut.
 RESUME_ATTEMPTS = 3
@@ -106,12 +106,14 @@ async def fetch(session: Session, args: c.Fetch) -> str:
         await _fetch_from_the_view(session, uids, atts)
         return ("UID " if args.uid else "") + "FETCH completed"
     missing = 0
+    heads = Heads(session, uids) if _reads_heads(atts) else None
     for message_uid in uids:
         summary = view.messages.get(message_uid)
         if summary is None:
             continue
         try:
-            await _fetch_one(session, message_uid, summary, atts)
+            header = await heads.get(summary) if heads is not None else None
+            await _fetch_one(session, message_uid, summary, atts, header)
         except NoSuchMessage:
             missing += 1
         await session.conn.drain()
@@ -142,14 +144,21 @@ async def _fetch_from_the_view(session: Session, uids: list[int], atts: list[c.F
     await conn.drain()
 
 
-async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: list[c.FetchAtt]) -> None:
+def _reads_heads(atts: list[c.FetchAtt]) -> bool:
+    """What mail clients ask for when they list a mailbox: items that the header answers."""
+    parsed = [a for a in atts if _needs_entity(a)]
+    return bool(parsed) and all(_header_only(a) for a in parsed)
+
+
+async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: list[c.FetchAtt],
+                     header: mime.Entity | None = None) -> None:
+    """One message's FETCH response; `header`: its parsed header when the caller read it (Heads)."""
     view = session.selected()
     streamed = [a for a in atts if _streamed(a)]
     parsed = [a for a in atts if _needs_entity(a)]
     entity = None
-    if parsed and all(_header_only(a) for a in parsed):
-        # what mail clients ask for when they list a mailbox: the header is enough
-        entity = await headers_only(session, summary)
+    if _reads_heads(atts):
+        entity = header or await headers_only(session, summary)
         if entity is None:
             raise NoSuchMessage(view.name, summary.id)
     elif parsed:
@@ -224,34 +233,73 @@ def _item(session: Session, uid: int, summary: MessageSummary, att: c.FetchAtt, 
 
 
 async def headers_only(session: Session, summary: MessageSummary) -> mime.Entity | None:
-    """The message's header, parsed; None when the message is gone. A message's bytes never
-    change, so the parsed header is kept by id (the listener's `headers`): a client listing a mailbox and
-    SEARCH on header fields read each header from the store once."""
-    entity = kept_header(session, summary)
-    if entity is not None:
-        return entity
+    """The message's header, parsed; None when the message is gone."""
+    return (await headers_of(session, [summary])).get(summary.id.int)
+
+
+async def headers_of(session: Session, summaries: list[MessageSummary]) -> dict[int, mime.Entity]:
+    """The parsed headers of these messages of the selected mailbox by their id's integer, those
+    gone left out. A message's bytes never change, so parsed headers are kept by id (the
+    listener's `headers`): a client listing a mailbox and SEARCH on header fields read each header
+    from the store once, and those not kept yet in one store call."""
+    out: dict[int, mime.Entity] = {}
+    missing: list[MessageSummary] = []
+    for summary in summaries:
+        entity = kept_header(session, summary)
+        if entity is None:
+            missing.append(summary)
+        else:
+            out[summary.id.int] = entity
+    if not missing:
+        return out
     view = session.selected()
-    data = bytearray()
-    try:
-        # a window at a time, so a store that reads ahead does not fetch the whole body
-        while len(data) < min(summary.size, HEADER_LIMIT):
-            end = min(summary.size, len(data) + HEADER_WINDOW)
-            async for chunk in session.store.read_chunks(view.user, view.name, summary.id, len(data), end):
-                data += chunk
-            if b"\n\r\n" in data or b"\n\n" in data:
-                break
-    except NoSuchMessage:
-        return None
-    header = mime.parse(bytes(data)).header_bytes()
-    entity = mime.parse(header)
-    session.listener.headers.put(summary.id.int, entity, 3 * len(header) + 256)  # about three times its bytes
-    return entity
+    heads = await session.store.read_heads(view.user, view.name, [m.id for m in missing])
+    for summary in missing:
+        data = heads.get(summary.id)
+        if data is None:
+            continue
+        header = mime.parse(data).header_bytes()
+        entity = out[summary.id.int] = mime.parse(header)
+        session.listener.headers.put(summary.id.int, entity, 3 * len(header) + 256)  # about three times its bytes
+    return out
 
 
 def kept_header(session: Session, summary: MessageSummary) -> mime.Entity | None:
     """The message's parsed header if the worker keeps it (no store read, no coroutine). Kept by
     the id's integer: an int hashes in C, a UUID in Python."""
     return session.listener.headers.get(summary.id.int)
+
+
+class Heads:
+    """The parsed headers of the messages a command goes through in order (`uids`), read
+    HEADS_AHEAD at a time (`headers_of`) as it reaches them."""
+
+    def __init__(self, session: Session, uids: list[int]) -> None:
+        self.session = session
+        self.uids = uids
+        self.pos = 0  # where in `uids` the next read starts
+        self.read: dict[int, mime.Entity | None] = {}
+
+    async def get(self, summary: MessageSummary) -> mime.Entity | None:
+        """`summary`'s header (a message of `uids` at or after the last one asked for), None when
+        it is gone."""
+        key = summary.id.int
+        if key not in self.read:
+            entity = kept_header(self.session, summary)
+            if entity is not None:
+                return entity
+            messages = self.session.selected().messages
+            window: list[MessageSummary] = []
+            while self.pos < len(self.uids) and len(window) < HEADS_AHEAD:
+                found = messages.get(self.uids[self.pos])
+                self.pos += 1
+                if found is not None and kept_header(self.session, found) is None:
+                    window.append(found)
+            if all(m.id.int != key for m in window):
+                window.append(summary)  # (asked for out of order)
+            got = await headers_of(self.session, window)
+            self.read = {m.id.int: got.get(m.id.int) for m in window}
+        return self.read[key]
 
 
 @dataclass(slots=True)

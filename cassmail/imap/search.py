@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from cassmail.imap import commands as c
 from cassmail.imap import condstore, mime, wire
 from cassmail.imap.errors import No
-from cassmail.imap.fetch import headers_only, kept_header
+from cassmail.imap.fetch import Heads, kept_header
 from cassmail.imap.view import MailboxView
 from cassmail.model import MessageSummary
 from cassmail.store.base import NoSuchMessage
@@ -67,7 +67,9 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
     if not (program.needs_body or program.needs_headers or headers):  # the view alone: one pass
         return [(uid, messages[uid], None) for uid in view.uids if uid in messages and match(uid, None)]
     out = []
-    for uid in list(view.uids):
+    uids = list(view.uids)
+    heads = Heads(session, uids)
+    for uid in uids:
         summary = messages.get(uid)
         if summary is None:
             continue
@@ -77,7 +79,7 @@ async def matching(session: Session, keys: c.And, headers: bool = False) -> list
             except NoSuchMessage:
                 continue
         else:
-            entity = kept_header(session, summary) or await headers_only(session, summary)
+            entity = kept_header(session, summary) or await heads.get(summary)
             if entity is None:
                 continue
         if match(uid, entity):

@@ -175,6 +175,20 @@ STATUS_PAGE = 1000
 FlagMode = Literal["set", "add", "remove"]
 Body = bytes | bytearray | memoryview
 
+#: Store.read_heads: a message's head is read this much at a time, and at most HEAD_LIMIT of it.
+HEAD_WINDOW = 16 * 1024
+HEAD_LIMIT = 1024 * 1024
+
+
+def head_end(data: bytes | bytearray) -> int | None:
+    """Where the blank line that ends the header of a message starting with `data` ends (the
+    message may start with it: no header fields); None when `data` does not hold it."""
+    for blank in (b"\r\n", b"\n"):
+        if data.startswith(blank):
+            return len(blank)
+    ends = [at + len(blank) for blank in (b"\n\r\n", b"\n\n") if (at := data.find(blank)) >= 0]
+    return min(ends) if ends else None
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -523,6 +537,36 @@ class Store(abc.ABC):
     async def read_message(self, user: str, mailbox: str, message_id: uuid.UUID) -> bytes:
         """The whole body; prefer read_chunks for anything that may be large."""
         return b"".join([chunk async for chunk in self.read_chunks(user, mailbox, message_id)])
+
+    async def read_heads(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+        """The first bytes of each message still there, by id (those gone are left out): through
+        the blank line that ends its header, or all of the message when it has none, at most
+        HEAD_LIMIT bytes. What IMAP reads for ENVELOPE, header fields and SEARCH on them. A store
+        that can read the heads of many messages at once does (Cassandra: the first chunks of
+        many bodies in one request); this one reads them one by one."""
+        out: dict[uuid.UUID, bytes] = {}
+        for message_id in dict.fromkeys(ids):
+            try:
+                out[message_id] = await self._read_head(user, mailbox, message_id)
+            except NoSuchMessage:
+                pass
+        return out
+
+    async def _read_head(self, user: str, mailbox: str, message_id: uuid.UUID) -> bytes:
+        """One message's head (see read_heads), HEAD_WINDOW bytes at a time, so a store that reads
+        ahead does not fetch the whole body. Raises NoSuchMessage."""
+        data = bytearray()
+        while len(data) < HEAD_LIMIT:
+            asked = min(HEAD_WINDOW, HEAD_LIMIT - len(data))
+            before = len(data)
+            async for chunk in self.read_chunks(user, mailbox, message_id, before, before + asked):
+                data += chunk
+            end = head_end(data)
+            if end is not None:
+                return bytes(data[:end])
+            if len(data) - before < asked:
+                break
+        return bytes(data)
 
     @abc.abstractmethod
     async def store_flags(

@@ -60,6 +60,7 @@ from cassmail.store.base import (
     Body,
     DomainInUse,
     FlagMode,
+    HEAD_LIMIT,
     MailboxExists,
     MailboxNotAllowed,
     NoSuchAlias,
@@ -78,6 +79,7 @@ from cassmail.store.base import (
     check_rename,
     checked_password_hash,
     expunge_floor,
+    head_end,
     internal_date as internal_date_utc,
     needs_uid,
     prepare_delivery,
@@ -116,6 +118,9 @@ MAILBOX_CACHE_ROWS = 10_000
 #: A read of at most this many chunks is one request (more are read one by one, read ahead
 #: `chunk_concurrency` at a time); each counts as one of `max_chunks_in_flight`.
 CHUNKS_READ_TOGETHER = 2
+#: read_heads: first chunks of this many bodies per request at most, and of about this many bytes.
+HEADS_PER_READ = 16
+HEADS_BYTES = 1024 * 1024
 #: Messages whose body a process remembers from a listing, at most (see `_BodyNotes`).
 BODY_NOTES = 20_000
 #: Rows per conditional batch when numbering messages or changing their flags: a Paxos round per
@@ -784,6 +789,55 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 task.cancel()
                 if task.done() and not task.cancelled():
                     task.exception()  # read ahead and failed: nobody else will look at it
+
+    async def read_heads(self, user: str, mailbox: str, ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+        """As Store.read_heads, with the first chunks of many bodies in one request (HEADS_PER_READ
+        bodies, about HEADS_BYTES of chunks, at most): a client listing the headers of a mailbox,
+        or a SEARCH on a header field, makes a request per few messages, not one per message. A
+        head longer than its first chunk, or a first chunk not there at this consistency, is read
+        as one message's (`Store._read_head`: it tells a message gone from a replica behind)."""
+        mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
+        bodies: dict[uuid.UUID, Any] = {}
+        unknown = []
+        for message_id in dict.fromkeys(ids):
+            info = self._bodies.get(mailbox_id, message_id)
+            if info is None:
+                unknown.append(message_id)
+            else:
+                bodies[message_id] = info
+        for group in _groups(unknown, IN_BATCH):
+            bodies.update((r.id, r) for r in await self.tables.messages.body_infos(mailbox_id, group) if r.size is not None)
+        reads: list[list[uuid.UUID]] = []
+        budget = HEADS_BYTES
+        for info in bodies.values():
+            first = min(info.size, info.chunk_size)
+            if not reads or budget + first > HEADS_BYTES or len(reads[-1]) >= HEADS_PER_READ:
+                reads.append([])
+                budget = 0
+            reads[-1].append(info.body_id)
+            budget += first
+
+        async def read(body_ids: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+            async with self._chunk_slots:
+                return await self.tables.body_chunks.firsts(body_ids)
+
+        firsts: dict[uuid.UUID, bytes] = {}
+        for found in await asyncio.gather(*(read(body_ids) for body_ids in reads)):
+            firsts.update(found)
+        out: dict[uuid.UUID, bytes] = {}
+        for message_id, info in bodies.items():
+            data = firsts.get(info.body_id)
+            end = head_end(data) if data is not None else None
+            if end is not None:
+                out[message_id] = data[:end]
+            elif data is not None and len(data) >= min(info.size, HEAD_LIMIT):
+                out[message_id] = data[:HEAD_LIMIT]
+            else:
+                try:
+                    out[message_id] = await self._read_head(user, mailbox, message_id)
+                except NoSuchMessage:
+                    pass
+        return out
 
     async def _chunk(self, body_id: uuid.UUID, idx: int, every_replica: bool = False) -> bytes | None:
         """A chunk of a body; None when it is not there. `every_replica` asks all replicas (ALL):

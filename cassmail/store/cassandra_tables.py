@@ -700,6 +700,7 @@ class BodyChunks(Table):
         "insert": (WRITE, "INSERT INTO body_chunks (body_id, idx, data) VALUES (?, ?, ?)"),
         "get": (READ, "SELECT data FROM body_chunks WHERE body_id = ? AND idx = ?"),
         "get_many": (READ, "SELECT idx, data FROM body_chunks WHERE body_id = ? AND idx IN ?"),
+        "firsts": (READ, "SELECT body_id, data FROM body_chunks WHERE body_id IN ? AND idx = 0"),
         "delete": (WRITE, "DELETE FROM body_chunks WHERE body_id = ? AND idx = ?"),
     }
 
@@ -717,6 +718,10 @@ class BodyChunks(Table):
     async def get_many(self, body_id: uuid.UUID, idxs: Sequence[int]) -> dict[int, bytes]:
         """Chunks of a body by their index, in one request; those not there are left out."""
         return {r.idx: r.data for r in await self._run("get_many", body_id, list(idxs))}
+
+    async def firsts(self, body_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+        """The first chunk of each body, in one request; those not there are left out."""
+        return {r.body_id: r.data for r in await self._run("firsts", list(body_ids))}
 
     async def delete(self, body_id: uuid.UUID, idx: int) -> None:
         await self._run("delete", body_id, idx)

@@ -19,6 +19,7 @@ from cassmail.auth import verify_password
 from cassmail.model import DEFAULT_MAILBOXES, INBOX, InvalidAddress, InvalidInput, InvalidMailboxName, message_id_time
 from cassmail.store import make_store
 from cassmail.store.base import (
+    HEAD_LIMIT,
     Alias,
     AliasExists,
     DomainInUse,
@@ -434,6 +435,34 @@ async def test_a_50_megabyte_message_is_stored_and_streamed_back(store: Store, u
         largest = max(largest, len(chunk))
     assert received == len(body)
     assert largest <= 1024 * 1024  # streamed in chunks, never whole
+
+
+async def test_the_heads_of_many_messages_are_read_in_one_call(store: Store, user: str) -> None:
+    """read_heads: each message's bytes through the blank line that ends its header, all of a
+    message without one (at most HEAD_LIMIT), and nothing of messages that are gone; the same
+    whether or not the store has listed the mailbox since (Cassandra: it then knows the bodies)."""
+    bodies = {
+        "crlf": MESSAGE,
+        "lf": b"Subject: lf\n\nbody\n",
+        "no header fields": b"\r\nbody only\r\n",
+        "no body": b"Subject: only a header\r\n",
+        "header past the first chunk": b"X-Long: " + b"y" * 200_000 + b"\r\n\r\nbody\r\n",
+        "large body": b"Subject: big\r\n\r\n" + os.urandom(300_000),
+        "header past the limit": b"X-Long: " + b"z" * (HEAD_LIMIT + 1000),
+    } | {f"small {n}": b"Subject: %d\r\nX-Pad: %s\r\n\r\nbody\r\n" % (n, b"p" * n * 997) for n in range(40)}
+    heads = {
+        name: body[: body.index(b"\r\n\r\n") + 4] if b"\r\n\r\n" in body[:HEAD_LIMIT] else body[:HEAD_LIMIT]
+        for name, body in bodies.items()
+    } | {"lf": b"Subject: lf\n\n", "no header fields": b"\r\n"}
+    ids = {name: (await store.deliver(body, [Target(user)]))[0] for name, body in bodies.items()}
+    [gone] = await store.deliver(MESSAGE, [Target(user)])
+    await store.delete_messages(user, INBOX, [gone])
+    asked = [gone, *ids.values(), uuid.uuid1(), ids["crlf"]]
+    expected = {ids[name]: head for name, head in heads.items()}
+    assert await store.read_heads(user, INBOX, asked) == expected
+    assert len(await listing(store, user)) == len(bodies)
+    assert await store.read_heads(user, INBOX, asked) == expected
+    assert await store.read_heads(user, INBOX, []) == {}
 
 
 async def test_reading_a_missing_message_is_no_such_message(store: Store, user: str) -> None:
