@@ -2027,6 +2027,34 @@ async def test_the_heads_of_many_messages_take_a_request_per_sixteen(make_store)
     assert cost.statements == reads
 
 
+async def test_copies_are_numbered_without_a_read_when_this_process_changed_the_target_last(make_store) -> None:
+    """IMAP numbers the copies of a COPY right after it (COPYUID). The copies' rows are what this
+    process wrote, so when its last change of the target left the counters it knows, the
+    numbering is the conditional batch alone, as an APPEND's; when another process changed the
+    target meanwhile the batch does not apply, and the numbering is decided on a read, with the
+    UIDs right."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    ids = await deliver_many(store, user, 3)
+    await store.assign_uids(user, INBOX, ids)
+    first = await store.copy_messages(user, INBOX, ids[:1], "Archive")
+    assert await store.assign_uids(user, "Archive", first) == {first[0]: 1}  # (never changed here: a read)
+    second = await store.copy_messages(user, INBOX, ids[1:], "Archive")
+    with store.tracing() as cost:
+        assert await store.assign_uids(user, "Archive", second) == {second[0]: 2, second[1]: 3}
+    assert cost.statements == 1
+    third = await store.copy_messages(user, INBOX, ids[:1], "Archive")
+    fourth = await other.copy_messages(user, INBOX, ids[1:2], "Archive")
+    assert await other.assign_uids(user, "Archive", fourth) == {fourth[0]: 4}
+    with store.tracing() as cost:
+        assert await store.assign_uids(user, "Archive", third) == {third[0]: 5}
+    assert cost.statements > 1
+    listed = {s.id: s async for s in store.list_messages(user, "Archive")}
+    assert {i: listed[i].uid for i in first + second + fourth + third} == {
+        first[0]: 1, second[0]: 2, second[1]: 3, fourth[0]: 4, third[0]: 5}
+    assert (await store.mailbox_status(user, "Archive")).messages == 5
+
+
 async def test_status_reads_the_changes_token_with_the_counts_in_one_request(make_store) -> None:
     """IMAP STATUS on Cassandra: once this process knows the bound of the counts, the changes
     token, HIGHESTMODSEQ and the counts come from one request; the token is the one a refresh

@@ -87,7 +87,7 @@ from cassmail.store.base import (
 )
 
 from cassmail.store.cassandra_ahead import NumberAhead
-from cassmail.store.cassandra_copy import CassandraCopies, body_ref
+from cassmail.store.cassandra_copy import CassandraCopies, Copies, body_ref
 from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tally
 from cassmail.store.cassandra_cql import (
     DRIVER_FAILURES,
@@ -123,6 +123,8 @@ HEADS_PER_READ = 16
 HEADS_BYTES = 1024 * 1024
 #: Messages whose body a process remembers from a listing, at most (see `_BodyNotes`).
 BODY_NOTES = 20_000
+#: Copies a process remembers as it wrote them until they are numbered, at most (`Copies`).
+COPIES_NOTED = 10_000
 #: Rows per conditional batch when numbering messages or changing their flags: a Paxos round per
 #: batch, so larger batches number a large mailbox faster (100,000 messages in 10 s with 1024, 16 s
 #: with 256: loadtest/RESULTS.md). A batch of 1024 rows is a few hundred kilobytes, far under
@@ -180,6 +182,8 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self._bodies = _BodyNotes(BODY_NOTES)
         #: The statics each mailbox's last change by this process left (cassandra_left).
         self._left = Left()
+        #: Copies made and not numbered yet (cassandra_copy).
+        self._copies = Copies(COPIES_NOTED)
         self._count_bounds: dict[uuid.UUID, uuid.UUID] = {}  # (cassandra_counts)
         self._queue_init()
         self._ahead = NumberAhead(settings.number_ahead, self._assign)
@@ -1232,7 +1236,14 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         listed_at: int | None = None,
     ) -> dict[uuid.UUID, int]:
         mailbox_id = (await self._resolve(address_key(user), mailbox, cached=True)).mailbox_id
-        return await self._assign(mailbox_id, uid_work(ids, renumber), renumber, modseqs, listed_at)
+        work = uid_work(ids, renumber)
+        copies = self._copies.take(mailbox_id, work) if renumber is None else None
+        if copies and len(work) <= UID_BATCH:  # copies this process made (COPY's COPYUID): as an APPEND's
+            guess = self._left.rows(mailbox_id, copies, None)
+            if guess is not None:
+                found, _ = await self._assign_group(mailbox_id, work, None, modseqs, listed_at, guess=guess)
+                return found
+        return await self._assign(mailbox_id, work, renumber, modseqs, listed_at)
 
     async def _number_appended(self, target: Target, message: MessageSummary, modseqs: dict[uuid.UUID, int] | None,
                                recent: RecentClaim | None) -> dict[uuid.UUID, int]:

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from cassmail.config import CassandraSettings
-from cassmail.model import MessageSummary, address_key, new_message_id
+from cassmail.model import MessageSummary, address_key, mailbox_name, new_message_id
 from cassmail.store.base import NoSuchMessage, Store
 from cassmail.store.cassandra_cql import Cql
 from cassmail.store.cassandra_tables import Tables
@@ -57,23 +59,31 @@ class CassandraCopies(Store):
     _quota_count: Any
     _release_shared: Any
     _delete_chunks: Any
+    _copies: Copies
+    _recent: Any
 
     async def _copy_one(self, user: str, source: str, summary: MessageSummary, dest: str) -> uuid.UUID:
         """A numbered message's body of more than SHARE_CHUNKS chunks is shared; any other is
         copied byte for byte (`Store._copy_one`). (Only a numbered message's: its deletions are
         decided in Paxos rounds, which marking it shared takes part in; a mailbox never numbered
-        is deleted from without one.)"""
+        is deleted from without one.) The copy's row is noted as written (`_copies`), for the
+        numbering that follows to be decided without reading it back."""
+        key = address_key(user)
+        new_id = None
         if summary.uid and summary.size > SHARE_CHUNKS * self.settings.chunk_size:
-            key = address_key(user)
             source_id = (await self._resolve(key, source, cached=True)).mailbox_id
             rows = [r for r in await self.tables.messages.body_infos(source_id, [summary.id]) if r.size is not None]
             if not rows:
                 raise NoSuchMessage(source, summary.id)
             if math.ceil(rows[0].size / rows[0].chunk_size) > SHARE_CHUNKS:
                 new_id = await self._copy_shared(key, source, source_id, rows[0], summary, dest)
-                if new_id is not None:
-                    return new_id
-        return await super()._copy_one(user, source, summary, dest)
+        if new_id is None:
+            new_id = await super()._copy_one(user, source, summary, dest)
+        target = self._recent(key, mailbox_name(dest))  # (the row the copy read, when rows are kept)
+        if target is not None:
+            self._copies.note(target.mailbox_id, MessageSummary(new_id, summary.size, summary.flags,
+                                                                summary.internal_date))
+        return new_id
 
     async def _copy_shared(self, key: str, source: str, source_id: uuid.UUID, row: Any, summary: MessageSummary,
                            dest: str) -> uuid.UUID | None:
@@ -118,6 +128,28 @@ class CassandraCopies(Store):
 
         await self._change(mailbox_id, [message_id], plan)
         return bool(there and there[0])
+
+
+class Copies:
+    """The rows of the copies this process made lately and has not numbered yet, as it wrote them
+    (the `limit` made last): IMAP numbers the copies right after COPY (for COPYUID), and a
+    numbering of rows known as written is decided without a read when this process changed the
+    mailbox last (cassandra_left), as an APPEND's is."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._rows: OrderedDict[tuple[int, int], MessageSummary] = OrderedDict()
+
+    def note(self, mailbox_id: uuid.UUID, row: MessageSummary) -> None:
+        self._rows[(mailbox_id.int, row.id.int)] = row
+        if len(self._rows) > self.limit:
+            self._rows.popitem(last=False)
+
+    def take(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[MessageSummary] | None:
+        """The rows of `ids` as written, if this process made every one of them (forgotten
+        here either way); else None."""
+        rows = [self._rows.pop((mailbox_id.int, i.int), None) for i in ids]
+        return None if any(row is None for row in rows) else rows  # type: ignore[return-value]
 
 
 def body_ref(mailbox_id: uuid.UUID, message_id: uuid.UUID) -> str:
