@@ -106,7 +106,7 @@ async def fetch(session: Session, args: c.Fetch) -> str:
         await _fetch_from_the_view(session, uids, atts)
         return ("UID " if args.uid else "") + "FETCH completed"
     missing = 0
-    heads = Heads(session, uids) if _reads_heads(atts) else None
+    heads = Heads(session, uids) if _heads_answer([a for a in atts if _needs_entity(a)]) else None
     for message_uid in uids:
         summary = view.messages.get(message_uid)
         if summary is None:
@@ -144,9 +144,9 @@ async def _fetch_from_the_view(session: Session, uids: list[int], atts: list[c.F
     await conn.drain()
 
 
-def _reads_heads(atts: list[c.FetchAtt]) -> bool:
-    """What mail clients ask for when they list a mailbox: items that the header answers."""
-    parsed = [a for a in atts if _needs_entity(a)]
+def _heads_answer(parsed: list[c.FetchAtt]) -> bool:
+    """Whether the header answers the items of a FETCH that need the message parsed (`parsed`):
+    what mail clients ask for when they list a mailbox."""
     return bool(parsed) and all(_header_only(a) for a in parsed)
 
 
@@ -157,7 +157,7 @@ async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: 
     streamed = [a for a in atts if _streamed(a)]
     parsed = [a for a in atts if _needs_entity(a)]
     entity = None
-    if _reads_heads(atts):
+    if _heads_answer(parsed):
         entity = header or await headers_only(session, summary)
         if entity is None:
             raise NoSuchMessage(view.name, summary.id)
@@ -258,9 +258,9 @@ async def headers_of(session: Session, summaries: list[MessageSummary]) -> dict[
         data = heads.get(summary.id)
         if data is None:
             continue
-        header = mime.parse(data).header_bytes()
-        entity = out[summary.id.int] = mime.parse(header)
-        session.listener.headers.put(summary.id.int, entity, 3 * len(header) + 256)  # about three times its bytes
+        # (the store's head ends where mime sees the header end: the blank line, or all of it)
+        entity = out[summary.id.int] = mime.parse(data)
+        session.listener.headers.put(summary.id.int, entity, 3 * len(data) + 256)  # about three times its bytes
     return out
 
 

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from cassmail.auth import verify_password
+from cassmail.imap import mime
 from cassmail.model import DEFAULT_MAILBOXES, INBOX, InvalidAddress, InvalidInput, InvalidMailboxName, message_id_time
 from cassmail.store import make_store
 from cassmail.store.base import (
@@ -460,6 +461,7 @@ async def test_the_heads_of_many_messages_are_read_in_one_call(store: Store, use
     asked = [gone, *ids.values(), uuid.uuid1(), ids["crlf"]]
     expected = {ids[name]: head for name, head in heads.items()}
     assert await store.read_heads(user, INBOX, asked) == expected
+    assert all(mime.parse(head).header_bytes() == head for head in heads.values())  # (IMAP parses it once)
     assert len(await listing(store, user)) == len(bodies)
     assert await store.read_heads(user, INBOX, asked) == expected
     assert await store.read_heads(user, INBOX, []) == {}
