@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -522,20 +523,28 @@ class LocalMailCluster:
             raise ClusterError(f"cannot read the ring: {exc}") from None
         owned = ownership(tokens, 1)
         effective = ownership(tokens, self.state["rf"])
+        indexes = range(1, self.nodes + 1)
+        pids = {i: self.frontend_pid(i) for i in indexes}
+
+        def probe(i: int) -> list[str]:
+            # A front end busy for a moment (one just started, on a loaded machine) is not failing:
+            # the probe waits as long as the container's health check does.
+            return healthcheck.check(self.frontend_settings(i)) if pids[i] else ["not running"]
+
+        with ThreadPoolExecutor(max_workers=self.nodes) as pool:
+            failures = dict(zip(indexes, pool.map(probe, indexes)))
         out = []
-        for i in range(1, self.nodes + 1):
-            address = self.address(i)
-            pid = self.frontend_pid(i)
+        for i in indexes:
+            address, pid = self.address(i), pids[i]
             try:
                 faults = netns.faults(i) if self.in_netns else []
             except netns.NetnsError as exc:
                 faults = [str(exc)]
-            failures = healthcheck.check(self.frontend_settings(i), timeout=1) if pid else ["not running"]
             out.append({
                 "node": i, "address": address,
                 "cassandra": "up" if rows[i]["cql"] else ("starting" if rows[i]["running"] else "down"),
-                "cassandra_pid": rows[i]["pid"], "frontend": "up" if not failures else ("failing" if pid else "down"),
-                "frontend_pid": pid, "tokens": len(tokens.get(address, [])),
+                "cassandra_pid": rows[i]["pid"], "frontend": "up" if not failures[i] else ("failing" if pid else "down"),
+                "frontend_pid": pid, "frontend_failures": failures[i], "tokens": len(tokens.get(address, [])),
                 "owns": owned.get(address), "effective": effective.get(address), "faults": faults,
             })
         return out
@@ -624,6 +633,9 @@ def _print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         for fault in r.get("faults", []):
             print(f"node {r['node']} fault: {fault}")
+        if r["frontend"] == "failing":
+            for failure in r["frontend_failures"]:
+                print(f"node {r['node']} front end: {failure}")
     for key, what in (("owns", "token ownership"), ("effective", "effective ownership")):
         shares = [r[key] for r in rows if r[key]]
         if len(shares) > 1:

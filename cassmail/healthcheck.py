@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import ssl
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from cassmail import config
 from cassmail.server import enabled_listeners
@@ -49,14 +50,19 @@ def greets(host: str, port: int, expected: bytes, timeout: float = 3.0, tls: boo
 
 
 def check(settings: config.Settings, timeout: float = 3.0) -> list[str]:
-    """One message per enabled listener that does not greet; empty when the node is healthy."""
-    failures = []
-    for name, (host, port) in enabled_listeners(settings).items():
-        tls = getattr(settings, name).implicit_tls
+    """One message per enabled listener that does not greet; empty when the node is healthy.
+    The listeners are probed side by side: a node answers in one timeout at most."""
+    listeners = enabled_listeners(settings)
+
+    def probe(name: str) -> str | None:
+        host, port = listeners[name]
         expected = GREETINGS[config.LISTENER_PROTOCOLS[name]]
-        if not greets(probe_host(host), port, expected, timeout, tls):
-            failures.append(f"{name} on {host}:{port} does not greet with {expected.decode()!r}")
-    return failures
+        if greets(probe_host(host), port, expected, timeout, getattr(settings, name).implicit_tls):
+            return None
+        return f"{name} on {host}:{port} does not greet with {expected.decode()!r} within {timeout:g} s"
+
+    with ThreadPoolExecutor(max_workers=max(1, len(listeners))) as pool:
+        return [failure for failure in pool.map(probe, listeners) if failure]
 
 
 def main() -> int:

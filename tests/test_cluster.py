@@ -204,7 +204,8 @@ def test_commands_use_the_cluster_settings_only_while_it_is_up_and_no_config_is_
 def test_up_starts_three_nodes_with_balanced_token_ownership(cluster: Cluster) -> None:
     rows = json.loads(cluster.must("cluster", "status", "--json"))
     assert [r["address"] for r in rows] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    assert all(r["cassandra"] == "up" and r["frontend"] == "up" and r["tokens"] == 16 for r in rows), rows
+    seen = [(r["node"], r["cassandra"], r["frontend"], r["tokens"], r["frontend_failures"]) for r in rows]
+    assert seen == [(i, "up", "up", 16, []) for i in (1, 2, 3)], seen
     owns, effective = [r["owns"] for r in rows], [r["effective"] for r in rows]
     assert sum(owns) == pytest.approx(1.0) and sum(effective) == pytest.approx(2.0)
     assert "token ownership spread" in cluster.up_output
