@@ -2201,3 +2201,40 @@ async def test_a_sieve_mark_never_makes_a_deleted_user_live_again(make_store) ->
     assert await store.tables.users.account(user) is None
     await store.create_user(user, hash_password("pw", FAST_HASH))
     assert (await store.tables.users.account(user)).sieve is False
+
+
+async def test_arrivals_the_caller_holds_are_read_as_their_keys_only(make_store) -> None:
+    """Every refresh of an IMAP view reads the rows stamped in the arrival window again, most of
+    them messages the view holds (those appended lately). Given the caller's messages by UID,
+    the store reads the window as ids, sizes and UIDs, and reads whole, by id and in a second
+    request, only the rows the caller lacks: one it does not hold, one it holds under the same
+    UID with another id, one not numbered yet. The token and HIGHESTMODSEQ are those of the
+    read without `known`."""
+    store = await make_store()
+    user = await new_user(store)
+    started = time.time()
+    ids = await deliver_many(store, user, 6)
+    uids = await store.assign_uids(user, INBOX, ids)
+    listed = [s async for s in store.list_messages(user, INBOX)]
+    by_uid = {s.uid: s for s in listed}
+    held = {uids[i]: by_uid[uids[i]] for i in ids[:4]}
+    held[uids[ids[4]]] = dataclasses.replace(by_uid[uids[ids[5]]], uid=uids[ids[4]])  # another id under its UID
+    [new] = await store.deliver(b"Subject: new\r\n\r\nx\r\n", [Target(user)])
+    mark = store.arrivals_mark(listed, started)
+    every, _, token, highest = await store.arrivals_state(user, INBOX, mark)
+    assert [s.id for s in every] == [*ids, new]
+    with store.tracing() as cost:
+        found, _, *state = await store.arrivals_state(user, INBOX, mark, held)
+    assert [s.id for s in found] == [ids[4], ids[5], new] and state == [token, highest]
+    assert found == [s for s in every if s.id in (ids[4], ids[5], new)]
+    assert cost.statements == 2
+    everything = {s.uid: s for s in every if s.uid}
+    everything[0] = next(s for s in every if s.id == new)  # (unnumbered: no UID to hold it under)
+    with store.tracing() as cost:
+        found, _ = await store.arrivals(user, INBOX, mark, everything)
+    assert [s.id for s in found] == [new] and cost.statements == 1 + 1
+    await store.assign_uids(user, INBOX, [new])
+    everything = {s.uid: s async for s in store.list_messages(user, INBOX)}
+    with store.tracing() as cost:
+        found, _ = await store.arrivals(user, INBOX, mark, everything)
+    assert found == [] and cost.statements == 1
