@@ -552,8 +552,7 @@ class MailboxView:
             if self.token is None and incremental:
                 # The last token was too young to trust (a change moments before), as it will
                 # most likely be again: the arrivals, read anyway then, with the token.
-                found, mark, token, highest = await self.store.arrivals_state(self.user, self.name, self.mark,
-                                                                               self.messages)
+                found, mark, token, highest = await self.store.arrivals_state(self.user, self.name, self.mark)
                 arrived = found, mark
             else:
                 token, highest = await self.store.changes_state(self.user, self.name)
@@ -657,7 +656,7 @@ class MailboxView:
         own = self._own_only(highest) if highest > self.highest else None
         if own is not None and any(change.numbered for change in own.values()):
             if arrived is None:
-                arrived = await store.arrivals(user, name, self.mark, self.messages)
+                arrived = await store.arrivals(user, name, self.mark)
             arrivals = {s.id for s in arrived[0]}
             if not all(i in arrivals for change in own.values() for i in change.numbered):
                 own = None  # (a message numbered here that the arrivals missed: read the changes)
@@ -668,7 +667,7 @@ class MailboxView:
             if gone is None:
                 return None
             vanished = set(gone)
-        found, mark = arrived if arrived is not None else await store.arrivals(user, name, self.mark, self.messages)
+        found, mark = arrived if arrived is not None else await store.arrivals(user, name, self.mark)
         latest: dict[uuid.UUID, MessageSummary] = {}
         for s in [*changed, *found]:
             known = latest.get(s.id)

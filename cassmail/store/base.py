@@ -798,23 +798,21 @@ class Store(abc.ABC):
         store has no cheaper way to find new mail than listing."""
         return None
 
-    async def arrivals(self, user: str, mailbox: str, mark: Hashable,
-                       known: Mapping[int, MessageSummary] | None = None) -> tuple[list[MessageSummary], Hashable]:
+    async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
         """At least every message delivered since the listing or call that gave `mark` (more is
-        allowed), and the mark for the next call. `known`: the caller's messages by UID; a
-        message it holds (the same id under that UID) may be left out. This default lists the
-        whole mailbox. Raises NoSuchMailbox."""
+        allowed), and the mark for the next call. This default lists the whole mailbox.
+        Raises NoSuchMailbox."""
         return [s async for s in self.list_messages(user, mailbox)], mark
 
     async def arrivals_state(
-        self, user: str, mailbox: str, mark: Hashable, known: Mapping[int, MessageSummary] | None = None
+        self, user: str, mailbox: str, mark: Hashable
     ) -> tuple[list[MessageSummary], Hashable, Hashable | None, int | None]:
         """`arrivals` with `changes_state` as read with them or before them: (arrived, the next
         mark, token, HIGHESTMODSEQ or None). What an IMAP refresh reads when the token it last
         saw could not be trusted yet, so that it will most likely read the arrivals anyway: one
         request where the store keeps both in one place. Raises NoSuchMailbox."""
         token, highest = await self.changes_state(user, mailbox)
-        arrived, mark = await self.arrivals(user, mailbox, mark, known)
+        arrived, mark = await self.arrivals(user, mailbox, mark)
         return arrived, mark, token, highest
 
     # ----------------------------------------------------------------- view snapshots (IMAP SELECT)

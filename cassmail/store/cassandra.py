@@ -113,7 +113,6 @@ log = logging.getLogger(__name__)
 ARRIVAL_SKEW = 3.0
 #: Rows of one read of the arrivals.
 ARRIVALS_PAGE = 500
-_ANCHOR_KEY = ANCHOR.bytes
 #: Rows (mailbox and account rows) a store keeps for reuse at most (then it starts afresh).
 MAILBOX_CACHE_ROWS = 10_000
 #: A read of at most this many chunks is one request (more are read one by one, read ahead
@@ -1439,32 +1438,21 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             return max(newest or 0, _ticks(started))
         return _now_100ns() if newest is None else newest
 
-    async def arrivals(self, user: str, mailbox: str, mark: Hashable,
-                       known: Mapping[int, MessageSummary] | None = None) -> tuple[list[MessageSummary], Hashable]:
+    async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
         """The rows of ids stamped since `mark` less the arrival window: a row lands at most one
         write (the request timeout) after its id's time, plus the clocks of two nodes apart; a
-        row later than that is seen by the next full listing (see MailboxView). With `known`,
-        see `_unknown_arrivals`."""
+        row later than that is seen by the next full listing (see MailboxView)."""
         mailbox_id, after, started = await self._arrivals_from(user, mailbox, mark)
-        if known is not None:
-            unknown = await self._unknown_arrivals(mailbox_id, after, known)
-            if unknown is not None:
-                return unknown[0], max(mark, started, unknown[2])
         found = [s async for s in self._after(mailbox_id, after, ARRIVALS_PAGE)]
         return found, max([mark, started, *(s.id.time for s in found)])
 
     async def arrivals_state(
-        self, user: str, mailbox: str, mark: Hashable, known: Mapping[int, MessageSummary] | None = None
+        self, user: str, mailbox: str, mark: Hashable
     ) -> tuple[list[MessageSummary], Hashable, Hashable | None, int | None]:
         """One read while fewer than a page arrived: the slice of the arrivals ends at the anchor
         row (the largest id), and the token and HIGHESTMODSEQ are static columns, on its every
         row. Past a page, the rest is read as `arrivals` reads it, and the token is None."""
         mailbox_id, after, started = await self._arrivals_from(user, mailbox, mark)
-        if known is not None:
-            unknown = await self._unknown_arrivals(mailbox_id, after, known)
-            if unknown is not None:
-                found, anchor, newest = unknown
-                return (found, max(mark, started, newest), *self._changes_state(mailbox_id, anchor))
         rows = await self.tables.messages.arrivals(mailbox_id, after, ARRIVALS_PAGE)
         page = self._taken_in(mailbox_id, rows, ARRIVALS_PAGE)
         found = list(page.items)
@@ -1474,40 +1462,6 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             token, highest = None, rows[0].highest_modseq or 1
             found += [s async for s in self._after(mailbox_id, page.cursor, ARRIVALS_PAGE)]
         return found, max([mark, started, *(s.id.time for s in found)]), token, highest
-
-    async def _unknown_arrivals(
-        self, mailbox_id: uuid.UUID, after: uuid.UUID, known: Mapping[int, MessageSummary]
-    ) -> tuple[list[MessageSummary], Any, int] | None:
-        """The arrivals after `after` that `known` (the caller's messages by UID) does not hold,
-        the anchor row (None: not there) and the time of the newest id; None when more than a
-        page arrived, or a row went between the two reads: then they are read whole as before.
-
-        The window re-reads every row stamped in its last seconds, on every refresh, most of
-        them rows the caller holds already (in an IMAP session, the messages appended lately).
-        Read whole, those rows were most of what such a refresh cost both Cassandra and the
-        worker; here they are read as their id, size and UID, and the rows the caller lacks are
-        read whole by id, in a second request only when there are any."""
-        rows = await self.tables.messages.arrival_keys(mailbox_id, after, ARRIVALS_PAGE)
-        if len(rows) >= ARRIVALS_PAGE:
-            return None
-        anchor = rows[-1] if rows and rows[-1].key == _ANCHOR_KEY else None
-        live = [r for r in rows if r.size is not None]  # (the anchor and ghosts have no size)
-        wanted = []
-        for r in live:
-            held = known.get(r.uid) if r.uid else None
-            if held is None or held.id.bytes != r.key:
-                wanted.append(uuid_from_bytes(r.key))
-        newest = uuid_from_bytes(live[-1].key).time if live else 0
-        if not wanted:
-            return [], anchor, newest
-        got: dict[uuid.UUID, Any] = {}
-        for group in _groups(wanted, IN_BATCH):
-            got.update((r.id, r) for r in await self.tables.messages.arrived(mailbox_id, group))
-        if len(got) < len(wanted):
-            return None
-        whole = [got[i] for i in wanted]  # (in the slice's order: the order they were stamped in)
-        self._bodies.note(mailbox_id, whole)
-        return _live(whole), anchor, newest
 
     async def _arrivals_from(self, user: str, mailbox: str, mark: Hashable) -> tuple[uuid.UUID, uuid.UUID, int]:
         """The mailbox's id, the id after which arrivals since `mark` are read, and now (in

@@ -363,12 +363,6 @@ class Messages(Table):
         "arrivals": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size, "
                            "uuidAsBlob(changed) AS changed_key, highest_modseq "
                            "FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
-        # The same slice with only what tells whether a caller holds a row (Store.arrivals's
-        # `known`): a fifth of the decoding, and less for Cassandra to write out.
-        "arrival_keys": (READ, "SELECT uuidAsBlob(id) AS key, size, uid, uuidAsBlob(changed) AS changed_key, "
-                               "highest_modseq FROM messages WHERE mailbox_id = ? AND id > ? LIMIT ?"),
-        "arrived": (READ, f"SELECT {_SUMMARY}, uuidAsBlob(body_id) AS body_key, chunk_size FROM messages "
-                          "WHERE mailbox_id = ? AND id IN ?"),
         "anchor": (
             SERIAL_READ,
             "SELECT uidnext, recent_mark, uid, highest_modseq, vanished_floor FROM messages WHERE mailbox_id = ? AND id = ?",
@@ -476,14 +470,6 @@ class Messages(Table):
         """`page` with the changes token and HIGHESTMODSEQ on each row (static columns): the rows
         after `after` up to the anchor, which is the last row of every partition."""
         return await self._run("arrivals", mailbox_id, after, limit)
-
-    async def arrival_keys(self, mailbox_id: uuid.UUID, after: uuid.UUID, limit: int) -> list[Any]:
-        """`arrivals` with each row's id (as its bytes), size and UID only."""
-        return await self._run("arrival_keys", mailbox_id, after, limit)
-
-    async def arrived(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
-        """The rows of `ids` as `page` reads them."""
-        return await self._run("arrived", mailbox_id, ids)
 
     async def anchor(self, mailbox_id: uuid.UUID) -> Any:
         """The anchor row (uidnext, recent_mark) at SERIAL; None before it was first written."""

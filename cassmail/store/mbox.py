@@ -874,9 +874,8 @@ class MboxStore(MboxQuota, FileQueueStore):
         # or was numbered since, above it (numbering gives it its first MODSEQ).
         return max((s.modseq or 0 for s in summaries if s.uid is not None), default=0)
 
-    async def arrivals(self, user: str, mailbox: str, mark: Hashable,
-                       known: Mapping[int, MessageSummary] | None = None) -> tuple[list[MessageSummary], Hashable]:
-        assert isinstance(mark, int)  # (`known` is not needed: the index gives what changed above a MODSEQ)
+    async def arrivals(self, user: str, mailbox: str, mark: Hashable) -> tuple[list[MessageSummary], Hashable]:
+        assert isinstance(mark, int)
         return await self._reading(user, mailbox, lambda mf: mf.arrivals(mark))
 
     async def recent_mark(self, user: str, mailbox: str) -> int:
