@@ -340,6 +340,8 @@ async def test_a_sessions_calls_reuse_the_mailbox_row_for_mailbox_cache_and_deli
     assert reads == 1
     await store.deliver(b"Subject: y\r\n\r\ny\r\n", [Target(user)])
     assert reads == 2  # delivery reads it every time
+    await store.delete_messages(user, INBOX, [message_id])  # an EXPUNGE: the row just read does
+    assert reads == 2 and await store.get_summaries(user, INBOX, [message_id]) == {}
     # A rename made by this store is seen at once; one made by another node after mailbox_cache.
     await store.create_mailbox(user, "Old")
     info = await store.mailbox_info(user, "Old")

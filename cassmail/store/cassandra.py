@@ -512,8 +512,13 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     async def _resolve(self, key: str, name: str, serial: bool = False, cached: bool = False) -> Any:
         """The row of a user's mailbox (mailbox_id, uidvalidity, ...), or NoSuchMailbox/NoSuchUser.
         With `cached`, a row this store read less than `mailbox_cache` seconds ago will do: for
-        calls on a mailbox's messages, never for delivery or for what the row's low-water mark
-        decides (listing, deleting)."""
+        calls on a mailbox's messages, never for delivery (mail must not go into a mailbox
+        deleted a moment ago) or for a listing (which starts at the row's low-water mark).
+        A deletion may take one: the ids it deletes are a session's, of the mailbox as that
+        session saw it; the mark it moves is decided on a read of the live messages from the
+        row's mark, which only lags the mark as it is (a lower mark only reads more tombstones,
+        see `_advance_low_water`); and its quota limit is at most as old as the row (a limit
+        set that moment on another node: see cassandra_quota's drift)."""
         name = mailbox_name(name)
         if cached:
             hit = self._recent(key, name)
@@ -939,9 +944,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
     ) -> None:
         """Where reads see every acknowledged write, one read of the rows decides both whether the
-        group needs a Paxos round at all and, as the first try of `_change`, what it deletes."""
+        group needs a Paxos round at all and, as the first try of `_change`, what it deletes.
+        The mailbox's row may be one read up to `mailbox_cache` ago (see `_resolve`)."""
         key, name = address_key(user), mailbox_name(mailbox)
-        row = await self._resolve(key, name)
+        row = await self._resolve(key, name, cached=True)
         mailbox_id = row.mailbox_id
         await self._ahead.forget(mailbox_id)
         wanted = [i for i in dict.fromkeys(ids) if i != ANCHOR]
@@ -1158,7 +1164,21 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             return
         mark = _floor_uuid(candidate) if candidate is not None else current
         # Conditional, so a mailbox deleted or renamed meanwhile is not brought back as a ghost row.
-        await self.tables.users.set_low_water(key, name, mailbox_id, mark, due)
+        await self._set_low_water(key, name, mailbox_id, mark, due)
+
+    async def _set_low_water(self, key: str, name: str, mailbox_id: uuid.UUID, mark: uuid.UUID | None,
+                             due: uuid.UUID | None) -> None:
+        """Write the mailbox row's low-water mark and due (if the row still names `mailbox_id`);
+        the row this store keeps for `_recent` then says the same, as long as it was to (a
+        deletion takes it from there: see `_resolve`), or goes when the write did not apply."""
+        applied = await self.tables.users.set_low_water(key, name, mailbox_id, mark, due)
+        kept = self._rows.get((key, name))
+        if kept is None or kept[1].mailbox_id != mailbox_id:
+            return
+        if applied:
+            self._rows[(key, name)] = (kept[0], kept[1]._replace(low_water=mark, low_water_due=due))
+        else:
+            del self._rows[(key, name)]
 
     async def _catch_up_low_water(self, key: str, name: str, mailbox: Any, first_live: uuid.UUID | None) -> None:
         """After a listing from the start: move the mark past tombstones a delete had to leave
@@ -1182,7 +1202,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         ):
             return
         try:
-            await self.tables.users.set_low_water(key, name, mailbox.mailbox_id, _floor_uuid(target), due)
+            await self._set_low_water(key, name, mailbox.mailbox_id, _floor_uuid(target), due)
         except StoreUnavailable as exc:  # the listing itself succeeded; the next one tries again
             log.info("low-water mark of %s %r not moved: %s", key, name, exc)
 
