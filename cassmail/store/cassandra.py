@@ -1168,9 +1168,9 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
 
     async def _set_low_water(self, key: str, name: str, mailbox_id: uuid.UUID, mark: uuid.UUID | None,
                              due: uuid.UUID | None) -> None:
-        """Write the mailbox row's low-water mark and due (if the row still names `mailbox_id`);
-        the row this store keeps for `_recent` then says the same, as long as it was to (a
-        deletion takes it from there: see `_resolve`), or goes when the write did not apply."""
+        """Write the mailbox row's low-water mark and due (if the row still names `mailbox_id`).
+        The row this store keeps for `_recent` then says the same, for the next deletion decides
+        on it (see `_resolve`); when the write did not apply, the kept row goes."""
         applied = await self.tables.users.set_low_water(key, name, mailbox_id, mark, due)
         kept = self._rows.get((key, name))
         if kept is None or kept[1].mailbox_id != mailbox_id:

@@ -22,7 +22,8 @@ How far off it can be, and why:
   Two sessions deleting the same message of a mailbox that was never numbered (POP3 only) both
   subtract it; a mailbox deleted while a delivery into it is in flight may or may not have that
   delivery subtracted; a deletion takes the limit from a mailbox row up to `mailbox_cache` old,
-  so one made on another node within that time of the first limit being set is not subtracted. Drift stays until `cassmail user quota USER --recount` (recount_quota)
+  so one made on another node within that time of the first limit being set is not subtracted.
+  Drift stays until `cassmail user quota USER --recount` (recount_quota)
   counts the mailboxes again and adds the difference; a recount is itself off by whatever
   changed while it walked (it walks again when the counters moved meanwhile, up to three times).
 """
