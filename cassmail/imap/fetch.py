@@ -106,14 +106,15 @@ async def fetch(session: Session, args: c.Fetch) -> str:
         await _fetch_from_the_view(session, uids, atts)
         return ("UID " if args.uid else "") + "FETCH completed"
     missing = 0
-    heads = Heads(session, uids) if _heads_answer([a for a in atts if _needs_entity(a)]) else None
+    parsed = [a for a in atts if _needs_entity(a)]
+    heads = Heads(session, uids) if _heads_answer(parsed) else None
     for message_uid in uids:
         summary = view.messages.get(message_uid)
         if summary is None:
             continue
         try:
             header = await heads.get(summary) if heads is not None else None
-            await _fetch_one(session, message_uid, summary, atts, header)
+            await _fetch_one(session, message_uid, summary, atts, parsed, heads is not None, header)
         except NoSuchMessage:
             missing += 1
         await session.conn.drain()
@@ -151,13 +152,14 @@ def _heads_answer(parsed: list[c.FetchAtt]) -> bool:
 
 
 async def _fetch_one(session: Session, uid: int, summary: MessageSummary, atts: list[c.FetchAtt],
-                     header: mime.Entity | None = None) -> None:
-    """One message's FETCH response; `header`: its parsed header when the caller read it (Heads)."""
+                     parsed: list[c.FetchAtt], by_head: bool, header: mime.Entity | None = None) -> None:
+    """One message's FETCH response. The FETCH decided once for all its messages which items
+    need the message parsed (`parsed`) and whether its header answers them (`by_head`, see
+    `_heads_answer`); `header`: the parsed header when the caller read it (Heads)."""
     view = session.selected()
     streamed = [a for a in atts if _streamed(a)]
-    parsed = [a for a in atts if _needs_entity(a)]
     entity = None
-    if _heads_answer(parsed):
+    if by_head:
         entity = header or await headers_only(session, summary)
         if entity is None:
             raise NoSuchMessage(view.name, summary.id)
