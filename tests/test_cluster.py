@@ -55,7 +55,7 @@ LEVELS = ("ONE", "QUORUM", "ALL")
 #: keyspace per other RF. RF=1 adds a keyspace's schema and three front ends to the run, so it is
 #: measured from the command line (CASSMAIL_MATRIX_RFS=1,2,3), not in every run of the suite.
 MATRIX_RFS = tuple(sorted({2, *(int(rf) for rf in os.environ.get("CASSMAIL_MATRIX_RFS", "2,3").split(","))}))
-STRESS_SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "15"))
+STRESS_SECONDS = float(os.environ.get("CASSMAIL_STRESS_SECONDS", "10"))
 OUTBOUND = "outbound.test"  # a remote domain, reached through the front ends' transport map
 LEASE = 6.0
 

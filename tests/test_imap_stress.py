@@ -1,6 +1,7 @@
 """Many concurrent IMAP sessions on one mailbox, pipelining a random mix of commands, each
 checking the mailbox state it is told against what IMAP promises (tests/imap_stress.py): on
-every store, with the sessions on one node and spread over two.
+every store, with the sessions on one node and spread over two (on Cassandra, over two nodes of a
+three-node cluster: tests/test_cluster.py).
 
 The run is short here (CASSMAIL_STRESS_SECONDS, default 10 s); for a soak, run it longer from
 the command line: `python -m tests.imap_stress --port P --user U --password W --seconds 600`."""
@@ -50,6 +51,9 @@ async def test_concurrent_pipelining_sessions_keep_the_mailbox_consistent(backen
     assert "Traceback" not in node.log_text()
 
 
+#: On Cassandra the sessions spread over two nodes are test_cluster.py's: two front ends, each with a
+#: Cassandra node of its own as coordinator, on a cluster that replicates.
+@pytest.mark.parametrize("backend_settings", ["mbox", "wheelfs"], indirect=True)
 async def test_sessions_on_two_nodes_keep_one_mailbox_consistent(backend_settings, tmp_path: Path, store: Store,
                                                                   users) -> None:
     nodes = [_stress_node(backend_settings, tmp_path) for _ in range(2)]

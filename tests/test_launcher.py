@@ -206,6 +206,7 @@ def test_yaml_keeps_tests_cheap_balanced_and_simple(tmp_path: Path) -> None:
     assert conf["partitioner"] == "org.apache.cassandra.dht.Murmur3Partitioner"
     assert conf["endpoint_snitch"] == "SimpleSnitch"
     assert conf["commitlog_sync"] == "periodic"
+    assert conf["phi_convict_threshold"] == 5  # (a dead node is seen in about 11 s, not 18)
     assert conf["auto_snapshot"] is False
     assert conf["materialized_views_enabled"] is False
     assert conf["user_defined_functions_enabled"] is False
