@@ -415,6 +415,26 @@ async def test_consistency_levels_come_from_settings(make_store) -> None:
     assert tables.users.prepared["create"].serial_consistency_level == ConsistencyLevel.LOCAL_SERIAL
 
 
+async def test_a_read_that_timed_out_without_its_replicas_is_tried_once_through_the_next_node(make_store) -> None:
+    """The store's retry policy (cassandra_cql.ReadRetryPolicy): a read whose coordinator heard
+    too few replicas in time goes once more through the next node of its plan; a Paxos read's
+    timeout is left to Cql.run's pauses, and the driver's own rules stay for the rest."""
+    from cassandra import WriteType
+
+    from cassmail.store.cassandra_cql import ReadRetryPolicy
+
+    store = await make_store()
+    policy = store._cluster.profile_manager.default.retry_policy
+    assert isinstance(policy, ReadRetryPolicy)
+    one, quorum, serial = ConsistencyLevel.ONE, ConsistencyLevel.QUORUM, ConsistencyLevel.SERIAL
+    assert policy.on_read_timeout(None, one, 1, 0, False, 0) == (policy.RETRY_NEXT_HOST, None)
+    assert policy.on_read_timeout(None, quorum, 2, 1, True, 0) == (policy.RETRY_NEXT_HOST, None)
+    assert policy.on_read_timeout(None, one, 1, 0, False, 1) == (policy.RETHROW, None)  # once only
+    assert policy.on_read_timeout(None, serial, 2, 1, False, 0) == (policy.RETHROW, None)
+    assert policy.on_read_timeout(None, quorum, 2, 2, False, 0) == (policy.RETRY, quorum)  # (the driver's)
+    assert policy.on_write_timeout(None, quorum, WriteType.SIMPLE, 2, 1, 0) == (policy.RETHROW, None)
+
+
 @pytest.mark.parametrize("version", [4, 5])
 async def test_the_native_protocol_version_comes_from_settings_and_carries_bodies_of_many_chunks(make_store,
                                                                                                   version) -> None:

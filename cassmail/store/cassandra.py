@@ -92,6 +92,7 @@ from cassmail.store.cassandra_counts import CHANGES_SETTLE, CassandraCounts, Tal
 from cassmail.store.cassandra_cql import (
     DRIVER_FAILURES,
     Cql,
+    ReadRetryPolicy,
     brief,
     contention_pause,
     decode_uuids_fast,
@@ -214,6 +215,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             consistency_level=self.cql.read_cl,
             serial_consistency_level=self.cql.serial_cl,
             row_factory=row_factory,
+            retry_policy=ReadRetryPolicy(),
         )
         auth = PlainTextAuthProvider(s.username, s.password) if s.username else None
         return Cluster(

@@ -27,6 +27,7 @@ from cassandra import ConsistencyLevel, DriverException, ReadTimeout, WriteTimeo
 from cassandra.cluster import NoHostAvailable, ResponseFuture, Session
 from cassandra.connection import ConnectionBusy, ConnectionException
 from cassandra.metadata import NetworkTopologyStrategy, SimpleStrategy
+from cassandra.policies import RetryPolicy
 from cassandra.pool import NoConnectionsAvailable
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement
 
@@ -309,8 +310,29 @@ def contention_pause(attempt: int) -> float:
     return random.uniform(0.005, min(0.05 * 1.5**attempt, 1.0))
 
 
+#: Levels of reads that go through Paxos: their timeouts are contention, which `Cql.run` retries.
+SERIAL_LEVELS = (ConsistencyLevel.SERIAL, ConsistencyLevel.LOCAL_SERIAL)
+
+
 def _serial_read(statement: Statement) -> bool:
-    return statement.consistency_level in (ConsistencyLevel.SERIAL, ConsistencyLevel.LOCAL_SERIAL)
+    return statement.consistency_level in SERIAL_LEVELS
+
+
+class ReadRetryPolicy(RetryPolicy):
+    """The driver's retries, and one more: a read that timed out on its coordinator without the
+    answers of the replicas it needed is tried once more through the next node of its query plan.
+    The replica the coordinator asked was slow or gone and not known to be down yet (a node killed
+    is noticed after seconds of silence; on one busy machine, a connection between two nodes can
+    hold a request until it expires), while another replica holds the data; a read changes nothing,
+    so trying it again is safe. Paxos reads (their timeouts are contention, retried with a pause by
+    `Cql.run`) and writes (a write that timed out may yet be applied) keep the driver's rules."""
+
+    def on_read_timeout(self, query: Any, consistency: int, required_responses: int, received_responses: int,
+                        data_retrieved: bool, retry_num: int) -> tuple[int, Any]:
+        if retry_num == 0 and received_responses < required_responses and consistency not in SERIAL_LEVELS:
+            return self.RETRY_NEXT_HOST, None
+        return super().on_read_timeout(query, consistency, required_responses, received_responses,
+                                       data_retrieved, retry_num)
 
 
 def contended(exc: StoreUnavailable) -> bool:
@@ -322,7 +344,7 @@ def contended(exc: StoreUnavailable) -> bool:
     if isinstance(cause, WriteTimeout):
         return cause.write_type == WriteType.CAS
     if isinstance(cause, ReadTimeout):
-        return cause.consistency in (ConsistencyLevel.SERIAL, ConsistencyLevel.LOCAL_SERIAL)
+        return cause.consistency in SERIAL_LEVELS
     return getattr(cause, "code", None) == CAS_WRITE_UNKNOWN
 
 
