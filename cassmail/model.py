@@ -218,17 +218,12 @@ def new_message_id(at: float | None = None) -> uuid.UUID:
             now = max(now, _last_timestamp + 1)
             _last_timestamp = now
     rand = int.from_bytes(os.urandom(8), "big")
-    clock_seq = (rand >> 48) & 0x3FFF
+    clock_seq = ((rand >> 48) & 0x3FFF) | 0x8000  # with the RFC 4122 variant
     node = (rand & 0xFFFFFFFFFFFF) | 0x010000000000  # multicast bit: not a real MAC
-    return uuid.UUID(
-        fields=(
-            now & 0xFFFFFFFF,
-            (now >> 32) & 0xFFFF,
-            ((now >> 48) & 0x0FFF) | 0x1000,
-            ((clock_seq >> 8) & 0x3F) | 0x80,
-            clock_seq & 0xFF,
-            node,
-        )
+    # (the fields of uuid.UUID(fields=...) laid out at once: time low, mid, high with version 1)
+    return uuid_from_int(
+        (now & 0xFFFFFFFF) << 96 | ((now >> 32) & 0xFFFF) << 80 | (((now >> 48) & 0x0FFF) | 0x1000) << 64
+        | clock_seq << 48 | node
     )
 
 
@@ -242,6 +237,16 @@ def uuid_from_bytes(data: bytes, _protocol_version: int = 0) -> uuid.UUID:
         return uuid.UUID(bytes=bytes(data))
     value = _new_object(_UUID)
     _set_int(value, _int_from_bytes(data))
+    _set_is_safe(value, _UNKNOWN_SAFETY)
+    return value
+
+
+def uuid_from_int(number: int) -> uuid.UUID:
+    """`uuid.UUID(int=number)` for a number known to fit in 128 bits, as `uuid_from_bytes` makes it."""
+    if not QUICK_UUIDS:
+        return uuid.UUID(int=number)
+    value = _new_object(_UUID)
+    _set_int(value, number)
     _set_is_safe(value, _UNKNOWN_SAFETY)
     return value
 

@@ -311,8 +311,9 @@ async def test_changes_tell_the_modseq_each_took_over_the_one_below(make_store) 
     await store.delete_messages(user, INBOX, [ids[0], ids[1], uuid.uuid1()], modseqs=deleted)
     assert deleted == dict.fromkeys(ids[:2], start + 3)
     numbered: dict[uuid.UUID, int] = {}
-    new_id, uid = await store.append(b"Subject: new\r\n\r\nx\r\n", Target(user), modseqs=numbered)
-    assert uid == 5 and numbered == {new_id: start + 4} and await store.highest_modseq(user, INBOX) == start + 4
+    appended = await store.append(b"Subject: new\r\n\r\nx\r\n", Target(user), modseqs=numbered)
+    new_id, uid = appended.id, appended.uid
+    assert appended.modseq == start + 4 and uid == 5 and numbered == {new_id: start + 4} and await store.highest_modseq(user, INBOX) == start + 4
     changed, gone = await store.changes_since(user, INBOX, start + 3)
     assert [(s.id, s.modseq) for s in changed] == [(new_id, start + 4)] and gone == []
 
@@ -1085,7 +1086,7 @@ async def test_an_append_claims_recent_in_its_numbering_round_when_the_mark_it_k
 
     store.cql.conditional = conditional  # type: ignore[method-assign]
     claim = RecentClaim(2)
-    _, uid = await store.append(b"Subject: 2\r\n\r\nx\r\n", Target(user), recent=claim)
+    uid = (await store.append(b"Subject: 2\r\n\r\nx\r\n", Target(user), recent=claim)).uid
     assert uid == 2 and claim.won and len(rounds) == 1  # one round: the UID and the claim
     assert await other.recent_mark(user, INBOX) == 3
     assert await store.claim_recent(user, INBOX, 3, known=3) == 3 and len(rounds) == 1  # covered: nothing
@@ -1095,7 +1096,8 @@ async def test_an_append_claims_recent_in_its_numbering_round_when_the_mark_it_k
     assert await other.claim_recent(user, INBOX, 4, known=3) == 3
     rounds.clear()
     stale = RecentClaim(3)
-    fourth, uid = await store.append(b"Subject: 4\r\n\r\nx\r\n", Target(user), recent=stale)
+    appended = await store.append(b"Subject: 4\r\n\r\nx\r\n", Target(user), recent=stale)
+    fourth, uid = appended.id, appended.uid
     # two rounds: the first decided on what this store's own last change left, which the other
     # node's numbering made stale, did not apply; the second, on a read, found 4, not 3: no claim
     assert uid == 4 and not stale.won and len(rounds) == 2
@@ -1103,7 +1105,7 @@ async def test_an_append_claims_recent_in_its_numbering_round_when_the_mark_it_k
     assert await other.recent_mark(user, INBOX) == 4  # unclaimed: the first session to list it has it
     assert await other.claim_recent(user, INBOX, 5, known=4) == 4
     unknown = RecentClaim(1)  # (the mark may be unset: a claim cannot name it)
-    _, uid = await store.append(b"Subject: 5\r\n\r\nx\r\n", Target(user), recent=unknown)
+    uid = (await store.append(b"Subject: 5\r\n\r\nx\r\n", Target(user), recent=unknown)).uid
     assert uid == 5 and not unknown.won and await other.recent_mark(user, INBOX) == 5
 
 
@@ -1156,7 +1158,7 @@ async def test_a_change_after_this_stores_own_is_decided_on_what_it_left_and_on_
     # An APPEND's numbering decides on the row its delivery wrote, and the batch checks that the
     # message is there without a UID: one numbered meanwhile (here by this same store) keeps its UID.
     body = b"Subject: 4\r\n\r\nx\r\n"
-    _, uid = await store.append(body, Target(user))
+    uid = (await store.append(body, Target(user))).uid
     assert uid == 4 and await other.uid_next(user, INBOX) == 5
     [late] = await store.deliver(body, [Target(user)])
     assert await store.assign_uids(user, INBOX, [late]) == {late: 5}

@@ -85,7 +85,7 @@ class FaultyStore:
                                             listed_at=listed_at)
 
     async def append(self, body: bytes, target: Target, internal_date: Any = None,
-                     modseqs: dict[uuid.UUID, int] | None = None, recent: Any = None) -> tuple[uuid.UUID, int | None]:
+                     modseqs: dict[uuid.UUID, int] | None = None, recent: Any = None) -> MessageSummary:
         """With `assign_error` set, the contract's own APPEND (deliver, then number with
         `assign_uids`) over this wrapper, so that the numbering meets the fault after the message
         is stored; else the store's (the mbox store numbers in the delivery's own write)."""

@@ -1201,8 +1201,9 @@ async def test_each_write_syncs_what_its_acknowledgement_needs_and_no_more(mstor
     [before] = list(await deliver_some(mstore, 1))
     await mstore.assign_uids(USER, INBOX, [before])
     syncs = Syncs(monkeypatch)
-    message_id, uid = await mstore.append(b"appended\n", Target(USER, INBOX, frozenset({"\\Draft"})))
-    assert uid == 2 and syncs.take() == ["index", "mbox"]
+    appended = await mstore.append(b"appended\n", Target(USER, INBOX, frozenset({"\\Draft"})))
+    message_id = appended.id
+    assert appended.uid == 2 and syncs.take() == ["index", "mbox"]
     await mstore.store_flags(USER, INBOX, [message_id], ["\\Seen"], "add")
     assert syncs.take() == ["index"]
     assert await mstore.claim_recent(USER, INBOX, 3) == 1

@@ -309,7 +309,7 @@ async def append(session: Session, args: c.Append) -> str:
     view = session.view if session.view is not None and session.view.name == name else None
     recent = view.recent_claim() if view is not None else None
     try:
-        _, uid = await store.append(args.message, Target(user, name, wanted), args.date, modseqs, recent)
+        appended = await store.append(args.message, Target(user, name, wanted), args.date, modseqs, recent)
     except NoSuchMailbox:
         raise No("No such mailbox", "TRYCREATE") from None
     except MessageTooLarge:
@@ -318,13 +318,16 @@ async def append(session: Session, args: c.Append) -> str:
     # had now (RFC 4315 lets a server leave it out; the store logs why it did not).
     code = ""
     try:
-        if uid:
+        if appended.uid:
             info = await store.mailbox_info(user, name)
-            code = f"[APPENDUID {info.uidvalidity} {uid}] "
+            code = f"[APPENDUID {info.uidvalidity} {appended.uid}] "
         if view is not None and session.view is view:
             view.took(modseqs, numbered=True)
-            view.appended(uid, recent)
-            await session.refresh(expunge=False)
+            changes = view.appended(appended, recent)
+            if changes is None:
+                await session.refresh(expunge=False)
+            else:
+                session.tell(changes, highest=False)
     except StoreUnavailable as exc:
         log.warning(kv("imap-append", user=user, mailbox=name, error=exc))
     return code + "APPEND completed"

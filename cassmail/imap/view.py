@@ -479,13 +479,27 @@ class MailboxView:
             return None
         return RecentClaim(max(self.recent_mark, self._worker_mark() or 0))
 
-    def appended(self, uid: int | None, recent: RecentClaim | None) -> None:
-        """An APPEND of this session numbered a message `uid` and, if `recent` won, claimed it:
-        \\Recent here once the view lists it, and the mark is past it."""
+    def appended(self, message: MessageSummary, recent: RecentClaim | None) -> Changes | None:
+        """An APPEND of this session numbered `message` (Store.append's summary) and, if `recent`
+        won, claimed it: \\Recent here, and the mark is past it. The view takes it in at once,
+        and the new EXISTS and RECENT are returned, when nothing can lie between it and what
+        the view has shown: its UID is the next one after the highest shown, its MODSEQ is
+        known, and the view tells no HIGHESTMODSEQ (CONDSTORE off; the next refresh takes the
+        step in, see `took`). Otherwise None: the message joins at the next refresh, which
+        the caller makes."""
+        uid = message.uid
         if uid is None or recent is None or not recent.won:
-            return
-        self.recent_ahead.add(uid)
+            return None
         self._raise_mark(uid + 1)
+        if self.condstore or message.modseq is None or uid != self.shown + 1:
+            self.recent_ahead.add(uid)
+            return None
+        self.uids.append(uid)
+        self.messages[uid] = message
+        self.recent.add(uid)
+        self.shown = uid
+        self.uid_next = max(self.uid_next, uid + 1)
+        return Changes(exists=len(self.uids), recent=len(self.recent))
 
     def _worker_mark(self) -> int | None:
         """The highest mark any session of this worker learnt of this mailbox."""

@@ -479,21 +479,23 @@ class Store(abc.ABC):
     async def append(
         self, body: Body, target: Target, internal_date: datetime | None = None,
         modseqs: dict[uuid.UUID, int] | None = None, recent: RecentClaim | None = None,
-    ) -> tuple[uuid.UUID, int | None]:
-        """IMAP APPEND: `deliver` to one mailbox (raising what it raises), then the message's UID,
-        None when it cannot be had now (StoreUnavailable while numbering, logged: the message is
-        stored either way, and the next listing numbers it). A store that can give the UID in the
-        delivery's own write does (mbox: one index append and one sync fewer). `modseqs` as in
-        `assign_uids`; `recent`, see RecentClaim (a store may leave it unclaimed)."""
-        [message_id] = await self.deliver(body, [target], internal_date)
-        delivered = MessageSummary(message_id, body_view(body).nbytes, target.flags,
-                                   internal_date or datetime.now(timezone.utc))  # (its date: to the moment)
+    ) -> MessageSummary:
+        """IMAP APPEND: `deliver` to one mailbox (raising what it raises); the message as a
+        listing gives it (`appended_date`), with its UID, None when it cannot be had now
+        (StoreUnavailable while numbering, logged: the message is stored either way, and the
+        next listing numbers it), and the MODSEQ the numbering took when `modseqs` tells it. A
+        store that can give the UID in the delivery's own write does (mbox: one index append
+        and one sync fewer). `modseqs` as in `assign_uids`; `recent`, see RecentClaim (a store
+        may leave it unclaimed)."""
+        when = appended_date(internal_date)
+        [message_id] = await self.deliver(body, [target], when)
+        delivered = MessageSummary(message_id, body_view(body).nbytes, flag_set(target.flags), when)
         try:
             uids = await self._number_appended(target, delivered, modseqs, recent)
         except StoreUnavailable as exc:
             log.warning(kv("imap-uids", user=target.user, mailbox=target.mailbox, waiting=1, error=exc))
-            return message_id, None
-        return message_id, uids.get(message_id)
+            return delivered
+        return numbered_summary(delivered, uids.get(message_id), modseqs)
 
     async def _number_appended(self, target: Target, message: MessageSummary, modseqs: dict[uuid.UUID, int] | None,
                                recent: RecentClaim | None) -> dict[uuid.UUID, int]:
@@ -1295,6 +1297,24 @@ def internal_date(when: datetime | None) -> datetime:
     if when.tzinfo is None:
         raise InvalidInput("internal date must carry a time zone")
     return when.astimezone(timezone.utc)
+
+
+def appended_date(when: datetime | None) -> datetime:
+    """The internal date an APPEND stores (`internal_date`), to the millisecond: what every
+    store lists again exactly (Cassandra keeps milliseconds), so the summary `Store.append`
+    returns is the one a listing gives."""
+    when = internal_date(when)
+    return when.replace(microsecond=when.microsecond - when.microsecond % 1000)
+
+
+def numbered_summary(delivered: MessageSummary, uid: int | None,
+                     modseqs: Mapping[uuid.UUID, int] | None) -> MessageSummary:
+    """`Store.append`'s answer: the delivered message with the UID it got (if any) and the
+    MODSEQ that numbering took (when `modseqs` has it)."""
+    if uid is None:
+        return delivered
+    modseq = modseqs.get(delivered.id) if modseqs is not None else None
+    return MessageSummary(delivered.id, delivered.size, delivered.flags, delivered.internal_date, uid, modseq)
 
 
 def internal_date_micros(when: datetime | None) -> int:

@@ -521,11 +521,11 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         row's mark, which only lags the mark as it is (a lower mark only reads more tombstones,
         see `_advance_low_water`); and its quota limit is at most as old as the row (a limit
         set that moment on another node: see cassandra_quota's drift)."""
+        if cached and (hit := self._recent(key, name)) is not None:
+            return hit  # (rows are kept by canonical name: one found is a valid name as it is)
         name = mailbox_name(name)
-        if cached:
-            hit = self._recent(key, name)
-            if hit is not None:
-                return hit
+        if cached and (hit := self._recent(key, name)) is not None:
+            return hit
         row = await self.tables.users.mailbox(key, name, serial)
         if row is not None and row.mailbox_id is not None:
             self._keep(key, name, row)

@@ -88,6 +88,7 @@ from cassmail.store.base import (
     StoreUnavailable,
     Target,
     UserExists,
+    appended_date,
     check_alias,
     check_flag_mode,
     check_recent_below,
@@ -96,6 +97,7 @@ from cassmail.store.base import (
     decode_name,
     encode_name,
     internal_date_micros,
+    numbered_summary,
     prepare_delivery,
 )
 from cassmail.store.mbox_watch import DirectoryWatch
@@ -706,14 +708,16 @@ class MboxStore(MboxQuota, FileQueueStore):
     async def append(
         self, body: Body, target: Target, internal_date: datetime | None = None,
         modseqs: dict[uuid.UUID, int] | None = None, recent: RecentClaim | None = None,
-    ) -> tuple[uuid.UUID, int | None]:
-        """The UID comes in the delivery's own index append (MailboxFile.deliver with `number`);
-        \\Recent is claimed as for any other message (`recent` is left unclaimed)."""
+    ) -> MessageSummary:
+        """The UID comes in the delivery's own index append (MailboxFile.deliver with `number`),
+        without a MODSEQ (`modseqs` is left as it is); \\Recent is claimed as for any other
+        message (`recent` is left unclaimed)."""
         view, _, unique = prepare_delivery(body, [target], self.max_message_size)
         [key] = unique
         ids, uids = {key: new_message_id()}, {}
-        await self._call(self._deliver_sync, view, unique, ids, internal_date_micros(internal_date), uids)
-        return ids[key], uids.get(key)
+        when = appended_date(internal_date)
+        await self._call(self._deliver_sync, view, unique, ids, internal_date_micros(when), uids)
+        return numbered_summary(MessageSummary(ids[key], view.nbytes, unique[key].flags, when), uids.get(key), None)
 
     def _deliver_sync(self, view: memoryview, unique: Mapping[tuple[str, str], Target],
                       ids: Mapping[tuple[str, str], uuid.UUID], when_us: int,

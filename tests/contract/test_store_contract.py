@@ -590,18 +590,36 @@ async def test_an_append_stores_the_message_with_the_next_uid_and_its_modseq(sto
     await store.assign_uids(user, "Drafts", [before])
     highest = await store.highest_modseq(user, "Drafts")
     when = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
-    message_id, uid = await store.append(b"appended\r\n", Target(user, "Drafts", frozenset({"\\Seen", "$Draft"})), when)
-    assert uid == 2 and await store.uid_next(user, "Drafts") == 3
+    modseqs: dict[uuid.UUID, int] = {}
+    appended = await store.append(b"appended\r\n", Target(user, "Drafts", frozenset({"\\Seen", "$Draft"})), when, modseqs)
+    message_id = appended.id
+    assert appended.uid == 2 and await store.uid_next(user, "Drafts") == 3
     [_, summary] = await listing(store, user, "Drafts")
     assert (summary.id, summary.uid, summary.flags) == (message_id, 2, frozenset({"\\Seen", "$Draft"}))
     assert summary.internal_date == when and summary.modseq is not None and summary.modseq > highest
     assert await store.highest_modseq(user, "Drafts") == summary.modseq
     assert await store.read_message(user, "Drafts", message_id) == b"appended\r\n"
     assert await store.assign_uids(user, "Drafts", [message_id]) == {message_id: 2}  # numbered once
+    # what APPEND answers is the message as listed (its MODSEQ where the store tells it)
+    assert appended.modseq in (None, summary.modseq)
+    assert appended == dataclasses.replace(summary, modseq=appended.modseq)
     # refused as a delivery is, before anything is stored
     with pytest.raises(NoSuchMailbox):
         await store.append(MESSAGE, Target(user, "Nowhere"))
     assert len(await listing(store, user, "Drafts")) == 2
+
+
+async def test_an_append_answers_the_message_as_a_listing_gives_it(store: Store, user: str) -> None:
+    """IMAP takes an APPEND's message into the selected view from what Store.append answers,
+    without reading it back: its size, flags, internal date (the store's clock, to the
+    millisecond) and UID are those every later listing gives."""
+    body = b"Subject: dated by the store\r\n\r\n" + b"x" * 1000 + b"\r\n"
+    modseqs: dict[uuid.UUID, int] = {}
+    appended = await store.append(body, Target(user, INBOX, frozenset({"\\Flagged", "$Label1"})), None, modseqs)
+    [summary] = await listing(store, user, INBOX)
+    assert appended.internal_date.microsecond % 1000 == 0
+    assert appended.modseq in (None, summary.modseq) and modseqs.get(appended.id) in (None, summary.modseq)
+    assert appended == dataclasses.replace(summary, modseq=appended.modseq)
 
 
 async def test_concurrent_uid_assignment_never_gives_a_uid_twice(store: Store, user: str) -> None:
