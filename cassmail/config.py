@@ -131,7 +131,7 @@ class CassandraSettings:
     #: Seconds a worker may reuse a mailbox's row (its id, UIDVALIDITY) for calls on the messages
     #: of a mailbox it has just resolved (an IMAP session's every command), instead of reading it
     #: again; 0 reads it every time. Delivery and listings always read it; EXPUNGE and other
-    #: deletions may reuse it. A rename or deletion made on
+    #: deletions, and the copies of COPY and MOVE, may reuse it. A rename or deletion made on
     #: another node reaches this one's sessions that much later. RCPT's quota check reuses the
     #: account row its user lookup read for as long (the delivery checks the limit again).
     mailbox_cache: float = 1.0

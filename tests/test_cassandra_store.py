@@ -2079,6 +2079,34 @@ async def test_copies_are_numbered_without_a_read_when_this_process_changed_the_
     assert (await store.mailbox_status(user, "Archive")).messages == 5
 
 
+async def test_a_copy_takes_the_targets_row_as_kept_and_a_delivery_reads_it(make_store, monkeypatch) -> None:
+    """COPY resolves its target before it copies (IMAP reads its UIDVALIDITY): the copy then
+    writes to the row this store read within `mailbox_cache`, with no read of its own, while a
+    delivery reads the row every time. With `mailbox_cache` 0 the copy reads it too."""
+    for cache, copy_reads in ((1.0, 0), (0.0, 1)):
+        store = await make_store(mailbox_cache=cache)
+        user = await new_user(store)
+        ids = await deliver_many(store, user, 2)
+        await store.assign_uids(user, INBOX, ids)
+        read: list[str] = []
+        real = store.tables.users.mailbox
+
+        async def mailbox(key: str, name: str, serial: bool = False) -> Any:
+            read.append(name)
+            return await real(key, name, serial)
+
+        monkeypatch.setattr(store.tables.users, "mailbox", mailbox)
+        await store.mailbox_info(user, "Archive")  # (as IMAP's COPY does first)
+        read.clear()
+        copies = await store.copy_messages(user, INBOX, ids[:1], "Archive")
+        assert read.count("Archive") == copy_reads
+        assert [s.id async for s in store.list_messages(user, "Archive")] == copies
+        assert await store.read_message(user, "Archive", copies[0]) == await store.read_message(user, INBOX, ids[0])
+        read.clear()
+        await store.deliver(b"Subject: d\r\n\r\nx\r\n", [Target(user, "Archive")])
+        assert read == ["Archive"]
+
+
 async def test_status_reads_the_changes_token_with_the_counts_in_one_request(make_store) -> None:
     """IMAP STATUS on Cassandra: once this process knows the bound of the counts, the changes
     token, HIGHESTMODSEQ and the counts come from one request; the token is the one a refresh

@@ -516,6 +516,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         With `cached`, a row this store read less than `mailbox_cache` seconds ago will do: for
         calls on a mailbox's messages, never for delivery (mail must not go into a mailbox
         deleted a moment ago) or for a listing (which starts at the row's low-water mark).
+        A copy may take one (COPY, MOVE: its source stays, so a copy into a mailbox deleted that
+        second on another node is one made just before the deletion; its row is left in the
+        purged partition, garbage that no reader lists, and counted in the quota usage until
+        `cassmail user quota ADDRESS --recount`).
         A deletion may take one: the ids it deletes are a session's, of the mailbox as that
         session saw it; the mark it moves is decided on a read of the live messages from the
         row's mark, which only lags the mark as it is (a lower mark only reads more tombstones,
@@ -661,13 +665,15 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
     # ================================================================= delivery
 
     async def deliver(
-        self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None
+        self, body: Body, targets: Sequence[Target], internal_date: datetime | None = None, *, copy: bool = False
     ) -> list[uuid.UUID]:
+        """With `copy` (a message copied, CassandraCopies) the targets' rows may be ones this
+        store read less than `mailbox_cache` ago (see `_resolve`)."""
         view, targets, unique = prepare_delivery(body, targets, self.max_message_size)
         size = view.nbytes
         when = internal_date_utc(internal_date)
         # Resolve every target first: an unknown user or mailbox fails before anything is written.
-        rows = await asyncio.gather(*(self._resolve(u, m) for (u, m) in unique))
+        rows = await asyncio.gather(*(self._resolve(u, m, cached=copy) for (u, m) in unique))
         counted = await self._quota_check(list(unique), rows, size)  # QuotaExceeded before any write
         mailbox_ids = {k: r.mailbox_id for k, r in zip(unique, rows)}
 

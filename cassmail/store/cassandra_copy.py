@@ -36,7 +36,7 @@ from typing import Any
 
 from cassmail.config import CassandraSettings
 from cassmail.model import MessageSummary, address_key, mailbox_name, new_message_id
-from cassmail.store.base import NoSuchMessage, Store
+from cassmail.store.base import NoSuchMessage, Store, Target
 from cassmail.store.cassandra_cql import Cql
 from cassmail.store.cassandra_tables import Tables
 
@@ -77,8 +77,9 @@ class CassandraCopies(Store):
                 raise NoSuchMessage(source, summary.id)
             if math.ceil(rows[0].size / rows[0].chunk_size) > SHARE_CHUNKS:
                 new_id = await self._copy_shared(key, source, source_id, rows[0], summary, dest)
-        if new_id is None:
-            new_id = await super()._copy_one(user, source, summary, dest)
+        if new_id is None:  # (the bytes read and delivered again, to the target's row as kept)
+            body = await self.read_message(user, source, summary.id)
+            [new_id] = await self.deliver(body, [Target(user, dest, summary.flags)], summary.internal_date, copy=True)
         target = self._recent(key, mailbox_name(dest))  # (the row the copy read, when rows are kept)
         if target is not None:
             self._copies.note(target.mailbox_id, MessageSummary(new_id, summary.size, summary.flags,
@@ -91,7 +92,7 @@ class CassandraCopies(Store):
         docstring), with the flags and internal date of its `summary`; None when the
         body's row cannot be found (its last copy went, or at a weak consistency level it is not
         visible yet): the bytes are then copied, if the message is still there."""
-        target = await self._resolve(key, dest)  # (uncached, as a delivery's)
+        target = await self._resolve(key, dest, cached=True)  # (see `_resolve`: a copy's may be kept)
         counted = await self._quota_check([(key, dest)], [target], row.size)
         body_id, size = row.body_id, row.size
         new_id = new_message_id()
