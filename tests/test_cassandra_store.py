@@ -2081,9 +2081,10 @@ async def test_copies_are_numbered_without_a_read_when_this_process_changed_the_
 
 async def test_a_copy_takes_the_targets_row_as_kept_and_a_delivery_reads_it(make_store, monkeypatch) -> None:
     """COPY resolves its target before it copies (IMAP reads its UIDVALIDITY): the copy then
-    writes to the row this store read within `mailbox_cache`, with no read of its own, while a
-    delivery reads the row every time. With `mailbox_cache` 0 the copy reads it too."""
-    for cache, copy_reads in ((1.0, 0), (0.0, 1)):
+    writes to the row this store read within `mailbox_cache`, and checks the quota with the
+    limit on that row, with no read of either of its own, while a delivery reads the row every
+    time. With `mailbox_cache` 0 the copy reads the row again."""
+    for cache, copy_reads in ((1.0, 0), (0.0, 2)):
         store = await make_store(mailbox_cache=cache)
         user = await new_user(store)
         ids = await deliver_many(store, user, 2)
@@ -2095,11 +2096,18 @@ async def test_a_copy_takes_the_targets_row_as_kept_and_a_delivery_reads_it(make
             read.append(name)
             return await real(key, name, serial)
 
+        async def account(key: str, serial: bool = False) -> Any:
+            read.append("account")
+            return await real_account(key, serial)
+
+        real_account = store.tables.users.account
         monkeypatch.setattr(store.tables.users, "mailbox", mailbox)
+        monkeypatch.setattr(store.tables.users, "account", account)
+        store._forget_user(user)  # (no account row kept: only what the COPY reads now)
         await store.mailbox_info(user, "Archive")  # (as IMAP's COPY does first)
         read.clear()
         copies = await store.copy_messages(user, INBOX, ids[:1], "Archive")
-        assert read.count("Archive") == copy_reads
+        assert read.count("Archive") == copy_reads and "account" not in read
         assert [s.id async for s in store.list_messages(user, "Archive")] == copies
         assert await store.read_message(user, "Archive", copies[0]) == await store.read_message(user, INBOX, ids[0])
         read.clear()

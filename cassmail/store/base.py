@@ -607,7 +607,7 @@ class Store(abc.ABC):
         for message_id in ids:
             if message_id not in summaries:
                 raise NoSuchMessage(source, message_id)
-        if await self.quota_allows(user, sum(summaries[i].size for i in ids)) is False:
+        if await self._copies_allowed(user, dest, sum(summaries[i].size for i in ids)) is False:
             raise QuotaExceeded([user])
         new_ids: list[uuid.UUID] = []
         try:
@@ -620,6 +620,11 @@ class Store(abc.ABC):
                 await self.delete_messages(user, dest, new_ids)
             raise
         return new_ids
+
+    async def _copies_allowed(self, user: str, dest: str, size: int) -> bool | None:
+        """`copy_messages`'s check of the quota before it copies `size` bytes into `dest`:
+        `quota_allows` (a backend may answer from what it knows of `dest`)."""
+        return await self.quota_allows(user, size)
 
     async def _copy_one(self, user: str, source: str, summary: MessageSummary, dest: str) -> uuid.UUID:
         """One copy for `copy_messages`: the body read and delivered again (raising what they raise)."""

@@ -63,6 +63,7 @@ class CassandraQuota(Store):
     #: The account's row, with its `quota_limit`; NoSuchUser without one.
     _account: Any
     _recent: Any
+    _resolve: Any
     _forget_user: Any
 
     # ----------------------------------------------------------------- the contract
@@ -95,7 +96,16 @@ class CassandraQuota(Store):
 
     async def quota_allows(self, user: str, size: int) -> bool | None:
         key = address_key(user)
-        limit = (self._recent(key, None) or await self._account(key)).quota_limit
+        return await self._within(key, (self._recent(key, None) or await self._account(key)).quota_limit, size)
+
+    async def _copies_allowed(self, user: str, dest: str, size: int) -> bool | None:
+        """As `quota_allows`, with the limit of the target's row (a static column of the user's
+        partition: the account's limit as of that row's read), which COPY has just resolved."""
+        key = address_key(user)
+        return await self._within(key, (await self._resolve(key, dest, cached=True)).quota_limit, size)
+
+    async def _within(self, key: str, limit: int | None, size: int) -> bool:
+        """Whether `size` more bytes stay within the user's `limit` (None: no limit, no read)."""
         if limit is None:
             return True
         used, _ = await self.tables.quota_usage.get(key)
