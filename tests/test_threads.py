@@ -48,6 +48,9 @@ async def test_blocking_work_gets_threads_up_to_the_size_and_the_rest_waits_for_
     assert not any(c.done() for c in calls)
     release.set()
     assert await asyncio.gather(*calls) == list(range(7))
+    deadline = time.monotonic() + 5
+    while pool._idle < 3 and time.monotonic() < deadline:  # (a thread counts itself idle just after its answer)
+        await asyncio.sleep(0.01)
     assert most == 3 and pool._started == 3 and pool._idle == 3 and pool._waiting == 0
 
 
