@@ -2261,3 +2261,32 @@ async def test_a_sieve_mark_never_makes_a_deleted_user_live_again(make_store) ->
     assert await store.tables.users.account(user) is None
     await store.create_user(user, hash_password("pw", FAST_HASH))
     assert (await store.tables.users.account(user)).sieve is False
+
+
+async def test_an_expunge_whose_first_round_loses_to_an_undelete_keeps_the_message_whole(make_store) -> None:
+    """`delete_messages(only_deleted=True)` decides on the rows it read; when another session
+    takes \\Deleted away before the conditional batch, the batch does not apply, the rows read
+    again at SERIAL hold no \\Deleted, and nothing is deleted: not the row, not the body's
+    chunks, not the quota usage."""
+    store, other = await make_store(), await make_store()
+    user = await new_user(store)
+    body = b"Subject: kept\r\n\r\n" + os.urandom(3000)
+    [message_id] = await store.deliver(body, [Target(user)])
+    await store.assign_uids(user, INBOX, [message_id])
+    await store.store_flags(user, INBOX, [message_id], ["\\Deleted"], "add")
+    used = (await store.get_quota(user)).used
+    real = store.cql.conditional
+    rounds: list[bool] = []
+
+    async def conditional(statement: Any, contention_not_applied: bool = False) -> tuple[bool, Any]:
+        if not rounds:  # between the read and the first round: the other session's un-delete
+            await other.store_flags(user, INBOX, [message_id], ["\\Deleted"], "remove")
+        result = await real(statement, contention_not_applied)
+        rounds.append(result[0])
+        return result
+
+    store.cql.conditional = conditional  # type: ignore[method-assign]
+    assert await store.delete_messages(user, INBOX, [message_id], only_deleted=True) == set()
+    assert rounds == [False]  # the first round lost; the second read found nothing to delete
+    assert await other.read_message(user, INBOX, message_id) == body
+    assert (await other.get_quota(user)).used == used

@@ -102,6 +102,39 @@ async def test_an_append_to_the_selected_mailbox_is_recent_in_the_appending_sess
     assert len(mine) == 3 and mine == [line for line in later.cmd(seen) if line.startswith(b"* ")]
 
 
+async def test_a_uid_expunge_goes_by_the_flags_the_store_holds(plain_node, store: Store, users) -> None:
+    """A UID EXPUNGE of a few messages, decided by the store on the flags it holds without the
+    session taking in the mailbox first: a \\Deleted another session took away keeps its
+    message, one it set goes and is said to go (RFC 4315 3). On Cassandra nothing is listed
+    for it."""
+    user = users["anne"]
+    await deliver(store, user, [message(n) for n in (1, 2, 3, 4)], "Drafts")
+    mine = _session(plain_node, user, "anne", "Drafts")
+    other = _session(plain_node, user, "anne", "Drafts")
+    mine.cmd("UID STORE 1:2 +FLAGS.SILENT (\\Deleted)")
+    other.cmd("UID STORE 1 -FLAGS.SILENT (\\Deleted)")
+    other.cmd("UID STORE 3 +FLAGS.SILENT (\\Deleted)")
+    from tests.test_metrics import scrape, value
+
+    def readings() -> float:
+        metrics = scrape(plain_node)
+        return sum(value(metrics, "cassmail_store_seconds_count", op=op) or 0
+                   for op in ("arrivals", "arrivals_state", "changes_state", "changes_since", "list_page"))
+
+    before = readings()
+    lines = mine.cmd("UID EXPUNGE 1:3")
+    assert lines[-1].endswith(b"OK UID EXPUNGE completed\r\n")
+    assert lines[:-1] == [b"* 3 EXPUNGE\r\n", b"* 2 EXPUNGE\r\n"], lines
+    if type(store).__name__ == "CassandraStore":
+        assert readings() == before
+    assert mine.cmd("UID EXPUNGE 1")[:-1] == []  # still there, and no longer \\Deleted
+    mine.cmd("NOOP")
+    listed = [line for line in mine.cmd("UID FETCH 1:* FLAGS") if line.startswith(b"* ")]
+    assert len(listed) == 2 and listed[0].endswith(b"UID 1)\r\n") and listed[1].endswith(b"UID 4)\r\n"), listed
+    assert b"\\Deleted" not in listed[0]
+    assert sum(line.endswith(b" EXPUNGE\r\n") for line in other.cmd("NOOP")) == 2
+
+
 async def test_a_new_keyword_is_announced_in_flags_before_it_is_shown(plain_node, store: Store, users) -> None:
     user = users["bob"]
     await deliver(store, user, [message(1)], "Junk")

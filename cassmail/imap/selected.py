@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cassmail.imap")
 
+#: The most messages a UID EXPUNGE names for the store to decide on without the view taking in
+#: the mailbox first (see `expunge`).
+FEW_TO_EXPUNGE = 100
+
 
 async def noop(session: Session, args: c.Simple) -> str:
     """NOOP (and CHECK): the moments a client is told what changed meanwhile."""
@@ -40,7 +44,8 @@ async def close(session: Session, args: c.Simple) -> str:
         await view.refresh(expunge=False)
         doomed = [u for u in view.uids if "\\Deleted" in view.messages[u].flags]
         if doomed:
-            await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed])
+            await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed],
+                                                only_deleted=True)
     session.close_view()
     return "CLOSE completed"
 
@@ -51,15 +56,26 @@ async def unselect(session: Session, args: c.Simple) -> str:
 
 
 async def expunge(session: Session, args: c.Expunge) -> str:
+    """EXPUNGE takes in the mailbox first, and asks the store to delete what the view then holds
+    \\Deleted. A UID EXPUNGE of at most FEW_TO_EXPUNGE messages (a client removing what it just
+    flagged) does not: it hands the store all of them, which deletes those whose stored flags
+    hold \\Deleted (`only_deleted`, decided on the state it deletes from), and the view hears
+    of other changes at the next command. Either way a \\Deleted another session took away
+    just before keeps the message (RFC 4315 3)."""
     view = session.selected()
     if view.readonly:
         raise No("Mailbox is read-only", "READ-ONLY")
-    await session.refresh(expunge=True, highest=False)  # with QRESYNC the answer says it
-    candidates = session.uids(args.uids, True) if args.uids is not None else list(view.uids)
-    doomed = [u for u in candidates if "\\Deleted" in view.messages[u].flags]
-    if doomed:
+    candidates = session.uids(args.uids, True) if args.uids is not None else None
+    if candidates is None or len(candidates) > FEW_TO_EXPUNGE:
+        await session.refresh(expunge=True, highest=False)  # with QRESYNC the answer says it
+        candidates = session.uids(args.uids, True) if args.uids is not None else list(view.uids)
+        candidates = [u for u in candidates if "\\Deleted" in view.messages[u].flags]
+    doomed: list[int] = []
+    if candidates:
         modseqs: dict[uuid.UUID, int] = {}
-        await session.store.delete_messages(view.user, view.name, [view.messages[u].id for u in doomed], modseqs)
+        deleted = await session.store.delete_messages(
+            view.user, view.name, [view.messages[u].id for u in candidates], modseqs, only_deleted=True)
+        doomed = [u for u in candidates if view.messages[u].id in deleted]
         session.expunged(doomed)
         view.took(modseqs)
     done = ("UID " if args.uids is not None else "") + "EXPUNGE completed"

@@ -591,11 +591,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def delete_messages(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
-    ) -> None:
-        """Delete messages in one call; ids already gone are ignored. The UID of each numbered
-        message deleted is remembered with a new MODSEQ (see `vanished_since`); `modseqs`, when
-        given, gets it, as in `assign_uids`."""
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None,
+        *, only_deleted: bool = False,
+    ) -> set[uuid.UUID]:
+        """Delete messages in one call and return the ids deleted; ids already gone are ignored.
+        The UID of each numbered message deleted is remembered with a new MODSEQ (see
+        `vanished_since`); `modseqs`, when given, gets it, as in `assign_uids`. With
+        `only_deleted` (IMAP's EXPUNGE), only the messages whose flags hold \\Deleted as the
+        deletion finds them: one whose \\Deleted another session took away a moment before stays
+        (decided on the same state the deletion applies to, where the store can: Cassandra's
+        conditional batch, the mbox index under its lock)."""
 
     async def copy_messages(self, user: str, source: str, ids: Sequence[uuid.UUID], dest: str) -> list[uuid.UUID]:
         """Copy messages to another mailbox of the same user keeping flags and internal date;

@@ -949,11 +949,15 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         self._notify([mailbox_id])
 
     async def delete_messages(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
-    ) -> None:
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None,
+        *, only_deleted: bool = False,
+    ) -> set[uuid.UUID]:
         """Where reads see every acknowledged write, one read of the rows decides both whether the
         group needs a Paxos round at all and, as the first try of `_change`, what it deletes.
-        The mailbox's row may be one read up to `mailbox_cache` ago (see `_resolve`)."""
+        With `only_deleted` the rows' flags decide too, in `plan`: the batch applies only if the
+        mailbox's MODSEQ is still the one they were read at, so a \\Deleted taken away before it
+        keeps the message. The mailbox's row may be one read up to `mailbox_cache` ago (see
+        `_resolve`)."""
         key, name = address_key(user), mailbox_name(mailbox)
         row = await self._resolve(key, name, cached=True)
         mailbox_id = row.mailbox_id
@@ -962,14 +966,21 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
         newest: uuid.UUID | None = None
         messages = self.tables.messages
         sees_writes = self._reads_see_writes()
+        deleted: set[uuid.UUID] = set()
         for group in _groups(wanted, IN_BATCH):
             gone: list[Any] = []
+            taken: list[uuid.UUID] = []
             forget: list[int] = []
             given: dict[uuid.UUID, int] = {}
             def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
+                if only_deleted:
+                    rows = [r for r in rows if r.flags and "\\Deleted" in r.flags]
                 gone[:] = [r for r in rows if r.body_id is not None]
+                taken[:] = [r.id for r in rows if r.size is not None]
                 forget.clear()
                 given.clear()
+                if not rows:
+                    return []
                 statements = [messages.expunge_statement(mailbox_id, r.id) for r in rows]
                 for r in rows:
                     tally.gone(r)
@@ -997,17 +1008,27 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 # Paxos. (An IMAP session numbering one of these messages in the same instant keeps
                 # its UID without an expunge record: it still sees the message go at its next
                 # listing, and only a QRESYNC client reconnecting later would not be told.)
-                batch = self.cql.batch(BatchType.UNLOGGED)
-                batch.add(messages.delete_statement(mailbox_id, group))
-                changed = new_message_id()
-                batch.add(messages.changed_statement(mailbox_id, changed))
-                batch.add(messages.plain_at_statement(mailbox_id, changed))  # STATUS counts are stale
-                await self.cql.run(batch)
-                self._notify([mailbox_id])
-                gone = [r for r in found if r.body_id is not None]
+                if only_deleted:
+                    found = [r for r in found if r.flags and "\\Deleted" in r.flags]
+                    group = [r.id for r in found]
+                if group:
+                    batch = self.cql.batch(BatchType.UNLOGGED)
+                    batch.add(messages.delete_statement(mailbox_id, group))
+                    changed = new_message_id()
+                    batch.add(messages.changed_statement(mailbox_id, changed))
+                    batch.add(messages.plain_at_statement(mailbox_id, changed))  # STATUS counts are stale
+                    await self.cql.run(batch)
+                    self._notify([mailbox_id])
+                    gone = [r for r in found if r.body_id is not None]
+                    deleted.update(r.id for r in found if r.size is not None)
             elif found:
-                if await self._change(mailbox_id, group, plan, read=found if sees_writes else None) and modseqs is not None:
-                    modseqs.update(given)
+                if await self._change(mailbox_id, group, plan, read=found if sees_writes else None):
+                    deleted.update(taken)
+                    if modseqs is not None:
+                        modseqs.update(given)
+                else:  # nothing applied (nothing left to delete as last read): nothing to free
+                    gone.clear()
+                    forget.clear()
             for r in gone:
                 newest = _later(newest, r.id)
             await self._quota_freed(key, row, gone)
@@ -1020,11 +1041,12 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             except StoreUnavailable as exc:
                 log.info("bodies of %d deleted messages in %s %r not released: %s", len(gone), key, name, exc)
         if newest is None:
-            return
+            return deleted
         try:
             await self._advance_low_water(key, name, row, newest)
         except StoreUnavailable as exc:  # contention on the mailbox row; the next delete or listing moves it
             log.info("low-water mark of %s %r not moved: %s", key, name, exc)
+        return deleted
 
     async def _change(
         self, mailbox_id: uuid.UUID, ids: list[uuid.UUID],

@@ -349,7 +349,7 @@ class Messages(Table):
     _STATICS = (f"uidnext, highest_modseq, recent_mark, {_COUNTS}, counted_through, counts_modseq, plain_at, "
                 "counts_plain")
     _BODY = "id, body_id, size, chunk_size, shared"
-    _BODY_COUNTERS = f"{_BODY}, uidnext, highest_modseq"
+    _BODY_COUNTERS = f"{_BODY}, flags, uidnext, highest_modseq"
     STATEMENTS = {
         "insert": (
             WRITE,
@@ -484,7 +484,8 @@ class Messages(Table):
         return _first(await self._run("body_info", mailbox_id, message_id))
 
     async def body_infos(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> list[Any]:
-        """Body rows of these ids, with the counters (static: null before the first numbering)."""
+        """Body rows of these ids and their flags, with the counters (static: null before the
+        first numbering)."""
         return await self._run("body_infos", mailbox_id, ids)
 
     def delete_statement(self, mailbox_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> BoundStatement:

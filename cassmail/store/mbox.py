@@ -806,10 +806,13 @@ class MboxStore(MboxQuota, FileQueueStore):
         return await self._on_mailbox(user, mailbox, lambda mf: mf.store_flags(wanted, changes[mode], unchanged_since))
 
     async def delete_messages(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
-    ) -> None:
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None,
+        *, only_deleted: bool = False,
+    ) -> set[uuid.UUID]:
         wanted = list(ids)
-        await self._on_mailbox(user, mailbox, lambda mf: mf.delete(wanted))
+        gone: set[uuid.UUID] = set()
+        await self._on_mailbox(user, mailbox, lambda mf: mf.delete(wanted, only_deleted, gone))
+        return gone
 
     async def assign_uids(
         self,

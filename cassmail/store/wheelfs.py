@@ -1042,18 +1042,24 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
         return modified, changing
 
     async def delete_messages(
-        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None
-    ) -> None:
+        self, user: str, mailbox: str, ids: Iterable[uuid.UUID], modseqs: dict[uuid.UUID, int] | None = None,
+        *, only_deleted: bool = False,
+    ) -> set[uuid.UUID]:
+        """With `only_deleted`, on the flags as this node reads them just before."""
         wanted = list(ids)
         key, name = address_key(user), mailbox_name(mailbox)
 
-        def delete() -> None:
+        def delete() -> set[uuid.UUID]:
             user_file, mailbox_id, box = self._where(key, name)
             cache = self._cache(mailbox_id)
             live = self._messages(box, cache)
             doomed = [(sid, live[sid].id) for sid in dict.fromkeys(map(sid_of, wanted)) if sid in live]
+            if doomed and only_deleted:
+                with cache.lock:
+                    chains = self._sync(user_file, mailbox_id, cache)
+                    doomed = [(sid, i) for sid, i in doomed if "\\Deleted" in chains.flags_of(sid, live[sid].flags)]
             if not doomed:
-                return
+                return set()
             with cache.lock:
                 self._bury(user_file, mailbox_id, box, cache, doomed)
             doomed_set = {sid for sid, _ in doomed}
@@ -1062,8 +1068,9 @@ class WheelFSStore(WheelFSQuota, FileQueueStore):
             self._remove_entries(box, "flags", self._entries(box, "flags", doomed_set))
             if self.settings.tombstone_grace:
                 self._collect_tombstones(box, cache)
+            return {message_id for _, message_id in doomed}
 
-        await self._call(delete)
+        return await self._call(delete)
 
     def _bury(self, user_file: str, mailbox_id: str, box: str, cache: _MailboxCache, doomed: list[tuple[str, uuid.UUID]]) -> None:
         """Tombstones for `doomed`, durable before anything else goes: from then on no replica can

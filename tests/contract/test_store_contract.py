@@ -524,6 +524,24 @@ async def test_deleted_messages_are_gone_and_the_rest_stay(store: Store, user: s
         await store.read_message(user, INBOX, ids[2])
 
 
+async def test_a_deletion_of_only_deleted_messages_keeps_those_without_the_flag(store: Store, user: str) -> None:
+    """IMAP's EXPUNGE (`only_deleted`): the store decides on the flags it holds, so a message
+    whose \\Deleted another session took away stays; the answer names what went. Before the
+    mailbox's first numbering too (Cassandra deletes those without a Paxos round)."""
+    ids = [(await store.deliver(b"d%d" % i, [Target(user)]))[0] for i in range(5)]
+    await store.store_flags(user, INBOX, ids[:2], ["\\Deleted"], "add")
+    assert await store.delete_messages(user, INBOX, ids[1:3], only_deleted=True) == {ids[1]}
+    await store.assign_uids(user, INBOX, [ids[0], ids[2], ids[3], ids[4]])
+    await store.store_flags(user, INBOX, ids[2:4], ["\\Deleted", "\\Seen"], "add")
+    await store.store_flags(user, INBOX, [ids[3]], ["\\Deleted"], "remove")
+    gone = await store.delete_messages(user, INBOX, [ids[0], ids[2], ids[3], ids[4], uuid.uuid1()], only_deleted=True)
+    assert gone == {ids[0], ids[2]}
+    assert [s.id for s in await listing(store, user)] == [ids[3], ids[4]]
+    assert await store.delete_messages(user, INBOX, ids[2:], only_deleted=True) == set()
+    assert await store.delete_messages(user, INBOX, ids) == {ids[3], ids[4]}  # whatever their flags
+    assert await listing(store, user) == []
+
+
 async def test_deleting_one_copy_of_a_shared_delivery_keeps_the_others(store: Store, user: str) -> None:
     body = os.urandom(200_000)
     a, b = await store.deliver(body, [Target(user), Target(user, "Archive")])
