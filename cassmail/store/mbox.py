@@ -810,9 +810,9 @@ class MboxStore(MboxQuota, FileQueueStore):
         *, only_deleted: bool = False,
     ) -> set[uuid.UUID]:
         wanted = list(ids)
-        gone: set[uuid.UUID] = set()
-        await self._on_mailbox(user, mailbox, lambda mf: mf.delete(wanted, only_deleted, gone))
-        return gone
+        deleted: set[uuid.UUID] = set()
+        await self._on_mailbox(user, mailbox, lambda mf: mf.delete(wanted, only_deleted, deleted))
+        return deleted
 
     async def assign_uids(
         self,

@@ -1261,17 +1261,17 @@ class MailboxFile:
     # ----------------------------------------------------------------- deletion and compaction
 
     def delete(self, ids: Iterable[uuid.UUID], only_deleted: bool = False,
-               gone: set[uuid.UUID] | None = None) -> CompactReport | None:
+               deleted: set[uuid.UUID] | None = None) -> CompactReport | None:
         """Mark messages deleted (durable before anything else), then compact within the budget.
         The UIDs of the numbered ones vanish with one new MODSEQ. `only_deleted`: only those
-        whose flags hold \\Deleted (Store.delete_messages); `gone` gets the ids deleted."""
+        whose flags hold \\Deleted (Store.delete_messages); `deleted` gets the ids deleted."""
         with self.writing():
             victims = [s for i in dict.fromkeys(ids) if (s := self.by_id.get(i)) is not None and s.live
                        and (not only_deleted or "\\Deleted" in s.flags)]
             if not victims:
                 return None
-            if gone is not None:
-                gone.update(s.id for s in victims)  # type: ignore[misc]
+            if deleted is not None:
+                deleted.update(s.id for s in victims)  # type: ignore[misc]
             mbox_fs.crash_point("delete.before")
             modseq = self.modseq + 1 if any(s.uid for s in victims) else 0
             gone = b"".join(s.id.bytes for s in victims)  # type: ignore[union-attr]
