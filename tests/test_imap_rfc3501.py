@@ -26,6 +26,17 @@ def _number(lines: list[bytes], pattern: bytes) -> int:
     raise AssertionError(f"no {pattern!r} in {lines}")
 
 
+#: The store calls that read a mailbox's listing or changes (counted on the store's metrics).
+LISTING_READS = ("arrivals", "arrivals_state", "changes_state", "changes_since", "list_page")
+
+
+def _store_calls(node, *ops: str) -> float:
+    """How many times the node's store ran these operations so far."""
+    from tests.test_metrics import scrape, value
+    metrics = scrape(node)
+    return sum(value(metrics, "cassmail_store_seconds_count", op=op) or 0 for op in ops)
+
+
 def _search(raw: Raw, keys: str) -> list[int]:
     lines = raw.cmd(f"SEARCH {keys}")
     return [int(n) for n in lines[0].split()[2:]]
@@ -71,26 +82,19 @@ async def test_an_append_to_the_selected_mailbox_is_recent_in_the_appending_sess
     appender = _session(plain_node, user, "carol", "Trash")
     watcher = _session(plain_node, user, "carol", "Trash")
     assert _search(appender, "RECENT") == [1] and _search(watcher, "RECENT") == []
-    from tests.test_metrics import scrape, value
-
-    def calls(*ops: str) -> float:
-        metrics = scrape(plain_node)
-        return sum(value(metrics, "cassmail_store_seconds_count", op=op) or 0 for op in ops)
-
-    readings = ("arrivals", "arrivals_state", "changes_state", "changes_since", "list_page")
-    before, read_before = calls("claim_recent"), calls(*readings)
+    before, read_before = _store_calls(plain_node, "claim_recent"), _store_calls(plain_node, *LISTING_READS)
     for n in (2, 3):
         lines = appender.cmd(b"APPEND Trash {%d+}\r\n%s" % (len(message(n)), message(n)))
         assert _number(lines, b"EXISTS") == n and _number(lines, b"RECENT") == n, lines
         assert b"APPENDUID" in lines[-1]
     if type(store).__name__ == "CassandraStore":
-        assert calls(*readings) == read_before  # taken in as appended: nothing read back
+        assert _store_calls(plain_node, *LISTING_READS) == read_before  # taken in as appended: nothing read back
     assert _search(appender, "RECENT") == [1, 2, 3] and _search(appender, "NEW") == [1, 2, 3]
     assert b"\\Recent" in b"".join(appender.cmd("FETCH 3 FLAGS"))
     if type(store).__name__ == "CassandraStore":
-        assert calls("claim_recent") == before  # each claimed in its numbering's round
+        assert _store_calls(plain_node, "claim_recent") == before  # each claimed in its numbering's round
     else:
-        assert calls("claim_recent") >= before + 2
+        assert _store_calls(plain_node, "claim_recent") >= before + 2
     lines = watcher.cmd("NOOP")
     assert _number(lines, b"EXISTS") == 3 and _search(watcher, "RECENT") == []
     later = _session(plain_node, user, "carol")
@@ -114,19 +118,12 @@ async def test_a_uid_expunge_goes_by_the_flags_the_store_holds(plain_node, store
     mine.cmd("UID STORE 1:2 +FLAGS.SILENT (\\Deleted)")
     other.cmd("UID STORE 1 -FLAGS.SILENT (\\Deleted)")
     other.cmd("UID STORE 3 +FLAGS.SILENT (\\Deleted)")
-    from tests.test_metrics import scrape, value
-
-    def readings() -> float:
-        metrics = scrape(plain_node)
-        return sum(value(metrics, "cassmail_store_seconds_count", op=op) or 0
-                   for op in ("arrivals", "arrivals_state", "changes_state", "changes_since", "list_page"))
-
-    before = readings()
+    before = _store_calls(plain_node, *LISTING_READS)
     lines = mine.cmd("UID EXPUNGE 1:3")
     assert lines[-1].endswith(b"OK UID EXPUNGE completed\r\n")
     assert lines[:-1] == [b"* 3 EXPUNGE\r\n", b"* 2 EXPUNGE\r\n"], lines
     if type(store).__name__ == "CassandraStore":
-        assert readings() == before
+        assert _store_calls(plain_node, *LISTING_READS) == before
     assert mine.cmd("UID EXPUNGE 1")[:-1] == []  # still there, and no longer \\Deleted
     mine.cmd("NOOP")
     listed = [line for line in mine.cmd("UID FETCH 1:* FLAGS") if line.startswith(b"* ")]

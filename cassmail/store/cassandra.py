@@ -974,7 +974,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             given: dict[uuid.UUID, int] = {}
             def plan(rows: list[Any], modseq: int, tally: Tally) -> list[Any]:
                 if only_deleted:
-                    rows = [r for r in rows if r.flags and "\\Deleted" in r.flags]
+                    rows = _flagged_deleted(rows)
                 gone[:] = [r for r in rows if r.body_id is not None]
                 taken[:] = [r.id for r in rows if r.size is not None]
                 forget.clear()
@@ -1009,7 +1009,7 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
                 # its UID without an expunge record: it still sees the message go at its next
                 # listing, and only a QRESYNC client reconnecting later would not be told.)
                 if only_deleted:
-                    found = [r for r in found if r.flags and "\\Deleted" in r.flags]
+                    found = _flagged_deleted(found)
                     group = [r.id for r in found]
                 if group:
                     batch = self.cql.batch(BatchType.UNLOGGED)
@@ -1594,6 +1594,11 @@ def _flag_set(flags: Iterable[str] | None) -> frozenset[str]:
         if len(_FLAG_SETS) < _FLAG_SETS_KEPT:
             _FLAG_SETS[key] = found
     return found
+
+
+def _flagged_deleted(rows: list[Any]) -> list[Any]:
+    """The message rows whose stored flags hold \\Deleted (`delete_messages`' `only_deleted`)."""
+    return [r for r in rows if r.flags and "\\Deleted" in r.flags]
 
 
 def _later(a: uuid.UUID | None, b: uuid.UUID | None) -> uuid.UUID | None:
