@@ -22,7 +22,7 @@ from cassmail.server import enabled_listeners
 GREETINGS = {"smtp": b"220", "submission": b"220", "lmtp": b"220", "pop3": b"+OK", "imap": b"* OK",
              "managesieve": b"\"IMPLEMENTATION\""}
 
-_NO_VERIFY = ssl.create_default_context()
+_NO_VERIFY = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA certificates loaded: nothing is verified)
 _NO_VERIFY.check_hostname = False
 _NO_VERIFY.verify_mode = ssl.CERT_NONE
 

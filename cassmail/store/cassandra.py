@@ -227,6 +227,10 @@ class CassandraStore(CassandraSieve, CassandraQueue, CassandraEvents, CassandraQ
             control_connection_timeout=s.connect_timeout,
             protocol_version=s.protocol_version,
             connection_class=ThreadConnection if loop is None else loop_connection(loop),
+            # A statement is prepared on one node; a node that does not know it yet answers
+            # UNPREPARED and the driver prepares it there and retries (nodes keep what was
+            # prepared across restarts, and every front end prepares the same statements).
+            prepare_on_all_hosts=False,
         )
 
     async def open(self) -> None:

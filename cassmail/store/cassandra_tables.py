@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import uuid
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -28,7 +29,8 @@ READ, WRITE, SERIAL_READ, CONDITIONAL = Kind.READ, Kind.WRITE, Kind.SERIAL_READ,
 ANCHOR = uuid.UUID(fields=(0xFFFFFFFF, 0xFFFF, 0x1FFF, 0xBF, 0xFF, 0xFFFFFFFFFFFF))
 #: Below every real message id (1970): listings start here, above the MODSEQ records (schema 008).
 FIRST_REAL = uuid.UUID(fields=(0x13814000, 0xD211, 0x11B2, 0x80, 0x00, 0))
-
+#: Statements prepared at once when a store opens.
+PREPARE_THREADS = 8
 
 _MAX_MODSEQ_TICKS = 0x01B21DD213814000  # 1970 in 100 ns ticks since 1582: where FIRST_REAL is
 
@@ -83,10 +85,6 @@ class Table:
     def __init__(self, cql: Cql) -> None:
         self.cql = cql
         self.prepared: dict[str, PreparedStatement] = {}
-
-    def prepare(self) -> None:
-        """Blocking (the store calls it off the event loop when it opens)."""
-        self.prepared = {name: self.cql.prepare(kind, text) for name, (kind, text) in self.STATEMENTS.items()}
 
     def bind(self, name: str, *params: Any) -> BoundStatement:
         return self.prepared[name].bind(params)
@@ -1084,6 +1082,10 @@ class Tables:
         return [t for t in vars(self).values() if isinstance(t, Table)]
 
     def prepare(self) -> None:
-        """Blocking: every statement of every table."""
-        for table in self.all():
-            table.prepare()
+        """Blocking: every statement of every table, PREPARE_THREADS at a time (each is a round
+        trip to a node, most of it waiting)."""
+        work = [(table, name, kind, text) for table in self.all() for name, (kind, text) in table.STATEMENTS.items()]
+        with ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="cassmail-prepare") as pool:
+            done = list(pool.map(lambda w: w[0].cql.prepare(w[2], w[3]), work))
+        for (table, name, _, _), prepared in zip(work, done):
+            table.prepared[name] = prepared
