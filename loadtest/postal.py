@@ -20,8 +20,9 @@ How the numbers are taken:
   deviation.
 - The caller may pass CPU probes (name -> seconds used so far); they are sampled with the
   series, so the report can plot who spent the CPU per interval.
-- postal stops sending on SIGINT; it then gets a few seconds for the messages in flight and
-  SIGTERM. rabid gets SIGTERM: sessions cut there delete nothing (POP3 deletes at QUIT).
+- postal stops sending on SIGINT; it then gets up to 5 s to finish the messages in flight (until
+  it holds no connection) and SIGTERM. rabid gets SIGTERM: sessions cut there delete nothing
+  (POP3 deletes at QUIT).
 
 Sizes are decimal (K = 10^3, M = 10^6) and passed to postal in KiB (-M/-m); MB/s means 10^6
 bytes per second.
@@ -269,6 +270,20 @@ class LineCounter:
 Probes = dict[str, Callable[[], float | None]]
 
 
+def _wait_connections_closed(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until `proc` exits or holds no socket, at most `timeout` seconds. (postal, interrupted,
+    finishes its messages in flight and closes its connections, but does not exit.)"""
+    deadline = time.monotonic() + timeout
+    fds = Path(f"/proc/{proc.pid}/fd")
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if not any(os.readlink(fd).startswith("socket:") for fd in fds.iterdir()):
+                return
+        except OSError:  # (it exited, or a descriptor closed as we looked)
+            pass
+        time.sleep(0.05)
+
+
 def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds: float,
              probes: Probes | None = None, interrupt_first: bool = False, stop_when_drained: bool = False,
              actions: dict[float, Callable[[], str]] | None = None, say: Callable[[str], None] = print,
@@ -334,10 +349,10 @@ def run_tool(run: LoadRun, cmd: list[str], log_name: str, workdir: Path, seconds
                              f"{time.monotonic() - t0:.0f} s")
             tick(t0)
     finally:
-        steps = [(signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)]
-        if interrupt_first:
-            steps.insert(0, (signal.SIGINT, 5.0))
-        for sig, wait in steps:
+        if interrupt_first and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            _wait_connections_closed(proc, 5.0)
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
             if proc.poll() is not None:
                 break
             proc.send_signal(sig)

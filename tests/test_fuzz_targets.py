@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,21 +19,42 @@ from tests.fuzz_targets import CORPUS, INSTRUMENTED, TARGETS
 
 SECONDS = int(os.environ.get("CASSMAIL_FUZZ_TARGET_SECONDS", "2"))
 REPO = Path(__file__).resolve().parent.parent
+#: name -> (the run's directory, the run)
+Runs = dict[str, tuple[Path, Future[subprocess.CompletedProcess[str]]]]
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """The run of every target this session tests, as many at once as there are cores (each is
+    one busy process)."""
+    chosen = sorted({item.callspec.params["name"] for item in request.session.items
+                     if item.module is request.module and hasattr(item, "callspec")})
+
+    def fuzz(name: str, work: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tests.fuzz_targets", name, "--seconds", str(SECONDS), "--work", str(work / "work"),
+             "--artifacts", str(work / "artifacts")],
+            cwd=REPO, capture_output=True, text=True, timeout=SECONDS + 120,
+        )
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        started: Runs = {}
+        for name in chosen:
+            work = tmp_path_factory.mktemp(f"fuzz-{name}")
+            started[name] = (work, pool.submit(fuzz, name, work))
+        yield started
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
-def test_fuzz_target_finds_no_crash(name: str, tmp_path: Path) -> None:
+def test_fuzz_target_finds_no_crash(name: str, runs: Runs) -> None:
     assert any((CORPUS / name).iterdir()), f"no seeds for {name}"
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz_targets", name, "--seconds", str(SECONDS), "--work", str(tmp_path / "work"),
-         "--artifacts", str(tmp_path / "artifacts")],
-        cwd=REPO, capture_output=True, text=True, timeout=SECONDS + 120,
-    )
+    work, run = runs[name]
+    result = run.result()
     output = result.stdout + result.stderr
-    crashes = list((tmp_path / "artifacts").glob("crash-*"))
+    crashes = list((work / "artifacts").glob("crash-*"))
     assert result.returncode == 0 and not crashes, output[-4000:]
-    runs = re.search(r"Done (\d+) runs", output)
-    assert runs is not None and int(runs.group(1)) >= len(list((CORPUS / name).iterdir())), output[-2000:]
+    done = re.search(r"Done (\d+) runs", output)
+    assert done is not None and int(done.group(1)) >= len(list((CORPUS / name).iterdir())), output[-2000:]
     # Coverage guides the fuzzing from the target's own modules only (and starts in seconds).
     instrumented = set(re.findall(r"INFO: Instrumenting (\S+)", output))
     own = INSTRUMENTED[name]

@@ -212,6 +212,17 @@ def test_yaml_keeps_tests_cheap_balanced_and_simple(tmp_path: Path) -> None:
     assert conf["user_defined_functions_enabled"] is False
 
 
+def test_only_nodes_joining_a_cluster_no_client_has_used_skip_the_paxos_repair(tmp_path: Path) -> None:
+    cluster = launcher.LocalCluster(tmp_path, 3)
+    assert cluster.is_new()
+    cluster.write_node_files(2, new_cluster=True)
+    assert top_level_yaml(cluster.config_path(2).read_text())["skip_paxos_repair_on_topology_change"] is True
+    (cluster.node_dir(1) / "data" / "system").mkdir(parents=True)  # node 1 has run
+    assert not cluster.is_new()
+    cluster.write_node_files(2)  # a restart, or a node added later: the join repairs
+    assert "skip_paxos_repair" not in cluster.config_path(2).read_text()
+
+
 def test_logback_writes_info_to_a_rolling_system_log_and_nothing_to_the_console(tmp_path: Path) -> None:
     cluster = launcher.LocalCluster(tmp_path, 1)
     cluster.write_node_files(1)

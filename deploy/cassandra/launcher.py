@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from xml.sax.saxutils import escape as xml_escape
 
 __all__ = [
@@ -815,14 +815,22 @@ class LocalCluster:
         args += ["-cp", f"{d / 'conf'}:{lib}/*", DAEMON_CLASS]
         return args
 
-    def write_node_files(self, i: int) -> None:
-        """Create node i's directories and (re)write its cassandra.yaml and logback.xml."""
+    def write_node_files(self, i: int, *, new_cluster: bool = False) -> None:
+        """Create node i's directories and (re)write its cassandra.yaml and logback.xml.
+
+        A node joining a cluster no client has used yet (`new_cluster`) skips the Paxos repair
+        that a join otherwise runs first, table by table (about 20 s a node here): the repair
+        completes the lightweight transactions the ranges' old owners left open, and there are
+        none yet.  Every later start (a restart, a node added to a cluster in use) repairs."""
         d = self.node_dir(i)
         for sub in NODE_SUBDIRS:
             (d / sub).mkdir(parents=True, exist_ok=True)
         header = (f"# Written by cassmail's deploy/cassandra/launcher.py for node {i} of "
                   f"{self.nodes}; rewritten on every start, edit the launcher instead.\n")
-        self.config_path(i).write_text(header + to_yaml(self.node_config(i)) + "\n")
+        config = self.node_config(i)
+        if new_cluster:
+            config["skip_paxos_repair_on_topology_change"] = True
+        self.config_path(i).write_text(header + to_yaml(config) + "\n")
         (d / "conf" / "logback.xml").write_text(LOGBACK_TEMPLATE.format(logdir=xml_escape(str(d / "logs"))))
 
     # ----- processes ------------------------------------------------------- #
@@ -877,18 +885,32 @@ class LocalCluster:
             })
         return rows
 
-    def up(self, timeout: float = 300) -> None:
+    def is_new(self) -> bool:
+        """No node of this cluster has ever run (none has a system keyspace on disk)."""
+        return not any((self.node_dir(i) / "data" / "system").exists() for i in range(1, self.nodes + 1))
+
+    def up(self, timeout: float = 300, *, new_cluster: bool | None = None,
+           after_first: Callable[[], None] | None = None) -> None:
         """Start every node that is not running, one after another, and wait for CQL.
 
         Sequential because Cassandra refuses concurrent bootstraps and node 1 (the
         seed) must be up before the others can join.  ``timeout`` applies per node.
         Idempotent: nodes already running are only waited for.
+
+        ``new_cluster`` (default: whether no node has ever run) says that no client has used
+        the cluster yet, so there is no Paxos state for a joining node to repair
+        (see node_config).  ``after_first`` is called once node 1 answers, before the others
+        join: work done then (a schema, say) is one node's instead of every node's.
         """
+        if new_cluster is None:
+            new_cluster = self.is_new()
         self._save_state()
         for i in range(1, self.nodes + 1):
-            self.start_node(i, timeout=timeout)
+            self.start_node(i, timeout=timeout, new_cluster=new_cluster)
+            if i == 1 and after_first is not None:
+                after_first()
 
-    def start_node(self, i: int, timeout: float = 300) -> None:
+    def start_node(self, i: int, timeout: float = 300, *, new_cluster: bool = False) -> None:
         """Start node i (unless already running) and return once it answers CQL.
 
         A node that dies or does not answer within ``timeout`` seconds is killed and
@@ -913,7 +935,7 @@ class LocalCluster:
                     f"`ss -ltnp 'sport = :{port}'`): stop it or choose other ports"
                 )
         lib = ensure_jars(self.cache_dir, self.version)
-        self.write_node_files(i)
+        self.write_node_files(i, new_cluster=new_cluster)
         d = self.node_dir(i)
         cmd = [*self.command_prefix(i), java, *self.jvm_args(i, lib)]
         stdout_log = d / "logs" / "stdout.log"
