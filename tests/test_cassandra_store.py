@@ -1890,6 +1890,63 @@ async def test_an_imap_refresh_after_a_young_token_reads_the_arrivals_and_the_to
     assert (await view.refresh(True)).exists == 2 and view.messages[view.uids[-1]].id == new
 
 
+def test_a_new_keyspace_gets_each_alter_written_into_its_create_table() -> None:
+    statements = [
+        "CREATE TABLE IF NOT EXISTS t (\n    a text,\n    b map<text, int>,\n    PRIMARY KEY ((a), b)\n)",
+        "CREATE TABLE IF NOT EXISTS u (\n    k text PRIMARY KEY\n) WITH CLUSTERING ORDER BY (k ASC)",
+        "ALTER TABLE t ADD IF NOT EXISTS c bigint static",
+        "ALTER TABLE t ADD IF NOT EXISTS (\n    d timeuuid,\n    e frozen<list<text>>\n)",
+        "ALTER TABLE u WITH compression = {'enabled': 'false'}",
+        "ALTER TABLE t WITH compaction = {'class': 'UnifiedCompactionStrategy', 'scaling_parameters': 'T8'}",
+    ]
+    assert cassandra_schema.folded(statements) == [
+        "CREATE TABLE IF NOT EXISTS t (\n    a text,\n    b map<text, int>,\n    c bigint static,\n    d timeuuid,\n"
+        "    e frozen<list<text>>,\n    PRIMARY KEY ((a), b)\n)"
+        " WITH compaction = {'class': 'UnifiedCompactionStrategy', 'scaling_parameters': 'T8'}",
+        "CREATE TABLE IF NOT EXISTS u (\n    k text PRIMARY KEY\n) WITH CLUSTERING ORDER BY (k ASC)"
+        " AND compression = {'enabled': 'false'}",
+    ]
+    # What a CREATE already says, and statements of any other kind, are left as they are.
+    for other in ("ALTER TABLE t ADD IF NOT EXISTS a int", "ALTER TABLE t DROP b", "DROP TABLE t",
+                  "ALTER TABLE v ADD IF NOT EXISTS x int", "CREATE INDEX IF NOT EXISTS ON t (a)"):
+        assert cassandra_schema.folded([*statements[:2], other]) is None, other
+    assert cassandra_schema.folded([statements[1], "ALTER TABLE u WITH CLUSTERING ORDER BY (k DESC)"]) is None
+    assert len(cassandra_schema.folded([s for m in cassandra_schema.migrations() for s in m.statements])) == 17
+
+
+def test_a_keyspace_made_at_once_has_the_tables_of_one_made_migration_by_migration(cassandra_settings,
+                                                                                   tmp_path) -> None:
+    """The suite's keyspace was new, so its ALTERs went into its CREATEs; this one gets schema 001
+    first and every later ALTER as written: every column, type, key and table option is the same."""
+    settings = dataclasses.replace(cassandra_settings, keyspace=f"cmsteps_{uuid.uuid4().hex[:8]}")
+    first = tmp_path / "schema"
+    first.mkdir()
+    initial = min(cassandra_schema.SCHEMA_DIR.glob("*.cql"))
+    (first / initial.name).write_bytes(initial.read_bytes())
+    store = CassandraStore(cassandra_settings)
+    cluster = store._make_cluster()
+    try:
+        cassandra_schema.apply(settings, first)
+        assert len(cassandra_schema.apply(settings)) == len(cassandra_schema.migrations()) - 1
+        session = cluster.connect()
+
+        def described(keyspace: str) -> tuple[set[tuple[Any, ...]], dict[str, dict[str, Any]]]:
+            columns = {(r.table_name, r.column_name, r.kind, r.position, r.clustering_order, r.type) for r in
+                       session.execute("SELECT * FROM system_schema.columns WHERE keyspace_name = %s", (keyspace,))}
+            tables = {r.table_name: {k: v for k, v in r._asdict().items() if k not in ("keyspace_name", "id")}
+                      for r in session.execute("SELECT * FROM system_schema.tables WHERE keyspace_name = %s",
+                                               (keyspace,))}
+            return columns, tables
+
+        made_at_once, step_by_step = described(cassandra_settings.keyspace), described(settings.keyspace)
+        assert made_at_once[0] == step_by_step[0]
+        assert made_at_once[1] == step_by_step[1]
+        assert len(step_by_step[1]) == 18  # (17 and schema_migrations)
+    finally:
+        cluster.shutdown()
+        cassandra_schema.drop(settings)
+
+
 async def test_a_keyspace_from_before_modseqs_is_upgraded_and_its_numbered_mail_has_modseq_1(
     cassandra_settings, tmp_path
 ) -> None:

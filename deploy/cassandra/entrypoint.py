@@ -105,8 +105,8 @@ class ContainerNode(launcher.LocalCluster):
         config["num_tokens"] = int(env.get("CASSANDRA_NUM_TOKENS", "16"))
         return config
 
-    def write_node_files(self, i: int) -> None:
-        super().write_node_files(i)
+    def write_node_files(self, i: int, *, new_cluster: bool = False) -> None:
+        super().write_node_files(i, new_cluster=new_cluster)
         conf = DATA / "conf"
         (conf / "logback.xml").write_text(LOGBACK)
         (conf / "cassandra-rackdc.properties").write_text(
