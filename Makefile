@@ -43,8 +43,10 @@ test-tools:
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; fi
 
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: the suite starts hundreds of Python
+# processes (front ends, commands, load tools), each of which would compile cassmail's modules again.
 test: install test-tools compose-tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The compose cluster in containers: podman (with runc) and debootstrap from Debian, Docker Compose v2
