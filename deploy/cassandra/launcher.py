@@ -899,7 +899,7 @@ class LocalCluster:
 
         ``new_cluster`` (default: whether no node has ever run) says that no client has used
         the cluster yet, so there is no Paxos state for a joining node to repair
-        (see node_config).  ``after_first`` is called once node 1 answers, before the others
+        (see write_node_files).  ``after_first`` is called once node 1 answers, before the others
         join: work done then (a schema, say) is one node's instead of every node's.
         """
         if new_cluster is None:
