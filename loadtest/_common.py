@@ -253,6 +253,18 @@ def listening_inodes(port: int) -> set[str]:
     return inodes
 
 
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets `pid` holds open (none once it is gone)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    out.add(link[8:-1])
+    return out
+
+
 def owns_socket(pid: int, inodes: set[str]) -> bool:
     wanted = {f"socket:[{i}]" for i in inodes}
     try:

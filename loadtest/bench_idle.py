@@ -102,6 +102,7 @@ from _common import (  # noqa: E402
     own_cpu,
     pct,
     positive,
+    socket_inodes,
     tree_cpu,
 )
 from bench_imap import Imap, small_message  # noqa: E402
@@ -198,17 +199,6 @@ def memory(pids: Sequence[int], metrics_port: int = 0, workers: int = 2) -> dict
         per.append({"pid": pid, "what": role, "rss": _status_kib(pid, "VmRSS:") / 1024,
                     "pss": _status_kib(pid, "Pss:", "smaps_rollup") / 1024})
     return {"rss": sum(p["rss"] for p in per), "pss": sum(p["pss"] for p in per), "processes": per}
-
-
-def socket_inodes(pid: int) -> set[str]:
-    out = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    out.add(link[8:-1])
-    return out
 
 
 def tcp_table() -> list[tuple[int, int, str, str]]:

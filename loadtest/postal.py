@@ -49,7 +49,7 @@ from cassmail import config
 from cassmail.store import make_store
 
 from _common import (HOST, PASSWORD, count_inboxes, die_with_us, machine_cpu, make_users, number, own_cpu,
-                     parse_range, parse_ranges, range_label, tree_cpu)
+                     parse_range, parse_ranges, range_label, socket_inodes, tree_cpu)
 
 #: postal's -r and rabid's -r: per minute over all threads. The defaults (24,000/min) could cap a
 #: fast server at small sizes: lifted.
@@ -274,13 +274,7 @@ def _wait_connections_closed(proc: subprocess.Popen[bytes], timeout: float) -> N
     """Until `proc` exits or holds no socket, at most `timeout` seconds. (postal, interrupted,
     finishes its messages in flight and closes its connections, but does not exit.)"""
     deadline = time.monotonic() + timeout
-    fds = Path(f"/proc/{proc.pid}/fd")
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if not any(os.readlink(fd).startswith("socket:") for fd in fds.iterdir()):
-                return
-        except OSError:  # (it exited, or a descriptor closed as we looked)
-            pass
+    while proc.poll() is None and time.monotonic() < deadline and socket_inodes(proc.pid):
         time.sleep(0.05)
 
 
