@@ -1,10 +1,11 @@
 """IMAP side by side: the same mixed multi-client load on a private Dovecot and on cassmail (mbox
-and Cassandra), one after the other in one run; and, apart, what a login costs each of them.
+and Cassandra), taking turns in one run; and, apart, what a login costs each of them.
 
 Not a test:
 
     .venv/bin/python loadtest/bench_imap_mix.py --set store.cassandra.port=19042
     .venv/bin/python loadtest/bench_imap_mix.py --targets dovecot,mbox --clients 16 --seconds 30
+    .venv/bin/python loadtest/bench_imap_mix.py --targets dovecot,cassandra --rounds 6 --seconds 15
 
 Per target (default dovecot, mbox, cassandra), in a temporary directory, with the same users and
 the same bytes:
@@ -17,15 +18,17 @@ the same bytes:
    named by --config/--set; `cassmail serve` with the IMAP listener only, --workers workers.
    What the fill wrote is synced to disk before the server starts.
 2. The mix: every client logs in once, SELECTs its INBOX and reads every UID and RFC822.SIZE
-   (not measured: Dovecot indexes its Maildir here, cassmail gives out UIDs), then sends, one
+   (not measured: Dovecot indexes its Maildir here, cassmail gives out UIDs). Every target is
+   filled, started and listed before the first is measured. Then, in --rounds rounds, each
+   target in turn (the order reversed every other round: A B, B A, A B, ...) sends, one
    command at a time and without pause, what a mail client sends, drawn from a shuffled deck in
    the proportions of MIX (or --weights): FETCH of a window of sequence numbers (UID FLAGS),
    UID FETCH of the header fields From To Subject Date, UID FETCH BODY.PEEK[] (its size checked),
    UID STORE +FLAGS/-FLAGS, SEARCH UNSEEN, SEARCH SUBJECT, NOOP, APPEND (synchronizing literal),
    UID COPY to Archive, UID EXPUNGE of what the client appended (after UID STORE +FLAGS.SILENT
    (\\Deleted), counted as a STORE), STATUS of Archive, and IDLE ended by DONE at the server's
-   continuation. After --warmup seconds (not counted) --seconds are measured: per command type
-   cmds/s, p50, p99 and errors (a NO/BAD, a wrong answer, a timeout); CPU seconds of the server's
+   continuation. In each round, after --warmup seconds (not counted) --seconds are measured;
+   the rounds of a target are added up: per command type cmds/s, p50, p99 and errors (a NO/BAD, a wrong answer, a timeout); CPU seconds of the server's
    processes (Dovecot's master and all it forked; cassmail serve and its workers), of the
    CassandraDaemon, of this load generator and of the whole machine.
 3. Logins, apart: --login-seconds of connect + LOGIN + LOGOUT by --clients loops, per password
@@ -33,7 +36,8 @@ the same bytes:
    BLF-CRYPT cost whose verification time is nearest cassmail's scrypt, or ARGON2ID: this
    Dovecot has no scrypt), cassmail's scrypt at its floor (N=2^10) and at auth.scrypt_n.
 4. Markdown tables: cmds/s per type on each target and the ratios cassmail / Dovecot, latency,
-   CPU, logins; --json writes the same figures.
+   CPU, each round's cmds/s and ratios (with more than one), logins; --json writes the same
+   figures.
 
 Everything started is stopped at the end (also on Ctrl-C), the keyspace dropped and the
 temporary directory removed (--keep keeps them).
@@ -145,6 +149,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=positive(int), default=16, help="concurrent sessions, one user each (default 16)")
     p.add_argument("--seconds", type=positive(float), default=30.0, help="measured seconds of the mix (default 30)")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of mix before the measured ones (default 5)")
+    p.add_argument("--rounds", type=positive(int), default=1,
+                   help="measured rounds per target, the targets taking turns, in reverse order every other round "
+                        "(A B, B A, ...): the machine's speed drifting over the run then weighs on every target "
+                        "alike (default 1)")
     p.add_argument("--login-seconds", type=float, default=10.0,
                    help="seconds of connect+LOGIN+LOGOUT per password scheme; 0 skips logins (default 10)")
     p.add_argument("--messages", type=positive(int), default=500, help="messages per INBOX (default 500)")
@@ -537,15 +545,24 @@ def _has_search(reply: Reply) -> str | None:
     return None if any(ln.startswith(b"* SEARCH") for ln in reply.lines) else "no * SEARCH"
 
 
-async def mix_phase(server: Server, users: list[str], args: argparse.Namespace) -> MixRun:
-    run, clock = MixRun(server.name), Clock()
-    sessions = [Session(i, server.port, u, args, run, clock) for i, u in enumerate(users)]
+async def open_sessions(server: Server, users: list[str], args: argparse.Namespace) -> list[Session]:
+    """Every client logged in, its INBOX selected and listed (not measured)."""
+    sessions = [Session(i, server.port, u, args, MixRun(server.name), Clock()) for i, u in enumerate(users)]
     t0 = time.perf_counter()
     await asyncio.wait_for(asyncio.gather(*(s.open() for s in sessions)), OPEN_TIMEOUT)
+    messages = sum(len(s.sizes) for s in sessions)
+    say(f"  {TITLES[server.name]}: {len(sessions)} sessions logged in and listed {messages} messages "
+        f"({sum(sum(s.sizes.values()) for s in sessions) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    return sessions
+
+
+async def mix_phase(server: Server, sessions: list[Session], args: argparse.Namespace) -> MixRun:
+    """One measured round of the mix on open sessions: --warmup seconds, then --seconds counted."""
+    run, clock = MixRun(server.name), Clock()
     run.messages = sum(len(s.sizes) for s in sessions)
     run.bytes = sum(sum(s.sizes.values()) for s in sessions)
-    say(f"  {len(sessions)} sessions logged in and listed {run.messages} messages ({run.bytes / 1e6:.1f} MB) "
-        f"in {time.perf_counter() - t0:.1f} s")
+    for s in sessions:
+        s.run, s.clock = run, clock
     now = time.monotonic()
     clock.start, clock.end = now + args.warmup, now + args.warmup + args.seconds
     loops = asyncio.gather(*(s.loop(args.weights) for s in sessions))
@@ -556,8 +573,25 @@ async def mix_phase(server: Server, users: list[str], args: argparse.Namespace) 
     run.wall = clock.end - clock.start
     run.cpu = {k: (None if before[k] is None or after[k] is None else after[k] - before[k]) for k in before}
     await loops
-    await asyncio.gather(*(s.close() for s in sessions))
     return run
+
+
+def merged(rounds: list[MixRun]) -> MixRun:
+    """One target's rounds as one run: their commands, errors, seconds and CPU added up."""
+    out = MixRun(rounds[0].target, messages=rounds[0].messages, bytes=rounds[0].bytes)
+    for r in rounds:
+        out.wall += r.wall
+        out.reconnects += r.reconnects
+        for kind, t in r.tallies.items():
+            total = out.tallies[kind]
+            total.latencies += t.latencies
+            total.errors += t.errors
+            total.first_error = total.first_error or t.first_error
+        for key, value in r.cpu.items():
+            before = out.cpu.get(key, 0.0)
+            out.cpu[key] = None if value is None or before is None else before + value
+    out.load = sum(r.load for r in rounds) / len(rounds)
+    return out
 
 
 def _sample(server: Server) -> dict[str, float | None]:
@@ -638,7 +672,8 @@ def mix_tables(runs: list[MixRun], args: argparse.Namespace) -> list[str]:
                      *(ratio(base.mean(kind), r.mean(kind)) for r in others if base)])
     rows.append(["**all commands**", str(sum(args.weights.values())), *(f"**{r.rate():.1f}**" for r in runs),
                  *(f"**{ratio(r.rate(), base.rate())}**" for r in others if base)])
-    out = [f"Commands/s, {args.clients} clients, {args.seconds:g} s measured after {args.warmup:g} s of warm-up; "
+    rounds = f"{args.rounds} rounds of " if args.rounds > 1 else ""
+    out = [f"Commands/s, {args.clients} clients, {rounds}{args.seconds:g} s measured after {args.warmup:g} s of warm-up; "
            "one command at a time per client, drawn from a shuffled deck of the weights, so every target runs "
            "the same proportions. Ratio per command: Dovecot's mean latency / cassmail's (how many of that "
            "command cassmail answers in the time Dovecot answers one); all commands: the ratio of cmds/s. "
@@ -724,8 +759,8 @@ def to_json(mix: list[MixRun], logins: list[LoginRun], preface: list[str]) -> di
 # --------------------------------------------------------------------------- main
 
 
-async def run_target(server: Server, users: list[str], login_users: list[str], args: argparse.Namespace,
-                     mixes: list[MixRun], logins: list[LoginRun]) -> None:
+async def start_target(server: Server, users: list[str], login_users: list[str], args: argparse.Namespace) -> None:
+    """Fill a target's mailboxes, put them on disk and start its server."""
     say(f"\n## {TITLES[server.name]} (load average {os.getloadavg()[0]:.2f})")
     await server.prepare(users, login_users, args)
     # The fill's 200 MB reach the disk now, not under the mix: an fsync there would wait for
@@ -734,14 +769,50 @@ async def run_target(server: Server, users: list[str], login_users: list[str], a
     await asyncio.to_thread(os.sync)
     say(f"  what the fill wrote synced to disk in {time.perf_counter() - t0:.1f} s")
     say("  " + server.start())
-    run = await mix_phase(server, users, args)
-    mixes.append(run)
-    say(f"  mix: {run.rate():.1f} commands/s, {run.errors} errors, server CPU {fmt(run.cpu.get('server'))} s")
+
+
+async def run_targets(servers: list[Server], users: list[str], login_users: list[str], args: argparse.Namespace,
+                      rounds: list[list[MixRun]], logins: list[LoginRun]) -> None:
+    """Every target filled and started, its sessions opened; then the measured rounds, the
+    targets taking turns (reversed every other round); then the logins of each."""
+    for server in servers:
+        await start_target(server, users, login_users, args)
+    say("")
+    sessions = {server.name: await open_sessions(server, users, args) for server in servers}
+    try:
+        for n in range(args.rounds):
+            done: list[MixRun] = []
+            rounds.append(done)
+            for server in servers if n % 2 == 0 else servers[::-1]:
+                run = await mix_phase(server, sessions[server.name], args)
+                done.append(run)
+                say(f"  round {n + 1}, {TITLES[server.name]}: {run.rate():.1f} commands/s, {run.errors} errors, "
+                    f"server CPU {fmt(run.cpu.get('server'))} s")
+    finally:
+        for group in sessions.values():
+            await asyncio.gather(*(s.close() for s in group), return_exceptions=True)
     if args.login_seconds > 0:
-        for scheme in server.schemes:
-            lr = await login_phase(server, scheme, args)
-            logins.append(lr)
-            say(f"  logins, {scheme.label}: {lr.rate:.1f} sessions/s, {lr.errors} errors")
+        for server in servers:
+            for scheme in server.schemes:
+                lr = await login_phase(server, scheme, args)
+                logins.append(lr)
+                say(f"  {TITLES[server.name]} logins, {scheme.label}: {lr.rate:.1f} sessions/s, {lr.errors} errors")
+
+
+def rounds_table(rounds: list[list[MixRun]]) -> list[str]:
+    """Commands/s of each target in each round, in the order they ran, and the ratios."""
+    names = [r.target for r in rounds[0]]
+    base = "dovecot" if "dovecot" in names else None
+    others = [t for t in names if t != base]
+    head = ["round", "order", *(f"{TITLES[t]} cmds/s" for t in names), *(f"{TITLES[t]} / Dovecot" for t in others if base)]
+    rows = []
+    for n, done in enumerate(rounds, 1):
+        by = {r.target: r for r in done}
+        rows.append([str(n), ", ".join(TITLES[r.target] for r in done),
+                     *(f"{by[t].rate():.1f}" if t in by else "-" for t in names),
+                     *(ratio(by[t].rate(), by[base].rate()) if t in by and base in by else "-" for t in others if base)])
+    return ["Each round on its own (a round: --warmup seconds, then --seconds measured, per target):", ""] + \
+        markdown(head, rows, {1})
 
 
 async def main(argv: Sequence[str] | None = None) -> int:
@@ -776,27 +847,30 @@ async def main(argv: Sequence[str] | None = None) -> int:
     say("# IMAP: the same mixed load on Dovecot and cassmail")
     for line in preface:
         say(line)
-    mixes: list[MixRun] = []
+    rounds: list[list[MixRun]] = []
     logins: list[LoginRun] = []
-    status = 0
+    servers: list[Server] = []
     for name in args.targets:
-        server: Server
         if name == "dovecot":
             stored, label, ms = await asyncio.to_thread(choose_dovecot_hash, args.dovecot_hash, scrypt_ms)
             say(f"\nDovecot's slow scheme for the login table: {label}, one check {ms:.1f} ms "
                 f"(cassmail's scrypt at auth.scrypt_n: {scrypt_ms:.1f} ms)")
-            server = DovecotServer(workdir / "dovecot-target", stored, label, ms)
+            servers.append(DovecotServer(workdir / "dovecot-target", stored, label, ms))
             (workdir / "dovecot-target").mkdir(mode=0o755)
         else:
-            server = CassmailServer(name, settings[name], workdir / f"{name}-node", args.workers, args.quiet_max)
+            servers.append(CassmailServer(name, settings[name], workdir / f"{name}-node", args.workers, args.quiet_max))
 
-        async def measure(server: DovecotServer | CassmailServer = server) -> None:
-            await run_target(server, users, login_users, args, mixes, logins)
+    async def measure() -> None:
+        await run_targets(servers, users, login_users, args, rounds, logins)
 
-        status = await guarded_target(TITLES[name], measure, server.stop, workdir,
-                                      ("dovecot-target", "mbox-store", f"{name}-node"), args.keep, say) or status
-        if status == 130:
-            break
+    async def stop() -> list[str]:
+        return [line for server in reversed(servers) for line in await server.stop()]
+
+    subdirs = ["dovecot-target", *(f"{s.name}-node" for s in servers if s.name != "dovecot"), "mbox-store"]
+    title = ", ".join(TITLES[s.name] for s in servers)
+    status = await guarded_target(title, measure, stop, workdir, subdirs, args.keep, say)
+    mixes = [merged([r for done in rounds for r in done if r.target == s.name]) for s in servers
+             if any(r.target == s.name for done in rounds for r in done)]
     if args.keep:
         say(f"--keep: left {workdir}")
     else:
@@ -805,12 +879,19 @@ async def main(argv: Sequence[str] | None = None) -> int:
         say("\n## results\n")
         for line in mix_tables(mixes, args):
             say(line)
+        if len(rounds) > 1:
+            say("")
+            for line in rounds_table(rounds):
+                say(line)
     if logins:
         say("")
         for line in login_table(logins, args):
             say(line)
     if args.json:
-        args.json.write_text(json.dumps(to_json(mixes, logins, preface), indent=1))
+        figures = to_json(mixes, logins, preface)
+        figures["rounds"] = [[{"target": r.target, "seconds": r.wall, "commands": r.commands, "commands_per_s": r.rate(),
+                               "errors": r.errors} for r in done] for done in rounds]
+        args.json.write_text(json.dumps(figures, indent=1))
     if len({(r.messages, r.bytes) for r in mixes}) > 1:
         say(f"\nwarning: the targets listed different mailboxes: {[(r.target, r.messages, r.bytes) for r in mixes]}")
     return status or (0 if mixes else 1)

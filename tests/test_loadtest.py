@@ -289,6 +289,7 @@ def test_compare_runs_the_baseline_and_cassmail_and_prints_ratios(tmp_path: Path
 
 def test_imap_mix_answers_every_command_on_dovecot_and_cassmail_and_prints_the_ratios(
         tmp_path: Path, cassandra_endpoint: tuple[str, int]) -> None:
+    """Two rounds, the targets taking turns (the second in reverse order), added up per target."""
     _tools(postal=False, dovecot=True)
     host, port = cassandra_endpoint
     figures = tmp_path / "mix.json"
@@ -297,14 +298,19 @@ def test_imap_mix_answers_every_command_on_dovecot_and_cassmail_and_prints_the_r
         "fetch-flags", "fetch-headers", "fetch-body", "store", "search-unseen", "search-subject", "noop", "append",
         "copy", "expunge", "status", "idle"))
     cmd = [PY, str(LOADTEST / "bench_imap_mix.py"), "--set", f"store.cassandra.contact_points={host}",
-           "--set", f"store.cassandra.port={port}", "--clients", "2", "--seconds", "2", "--warmup", "0.5",
-           "--login-seconds", "1", "--messages", "20", "--sizes", "2K-20K", "--weights", weights,
+           "--set", f"store.cassandra.port={port}", "--clients", "2", "--seconds", "1", "--warmup", "0.5",
+           "--rounds", "2", "--login-seconds", "1", "--messages", "20", "--sizes", "2K-20K", "--weights", weights,
            "--dovecot-hash", "BLF-CRYPT:5", "--quiet-max", "0", "--json", str(figures)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     data = json.loads(figures.read_text())
     assert list(data["mix"]) == ["dovecot", "mbox", "cassandra"]
+    assert [[r["target"] for r in done] for done in data["rounds"]] == [
+        ["dovecot", "mbox", "cassandra"], ["cassandra", "mbox", "dovecot"]]
     for target, mix in data["mix"].items():
+        rounds = [r for done in data["rounds"] for r in done if r["target"] == target]
+        assert sum(r["commands"] for r in rounds) == sum(t["count"] for t in mix["types"].values()) > 0
+        assert mix["seconds"] == pytest.approx(sum(r["seconds"] for r in rounds)), (target, mix["seconds"], rounds)
         for kind, tally in mix["types"].items():
             assert tally["count"] > 0 and tally["errors"] == 0, (target, kind, tally)
         assert mix["cpu"]["server"] > 0 and mix["reconnects"] == 0, (target, mix)
@@ -318,6 +324,7 @@ def test_imap_mix_answers_every_command_on_dovecot_and_cassmail_and_prints_the_r
     out = done.stdout
     assert "| **all commands**" in out and "cassmail Cassandra / Dovecot" in out  # the command table, its ratios
     assert "Dovecot mean / p50 / p99 ms" in out and "server+Cassandra CPU ms/command" in out
+    assert "| round | order" in out and "|     2 | cassmail Cassandra, cassmail mbox, Dovecot |" in out
     assert "| Dovecot            | {BLF-CRYPT} cost 5" in out and "sessions/s" in out  # the logins, apart
     assert "Dovecot: stopped" in out and "dropped keyspace bench_imap_mix_" in out
 
