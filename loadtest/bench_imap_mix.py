@@ -890,7 +890,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         figures = to_json(mixes, logins, preface)
         figures["rounds"] = [[{"target": r.target, "seconds": r.wall, "commands": r.commands, "commands_per_s": r.rate(),
-                               "errors": r.errors} for r in done] for done in rounds]
+                               "errors": r.errors, "cpu": r.cpu} for r in done] for done in rounds]
         args.json.write_text(json.dumps(figures, indent=1))
     if len({(r.messages, r.bytes) for r in mixes}) > 1:
         say(f"\nwarning: the targets listed different mailboxes: {[(r.target, r.messages, r.bytes) for r in mixes]}")

@@ -48,8 +48,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds beyond the request timeout a write may take to land (also CassandraStore.changes_token's).
 CHANGES_SETTLE = 2.0
-#: Rows a STATUS reads above the bound before it folds them into the counts.
-FOLD_ROWS = 500
+#: Rows older than the next bound that a STATUS reads above the current one before it folds them
+#: into the counts (each STATUS reads them all until then; a fold costs a read of them at ALL and
+#: a conditional write, and only a STATUS makes one).
+FOLD_ROWS = 64
 #: Rows per page of those reads.
 PAGE = 1000
 #: Mailboxes whose bound of the counts a process remembers, at most (then it starts afresh).
@@ -200,7 +202,8 @@ class CassandraCounts(Store):
         if rows is None:  # ALL could not be read: answer from the read level, keep nothing
             fold, rows = False, await self._tail(mailbox_id, start, everywhere=False)
             assert rows is not None
-        if not fold and len(rows) >= FOLD_ROWS and below(start, bound):
+        if not fold and len(rows) >= FOLD_ROWS and below(start, bound) and \
+                sum(below(r.id, bound) for r in rows) >= FOLD_ROWS:
             everywhere = await self._tail(mailbox_id, start, everywhere=True)
             if everywhere is not None:
                 fold, rows = True, everywhere
