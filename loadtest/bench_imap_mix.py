@@ -28,9 +28,10 @@ the same bytes:
    UID COPY to Archive, UID EXPUNGE of what the client appended (after UID STORE +FLAGS.SILENT
    (\\Deleted), counted as a STORE), STATUS of Archive, and IDLE ended by DONE at the server's
    continuation. In each round, after --warmup seconds (not counted) --seconds are measured;
-   the rounds of a target are added up: per command type cmds/s, p50, p99 and errors (a NO/BAD, a wrong answer, a timeout); CPU seconds of the server's
-   processes (Dovecot's master and all it forked; cassmail serve and its workers), of the
-   CassandraDaemon, of this load generator and of the whole machine.
+   the rounds of a target are added up: per command type cmds/s, p50, p99 and errors (a NO/BAD,
+   a wrong answer, a timeout); CPU seconds of the server's processes (Dovecot's master and all
+   it forked; cassmail serve and its workers), of the CassandraDaemon, of this load generator
+   and of the whole machine.
 3. Logins, apart: --login-seconds of connect + LOGIN + LOGOUT by --clients loops, per password
    scheme: Dovecot's {PLAIN} (its default) and a slow hash (--dovecot-hash; default the
    BLF-CRYPT cost whose verification time is nearest cassmail's scrypt, or ARGON2ID: this
