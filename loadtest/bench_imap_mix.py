@@ -870,8 +870,8 @@ async def main(argv: Sequence[str] | None = None) -> int:
     subdirs = ["dovecot-target", *(f"{s.name}-node" for s in servers if s.name != "dovecot"), "mbox-store"]
     title = ", ".join(TITLES[s.name] for s in servers)
     status = await guarded_target(title, measure, stop, workdir, subdirs, args.keep, say)
-    mixes = [merged([r for done in rounds for r in done if r.target == s.name]) for s in servers
-             if any(r.target == s.name for done in rounds for r in done)]
+    measured = {s.name: [r for done in rounds for r in done if r.target == s.name] for s in servers}
+    mixes = [merged(runs) for runs in measured.values() if runs]
     if args.keep:
         say(f"--keep: left {workdir}")
     else:

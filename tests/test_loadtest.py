@@ -305,10 +305,10 @@ def test_imap_mix_answers_every_command_on_dovecot_and_cassmail_and_prints_the_r
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     data = json.loads(figures.read_text())
     assert list(data["mix"]) == ["dovecot", "mbox", "cassandra"]
-    assert [[r["target"] for r in done] for done in data["rounds"]] == [
+    assert [[r["target"] for r in turn] for turn in data["rounds"]] == [
         ["dovecot", "mbox", "cassandra"], ["cassandra", "mbox", "dovecot"]]
     for target, mix in data["mix"].items():
-        rounds = [r for done in data["rounds"] for r in done if r["target"] == target]
+        rounds = [r for turn in data["rounds"] for r in turn if r["target"] == target]
         assert sum(r["commands"] for r in rounds) == sum(t["count"] for t in mix["types"].values()) > 0
         assert mix["seconds"] == pytest.approx(sum(r["seconds"] for r in rounds)), (target, mix["seconds"], rounds)
         for kind, tally in mix["types"].items():
