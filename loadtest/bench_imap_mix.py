@@ -742,7 +742,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def to_json(mix: list[MixRun], logins: list[LoginRun], preface: list[str]) -> dict[str, object]:
+def to_json(mix: list[MixRun], logins: list[LoginRun], preface: list[str],
+            rounds: list[list[MixRun]]) -> dict[str, object]:
     return {
         "preface": preface,
         "mix": {r.target: {"seconds": r.wall, "cpu": r.cpu, "messages": r.messages, "bytes": r.bytes,
@@ -754,6 +755,8 @@ def to_json(mix: list[MixRun], logins: list[LoginRun], preface: list[str]) -> di
         "logins": [{"target": r.target, "scheme": r.scheme, "verify_ms": r.verify_ms, "per_s": r.rate,
                     "sessions": len(r.latencies), "errors": r.errors, "first_error": r.first_error, "cpu": r.cpu}
                    for r in logins],
+        "rounds": [[{"target": r.target, "seconds": r.wall, "commands": r.commands, "commands_per_s": r.rate(),
+                     "errors": r.errors, "cpu": r.cpu} for r in done] for done in rounds],
     }
 
 
@@ -889,10 +892,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
         for line in login_table(logins, args):
             say(line)
     if args.json:
-        figures = to_json(mixes, logins, preface)
-        figures["rounds"] = [[{"target": r.target, "seconds": r.wall, "commands": r.commands, "commands_per_s": r.rate(),
-                               "errors": r.errors, "cpu": r.cpu} for r in done] for done in rounds]
-        args.json.write_text(json.dumps(figures, indent=1))
+        args.json.write_text(json.dumps(to_json(mixes, logins, preface, rounds), indent=1))
     if len({(r.messages, r.bytes) for r in mixes}) > 1:
         say(f"\nwarning: the targets listed different mailboxes: {[(r.target, r.messages, r.bytes) for r in mixes]}")
     return status or (0 if mixes else 1)
